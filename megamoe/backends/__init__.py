@@ -1,0 +1,57 @@
+"""Backend registry.
+
+A backend is a module with three functions, the split of DESIGN.md::
+
+    build_schedule(topk_ids, config, group) -> schedule          (once per step)
+    forward(x, topk_ids, topk_weights, weights, config, group, schedule) -> (y, ctx)
+    backward(ctx, grad_y) -> MoEGrads
+
+plus ``is_available() -> (bool, reason)``. ``ctx`` is whatever the backend needs for its
+backward; the functional API treats it as opaque. Backends are imported lazily so that the
+package imports on machines without Triton or a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+__all__ = ["BACKENDS", "get_backend", "available_backends", "resolve_backend"]
+
+# name -> module path; order is the preference of backend="auto" (best first).
+BACKENDS: dict[str, str] = {
+    "triton": "megamoe.backends.triton",
+    "reference": "megamoe.backends.reference",
+}
+
+
+def get_backend(name: str) -> ModuleType:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS) + ['auto']}, got {name!r}")
+    return importlib.import_module(BACKENDS[name])
+
+
+def available_backends(device: torch.device | None = None) -> dict[str, tuple[bool, str]]:
+    """name -> (available, reason) for ``device`` (default: CUDA if present, else CPU)."""
+    out: dict[str, tuple[bool, str]] = {}
+    for name in BACKENDS:
+        try:
+            out[name] = get_backend(name).is_available(device)
+        except ImportError as exc:  # e.g. triton missing
+            out[name] = (False, f"import failed: {exc}")
+    return out
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Map "auto" to the best backend available on ``device``; check an explicit name."""
+    if name == "auto":
+        for candidate, (ok, _) in available_backends(device).items():
+            if ok:
+                return candidate
+        raise RuntimeError("no megamoe backend is available")  # reference is always available
+    ok, reason = get_backend(name).is_available(device)
+    if not ok:
+        raise RuntimeError(f"backend {name!r} is not available on {device}: {reason}")
+    return name

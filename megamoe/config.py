@@ -1,0 +1,154 @@
+"""The frozen MoE configuration, the benchmark presets, and every check on shapes and tunables.
+
+One place validates: modules, functional calls and the CLI build a :class:`MoEConfig` and trust
+it afterwards, so a bad value is reported once, with its name, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MoEConfig", "Preset", "PRESETS", "get_preset"]
+
+# The GEMM tile height that pads each expert's rows; the Triton kernels use it too.
+DEFAULT_BLOCK_ROWS = 128
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Model shape of one MoE layer plus the tunables of the fused kernels.
+
+    ``num_experts`` is the *global* expert count; with expert parallelism over W ranks each rank
+    owns ``num_experts // W`` consecutive experts (rank r owns ``[r*E_local, (r+1)*E_local)``).
+    ``shared_intermediate_size == 0`` means no shared expert.
+
+    Tunables (they never change results, only speed):
+      comm_programs   programs of the fused kernel that move tokens between GPUs
+      minibatch_rows  rows per dispatch readiness counter
+      ring_rows       rows of the routed-token ring buffer (the macrobatch)
+      block_rows      GEMM tile height each expert's rows are padded to
+      capacity_factor rows a rank may receive, as a multiple of the balanced load
+                      ``T * top_k``; None allows the worst case (every token of every rank).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    shared_intermediate_size: int = 0
+    comm_programs: int = 16
+    minibatch_rows: int = 256
+    ring_rows: int = 16384
+    block_rows: int = DEFAULT_BLOCK_ROWS
+    capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        _require_int("hidden_size", self.hidden_size, 1)
+        _require_int("intermediate_size", self.intermediate_size, 1)
+        _require_int("num_experts", self.num_experts, 1)
+        _require_int("top_k", self.top_k, 1)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}"
+            )
+        _require_int("shared_intermediate_size", self.shared_intermediate_size, 0)
+        _require_int("comm_programs", self.comm_programs, 1)
+        _require_int("block_rows", self.block_rows, 16)
+        if self.block_rows & (self.block_rows - 1):
+            raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
+        _require_int("minibatch_rows", self.minibatch_rows, self.block_rows)
+        if self.minibatch_rows % self.block_rows:
+            raise ValueError(
+                f"minibatch_rows must be a multiple of block_rows ({self.block_rows}), "
+                f"got {self.minibatch_rows}"
+            )
+        _require_int("ring_rows", self.ring_rows, self.minibatch_rows)
+        if self.ring_rows % self.minibatch_rows:
+            raise ValueError(
+                f"ring_rows must be a multiple of minibatch_rows ({self.minibatch_rows}), "
+                f"got {self.ring_rows}"
+            )
+        if self.capacity_factor is not None:
+            cf = self.capacity_factor
+            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf >= 1.0:
+                raise ValueError(f"capacity_factor must be a number >= 1.0 or None, got {cf!r}")
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_intermediate_size > 0
+
+    def local_experts(self, world_size: int) -> int:
+        """Experts owned by each of ``world_size`` ranks; they must divide evenly."""
+        _require_int("world_size", world_size, 1)
+        if self.num_experts % world_size:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by the expert-parallel "
+                f"world size, got world_size={world_size}"
+            )
+        return self.num_experts // world_size
+
+    def capacity_rows(self, tokens_per_rank: int, world_size: int) -> int:
+        """Routed rows one rank must be able to hold (before tile padding)."""
+        worst = tokens_per_rank * self.top_k * world_size
+        if self.capacity_factor is None:
+            return worst
+        balanced = tokens_per_rank * self.top_k
+        return min(worst, int(balanced * self.capacity_factor + 0.999999))
+
+    def replace(self, **changes: Any) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+    def flops_per_token(self) -> int:
+        """Forward FLOPs of one token: 6*H*I per routed (token, k) plus 6*H*Is shared."""
+        h = self.hidden_size
+        return 6 * h * (self.intermediate_size * self.top_k + self.shared_intermediate_size)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A benchmark shape, per rank (DESIGN.md): global experts = local_experts * world size."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    local_experts: int
+    top_k: int
+    tokens_per_rank: int
+    shared_intermediate_size: int
+
+    def config(self, world_size: int = 1, **tunables: Any) -> MoEConfig:
+        return MoEConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_experts=self.local_experts * world_size,
+            top_k=self.top_k,
+            shared_intermediate_size=self.shared_intermediate_size,
+            **tunables,
+        )
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("dsv3", 7168, 2048, 32, 8, 4096, 2048),
+        Preset("qwen3-30b", 2048, 768, 64, 8, 8192, 0),
+        Preset("mok-v4", 7168, 3072, 48, 6, 2048, 3072),
+        Preset("tiny", 256, 128, 4, 2, 256, 128),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}") from None

@@ -1,0 +1,174 @@
+"""The pure-PyTorch MoE layer: the oracle every kernel is tested against, and a fallback.
+
+Written to be obviously right rather than fast: one loop over local experts, one loop over k.
+Autograd provides the backward, including the router-weight gradient. Expert parallelism moves
+token rows with ``all_to_all_single`` (host-synchronized split sizes), which works with NCCL and
+with gloo on the CPU.
+
+Numerics (the contract the kernels match within bf16 tolerances):
+  g = x W_gate^T, u = x W_up^T   (matmul in the compute dtype, fp32 accumulation)
+  h = silu(g) * u                 (fp32, rounded to the compute dtype)
+  z = h W_down^T                  (compute dtype)
+  y = sum_k w[t,k] * z[t,k]       (fp32, k = 0..K-1 in order) + shared(x)   -> x.dtype
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .config import MoEConfig
+from .types import ExpertWeights
+from .validation import group_size_rank
+
+__all__ = [
+    "swiglu_mlp",
+    "local_experts_forward",
+    "weighted_combine",
+    "RoutingPlan",
+    "plan_routing",
+    "all_to_all_rows",
+    "moe_reference",
+]
+
+
+def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+               w_down: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert on rows ``x [N, H]``; weights [I, H], [I, H], [H, I]."""
+    g = x @ w_gate.t()
+    u = x @ w_up.t()
+    act = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for the fp64 oracle
+    h = (F.silu(g.to(act)) * u.to(act)).to(x.dtype)
+    return h @ w_down.t()
+
+
+def local_experts_forward(rows: torch.Tensor, local_ids: torch.Tensor, w_gate: torch.Tensor,
+                          w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Apply local expert ``local_ids[n]`` to ``rows[n]``, one expert at a time."""
+    if rows.shape[0] == 0:
+        # Keep the (empty) output in the autograd graph: the backward's all-to-all must still
+        # run on a rank that received nothing, or its peers would wait for it.
+        return rows.clone()
+    out = rows.new_zeros(rows.shape)
+    for e in range(w_gate.shape[0]):
+        idx = (local_ids == e).nonzero().flatten()
+        if idx.numel():
+            z = swiglu_mlp(rows.index_select(0, idx), w_gate[e], w_up[e], w_down[e])
+            out = out.index_copy(0, idx, z)
+    return out
+
+
+def weighted_combine(z: torch.Tensor, topk_weights: torch.Tensor,
+                     shared: torch.Tensor | None) -> torch.Tensor:
+    """``sum_k w[t,k] * z[t,k]`` in fp32, k in order, then the shared expert; z is [T, K, H]."""
+    acc = torch.zeros(z.shape[0], z.shape[2], dtype=torch.float32, device=z.device)
+    if z.dtype == torch.float64:
+        acc = acc.double()
+    for k in range(z.shape[1]):
+        acc = acc + topk_weights[:, k, None].to(acc.dtype) * z[:, k].to(acc.dtype)
+    if shared is not None:
+        acc = acc + shared.to(acc.dtype)
+    return acc
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """all_to_all_single over dim 0 with autograd: the backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        return _exchange(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+              group: dist.ProcessGroup) -> torch.Tensor:
+    # Rows travel as raw bytes, so every dtype (bf16 on gloo included) is exchanged exactly.
+    rows = rows.contiguous()
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    row_elems = math.prod(rows.shape[1:])
+    as_bytes = lambda t: t.view(t.shape[0], row_elems).view(torch.uint8)  # noqa: E731
+    dist.all_to_all_single(as_bytes(out), as_bytes(rows), out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable exchange of row blocks: ``in_splits[r]`` rows go to rank r."""
+    return _AllToAllRows.apply(rows, out_splits, in_splits, group)
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Where every (token, k) row of this rank goes, and what this rank receives.
+
+    ``order`` sorts the flattened (t*K + k) rows by destination rank, stably, so each rank
+    receives rows in (source rank, token, k) order: the row layout is a pure function of all
+    ranks' topk_ids.
+    """
+
+    order: torch.Tensor          # [T*K] permutation of flattened rows, grouped by destination
+    send_counts: list[int]       # rows sent to each rank
+    recv_counts: list[int]       # rows received from each rank
+    recv_local_ids: torch.Tensor  # [sum(recv_counts)] local expert id of each received row
+
+
+def plan_routing(topk_ids: torch.Tensor, config: MoEConfig,
+                 group: dist.ProcessGroup | None) -> RoutingPlan:
+    world_size, rank = group_size_rank(group)
+    e_local = config.local_experts(world_size)
+    flat = topk_ids.reshape(-1).long()
+    if group is None:
+        order = torch.arange(flat.numel(), device=flat.device)
+        n = flat.numel()
+        return RoutingPlan(order, [n], [n], flat)
+    dest = flat // e_local
+    order = torch.sort(dest, stable=True).indices
+    send = torch.bincount(dest, minlength=world_size)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_counts, recv_counts = send.tolist(), recv.tolist()
+    recv_ids = _exchange(flat[order], recv_counts, send_counts, group)
+    return RoutingPlan(order, send_counts, recv_counts, recv_ids - rank * e_local)
+
+
+def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  weights: ExpertWeights, config: MoEConfig,
+                  group: dist.ProcessGroup | None = None, *,
+                  compute_dtype: torch.dtype | None = None,
+                  plan: RoutingPlan | None = None) -> torch.Tensor:
+    """The MoE layer in plain PyTorch; differentiable. Returns ``y`` in x.dtype.
+
+    ``compute_dtype=torch.float64`` runs the whole layer in float64 (the accuracy oracle) and
+    returns float64.
+    """
+    out_dtype = x.dtype
+    if compute_dtype is not None:
+        x = x.to(compute_dtype)
+        weights = ExpertWeights(*(w.to(compute_dtype) if w is not None else None for w in weights))
+        out_dtype = compute_dtype
+    t, k, h = x.shape[0], config.top_k, x.shape[1]
+    if plan is None:
+        plan = plan_routing(topk_ids, config, group)
+    rows = x.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, plan.order)
+    if group is not None:
+        rows = all_to_all_rows(rows, plan.recv_counts, plan.send_counts, group)
+    z = local_experts_forward(rows, plan.recv_local_ids, weights.w_gate, weights.w_up,
+                              weights.w_down)
+    if group is not None:
+        z = all_to_all_rows(z, plan.send_counts, plan.recv_counts, group)
+    z = z.new_zeros(z.shape).index_copy(0, plan.order, z).view(t, k, h)
+    shared = None
+    if weights.has_shared:
+        shared = swiglu_mlp(x, weights.s_gate, weights.s_up, weights.s_down)
+    return weighted_combine(z, topk_weights, shared).to(out_dtype)

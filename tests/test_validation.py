@@ -1,0 +1,134 @@
+"""Every bad input raises an error that names the argument, the value seen and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import random_routing, random_weights
+from megamoe import ExpertWeights, MoE, MoEConfig, TopKRouter, functional
+
+CFG = MoEConfig(64, 32, 4, 2, shared_intermediate_size=16)
+T = 8
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, 64, generator=gen).to(torch.bfloat16)
+    ids, tw = random_routing(T, 4, 2, gen)
+    return x, ids, tw, random_weights(CFG, 4, gen)
+
+
+def _call(x=None, ids=None, tw=None, weights=None, cfg=CFG):
+    x0, ids0, tw0, w0 = _inputs()
+    return functional.forward(x if x is not None else x0, ids if ids is not None else ids0,
+                              tw if tw is not None else tw0, weights or w0, cfg)
+
+
+def test_valid_inputs_pass():
+    y, _ = _call()
+    assert y.shape == (T, 64) and torch.isfinite(y.float()).all()
+
+
+@pytest.mark.parametrize("make, error, pattern", [
+    (lambda x, i, w: dict(x=x.float()), TypeError, r"w_gate must have dtype in \(float32\), got bfloat16"),
+    (lambda x, i, w: dict(x=x[:, :60].contiguous()), ValueError, r"x must have shape \[tokens, 64\], got \[8, 60\]"),
+    (lambda x, i, w: dict(x=x.t().contiguous().t()), ValueError, r"x must be contiguous"),
+    (lambda x, i, w: dict(x=x.to(torch.int32)), TypeError, r"x must be a floating tensor"),
+    (lambda x, i, w: dict(ids=i.float()), TypeError, r"topk_ids must have dtype in \(int32, int64\), got float32"),
+    (lambda x, i, w: dict(ids=i[:, :1]), ValueError, r"topk_ids must have shape \[8, 2\], got \[8, 1\]"),
+    (lambda x, i, w: dict(ids=i[:5]), ValueError, r"topk_ids must have shape \[8, 2\], got \[5, 2\]"),
+    (lambda x, i, w: dict(ids=torch.where(torch.arange(T)[:, None] == 3, 4, i)), ValueError,
+     r"topk_ids must be in \[0, 4\), got 4 \(token 3\)"),
+    (lambda x, i, w: dict(ids=torch.where(torch.arange(T)[:, None] == 5, -1, i)), ValueError,
+     r"topk_ids must be in \[0, 4\), got -1 \(token 5\)"),
+    (lambda x, i, w: dict(ids=torch.where(torch.arange(T)[:, None] == 2, 1, i)), ValueError,
+     r"topk_ids must hold distinct experts per token, got \[1, 1\] for token 2"),
+    (lambda x, i, w: dict(tw=w.double()), TypeError, r"topk_weights must have dtype in \(float32\), got float64"),
+    (lambda x, i, w: dict(tw=torch.where(torch.arange(T)[:, None] == 6, float("nan"), w)), ValueError,
+     r"topk_weights must be finite, got \[nan, nan\] for token 6"),
+    (lambda x, i, w: dict(tw=torch.where(torch.arange(T)[:, None] == 1, float("inf"), w)), ValueError,
+     r"topk_weights must be finite, got \[inf, inf\] for token 1"),
+])
+def test_bad_inputs(make, error, pattern):
+    x, ids, tw, _ = _inputs()
+    with pytest.raises(error, match=pattern):
+        _call(**make(x, ids, tw))
+
+
+def test_bad_weights():
+    x, ids, tw, w = _inputs()
+    with pytest.raises(ValueError, match=r"w_down must have shape \[4, 64, 32\], got \[4, 32, 64\]"):
+        _call(weights=w._replace(w_down=w.w_down.transpose(1, 2)))
+    with pytest.raises(ValueError, match="s_gate, s_up and s_down are required"):
+        _call(weights=w._replace(s_gate=None, s_up=None, s_down=None))
+    with pytest.raises(ValueError, match="shared expert weights given"):
+        _call(weights=w, cfg=CFG.replace(shared_intermediate_size=0))
+    with pytest.raises(TypeError, match="w_up must have dtype in \\(bfloat16\\), got float32"):
+        _call(weights=w._replace(w_up=w.w_up.float()))
+    with pytest.raises(TypeError, match="w_gate must be a torch.Tensor, got list"):
+        _call(weights=ExpertWeights([1], w.w_up, w.w_down, *w[3:]))
+
+
+def test_value_checks_can_be_skipped():
+    x, ids, tw, w = _inputs()
+    tw = tw.clone()
+    tw[0, 0] = float("nan")
+    y, _ = functional.forward(x, ids, tw, w, CFG, check_values=False)
+    assert torch.isnan(y[0].float()).all() and torch.isfinite(y[1:].float()).all()
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(hidden_size=0), ValueError, "hidden_size must be >= 1, got 0"),
+    (dict(hidden_size=64.0), TypeError, r"hidden_size must be an int, got 64.0 \(float\)"),
+    (dict(top_k=5), ValueError, r"top_k must be <= num_experts \(4\), got 5"),
+    (dict(shared_intermediate_size=-1), ValueError, "shared_intermediate_size must be >= 0, got -1"),
+    (dict(block_rows=96), ValueError, "block_rows must be a power of two, got 96"),
+    (dict(minibatch_rows=200), ValueError, r"minibatch_rows must be a multiple of block_rows \(128\), got 200"),
+    (dict(ring_rows=1000), ValueError, r"ring_rows must be a multiple of minibatch_rows \(256\), got 1000"),
+    (dict(comm_programs=0), ValueError, "comm_programs must be >= 1, got 0"),
+    (dict(capacity_factor=0.5), ValueError, "capacity_factor must be a number >= 1.0 or None, got 0.5"),
+])
+def test_config_validation(kwargs, error, pattern):
+    base = dict(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2)
+    with pytest.raises(error, match=pattern):
+        MoEConfig(**{**base, **kwargs})
+
+
+def test_config_world_size_and_capacity():
+    cfg = MoEConfig(64, 32, 6, 2, capacity_factor=1.5)
+    assert cfg.local_experts(3) == 2
+    with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible .* world_size=4"):
+        cfg.local_experts(4)
+    assert cfg.capacity_rows(100, 3) == 300
+    assert cfg.replace(capacity_factor=None).capacity_rows(100, 3) == 600
+
+
+def test_module_arguments():
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'cuda'"):
+        MoE(CFG, backend="cuda")
+    with pytest.raises(TypeError, match="config must be a MoEConfig, got dict"):
+        MoE({"hidden_size": 64})
+    with pytest.raises(ValueError, match="score_func must be one of"):
+        TopKRouter(64, 4, 2, score_func="relu")
+    with pytest.raises(ValueError, match=r"top_k must be <= num_experts \(4\), got 8"):
+        TopKRouter(64, 4, 8)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router(score_func, renormalize):
+    torch.manual_seed(0)
+    router = TopKRouter(64, 8, 3, score_func=score_func, renormalize=renormalize,
+                        dtype=torch.float32)
+    x = torch.randn(20, 64)
+    ids, w = router(x)
+    assert ids.shape == (20, 3) and w.dtype == torch.float32
+    logits = x @ router.gate.weight.t()
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    assert torch.equal(ids, scores.topk(3, dim=-1).indices)
+    expect = scores.gather(1, ids)
+    if renormalize:
+        expect = expect / expect.sum(-1, keepdim=True)
+    torch.testing.assert_close(w, expect)
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()  # distinct experts per token
