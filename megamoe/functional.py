@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .backends import get_backend, resolve_backend
 from .config import MoEConfig
 from .types import ExpertWeights, MoEGrads
-from .validation import validate_inputs
+from .validation import group_size_rank, validate_inputs
 
 __all__ = ["MoEContext", "build_schedule", "forward", "backward", "moe"]
 
@@ -35,7 +35,7 @@ class MoEContext:
 def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
                    group: dist.ProcessGroup | None = None, backend: str = "reference") -> Any:
     """Routing exchange and row layout for one step; reusable by forward and backward."""
-    name = resolve_backend(backend, topk_ids.device)
+    name = resolve_backend(backend, topk_ids.device, group_size_rank(group)[0])
     return get_backend(name).build_schedule(topk_ids, config, group)
 
 
@@ -49,7 +49,7 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     None). ``check_values=False`` skips the checks that read device values (see validation).
     """
     validate_inputs(x, topk_ids, topk_weights, weights, config, group, check_values=check_values)
-    name = resolve_backend(backend, x.device)
+    name = resolve_backend(backend, x.device, group_size_rank(group)[0])
     impl = get_backend(name)
     if schedule is None:
         schedule = impl.build_schedule(topk_ids, config, group)

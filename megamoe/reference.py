@@ -53,13 +53,14 @@ def local_experts_forward(rows: torch.Tensor, local_ids: torch.Tensor, w_gate: t
         # Keep the (empty) output in the autograd graph: the backward's all-to-all must still
         # run on a rank that received nothing, or its peers would wait for it.
         return rows.clone()
-    out = rows.new_zeros(rows.shape)
-    for e in range(w_gate.shape[0]):
-        idx = (local_ids == e).nonzero().flatten()
-        if idx.numel():
-            z = swiglu_mlp(rows.index_select(0, idx), w_gate[e], w_up[e], w_down[e])
-            out = out.index_copy(0, idx, z)
-    return out
+    # Group rows by expert (stable: each expert keeps its rows in arrival order), run each
+    # expert on its block, and put the results back with one permutation.
+    perm = torch.sort(local_ids, stable=True).indices
+    counts = torch.bincount(local_ids, minlength=w_gate.shape[0]).tolist()
+    blocks = rows.index_select(0, perm).split(counts)
+    outs = [swiglu_mlp(b, w_gate[e], w_up[e], w_down[e]) for e, b in enumerate(blocks) if len(b)]
+    grouped = torch.cat(outs)
+    return grouped.new_empty(grouped.shape).index_copy(0, perm, grouped)
 
 
 def weighted_combine(z: torch.Tensor, topk_weights: torch.Tensor,

@@ -6,7 +6,7 @@ A backend is a module with three functions, the split of DESIGN.md::
     forward(x, topk_ids, topk_weights, weights, config, group, schedule) -> (y, ctx)
     backward(ctx, grad_y) -> MoEGrads
 
-plus ``is_available() -> (bool, reason)``. ``ctx`` is whatever the backend needs for its
+plus ``is_available(device) -> (bool, reason)`` and ``MAX_WORLD_SIZE`` (None: any). ``ctx`` is whatever the backend needs for its
 backward; the functional API treats it as opaque. Backends are imported lazily so that the
 package imports on machines without Triton or a GPU.
 """
@@ -33,25 +33,33 @@ def get_backend(name: str) -> ModuleType:
     return importlib.import_module(BACKENDS[name])
 
 
-def available_backends(device: torch.device | None = None) -> dict[str, tuple[bool, str]]:
+def _availability(name: str, device: torch.device | None, world_size: int) -> tuple[bool, str]:
+    try:
+        module = get_backend(name)
+    except ImportError as exc:  # e.g. triton missing
+        return False, f"import failed: {exc}"
+    limit = getattr(module, "MAX_WORLD_SIZE", None)
+    if limit is not None and world_size > limit:
+        return False, f"supports expert-parallel world sizes up to {limit}, got {world_size}"
+    return module.is_available(device)
+
+
+def available_backends(device: torch.device | None = None,
+                       world_size: int = 1) -> dict[str, tuple[bool, str]]:
     """name -> (available, reason) for ``device`` (default: CUDA if present, else CPU)."""
-    out: dict[str, tuple[bool, str]] = {}
-    for name in BACKENDS:
-        try:
-            out[name] = get_backend(name).is_available(device)
-        except ImportError as exc:  # e.g. triton missing
-            out[name] = (False, f"import failed: {exc}")
-    return out
+    return {name: _availability(name, device, world_size) for name in BACKENDS}
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """Map "auto" to the best backend available on ``device``; check an explicit name."""
+def resolve_backend(name: str, device: torch.device, world_size: int = 1) -> str:
+    """Map "auto" to the best backend available on ``device`` at this expert-parallel size;
+    check an explicit name."""
     if name == "auto":
-        for candidate, (ok, _) in available_backends(device).items():
+        for candidate, (ok, _) in available_backends(device, world_size).items():
             if ok:
                 return candidate
         raise RuntimeError("no megamoe backend is available")  # reference is always available
-    ok, reason = get_backend(name).is_available(device)
+    get_backend(name)  # raises for an unknown name
+    ok, reason = _availability(name, device, world_size)
     if not ok:
         raise RuntimeError(f"backend {name!r} is not available on {device}: {reason}")
     return name

@@ -1,0 +1,451 @@
+"""The layer benchmark: every backend and the torch-a2a baseline on the presets, in one run.
+
+Per (preset, backend): optionally check outputs and all gradients against the float64 reference,
+then time ``warmup + iters`` training iterations (forward, then backward). Each iteration's
+forward, backward and forward+backward times are taken per rank (CUDA events on a GPU, the host
+clock on the CPU), reduced with MAX over ranks, and the MEDIAN over iterations is reported, with
+TFLOP/s per GPU from :meth:`MoEConfig.flops_per_token` (backward counts twice the forward) and
+the dense bf16 GEMM rate measured in the same run. Records follow DESIGN.md "Benchmark records".
+
+Every rank calls :func:`run_bench` (it uses collectives); rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import functional
+from .backends import BACKENDS, available_backends, resolve_backend
+from .baselines import torch_a2a_moe
+from .config import MoEConfig, Preset, get_preset
+from .reference import moe_reference
+from .report import ProgressBar
+from .routing import ROUTING_KINDS, make_routing
+from .testing import MoEFn, RunResult, compare_results, run_with_grads
+from .types import ExpertWeights
+
+__all__ = [
+    "BASELINE",
+    "RECORD_FIELDS",
+    "DistEnv",
+    "BenchOptions",
+    "default_presets",
+    "default_backends",
+    "measure_gemm_peak",
+    "run_bench",
+    "git_commit",
+]
+
+BASELINE = "torch-a2a"
+# DESIGN.md's record fields, then this benchmark's own.
+RECORD_FIELDS: tuple[str, ...] = (
+    "preset", "world_size", "backend", "gpu", "commit", "date", "tokens_per_rank", "hidden",
+    "intermediate", "experts", "top_k", "shared_intermediate", "fwd_ms", "bwd_ms", "fwdbwd_ms",
+    "fwd_tflops", "fwdbwd_tflops", "gemm_peak_tflops",
+    "routing", "iters", "check", "speedup_vs_torch_a2a",
+    "check_rel", "check_ok", "fwd_speedup_vs_torch_a2a", "local_experts", "warmup", "status",
+    "note", "torch",
+)
+DEFAULT_SEED = 1234
+# Worst relative error (norm-wise, output and every gradient) a bf16 layer may have vs float64.
+CHECK_RTOL = 2e-2
+# Dense GEMM for the peak: n^3 bf16 (8192 as in HARDWARE.md on a GPU; small on the CPU).
+GEMM_PEAK_SIZE = {"cuda": 8192, "cpu": 512}
+GEMM_PEAK_WARMUP, GEMM_PEAK_ITERS = 3, 10
+# Backward FLOPs are twice the forward's (dgrad + wgrad), so fwd+bwd = 3x forward.
+FWDBWD_FLOP_FACTOR = 3
+_RANK_SEED_STRIDE = 7919
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process runs: expert-parallel group (None for one process) and device."""
+
+    world_size: int = 1
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class BenchOptions:
+    presets: list[str]
+    backends: list[str]
+    iters: int = 20
+    warmup: int = 3
+    tokens: int | None = None
+    routing: str = "uniform"
+    check: bool = True
+    seed: int = DEFAULT_SEED
+
+    def __post_init__(self) -> None:
+        for p in self.presets:
+            get_preset(p)  # raises with the valid names
+        valid = [*BACKENDS, BASELINE]
+        for b in self.backends:
+            if b not in valid:
+                raise ValueError(f"backend must be one of {valid + ['auto']}, got {b!r}")
+        if self.routing not in ROUTING_KINDS:
+            raise ValueError(f"routing must be one of {list(ROUTING_KINDS)}, got {self.routing!r}")
+        if self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got {self.iters}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+
+
+# ------------------------------------------------------------------------------------ defaults
+
+def default_presets(device: torch.device) -> list[str]:
+    return ["dsv3"] if device.type == "cuda" else ["tiny"]
+
+
+# Without a GPU the bench compares the PyTorch paths only: Triton's interpreter (which may be
+# switched on for tests) is for correctness, far too slow to time.
+CPU_DEFAULT_BACKENDS: tuple[str, ...] = ("reference", BASELINE)
+
+
+def default_backends(device: torch.device) -> list[str]:
+    """On a GPU every backend available there, then the baseline; on the CPU reference + baseline."""
+    if device.type != "cuda":
+        return list(CPU_DEFAULT_BACKENDS)
+    names = [n for n, (ok, _) in available_backends(device).items() if ok]
+    return [*names, BASELINE]
+
+
+def expand_backends(names: list[str], device: torch.device) -> list[str]:
+    """Resolve "auto" as ``MoE(backend="auto")`` does; keep order, drop repeats."""
+    out: list[str] = []
+    for name in names:
+        if name == "auto":
+            name = resolve_backend("auto", device)
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
+    if name == BASELINE:
+        how = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert matmul loop"
+        return True, f"all_to_all_single + {how}"
+    return available_backends(device).get(name, (False, "unknown backend"))
+
+
+# --------------------------------------------------------------------------------- run facts
+
+def git_commit() -> str:
+    """``git rev-parse --short HEAD`` of the source tree, else $MEGAMOE_COMMIT, else "unknown"."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("MEGAMOE_COMMIT") or "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# -------------------------------------------------------------------------------------- timing
+
+class _Clock:
+    """Marks on the device timeline: CUDA events on a GPU, the host clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def _max_over_ranks(values: list[list[float]], env: DistEnv) -> torch.Tensor:
+    """Per-iteration values [iters, n] reduced with MAX over the ranks of the group."""
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    if env.group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=env.group)
+    return t.cpu()
+
+
+def _median(column: torch.Tensor) -> float:
+    return float(statistics.median(column.tolist()))
+
+
+def measure_gemm_peak(env: DistEnv) -> float:
+    """Dense bf16 n^3 matmul rate (TFLOP/s): median over iterations of the max over ranks."""
+    n = GEMM_PEAK_SIZE["cuda" if env.device.type == "cuda" else "cpu"]
+    gen = torch.Generator(device=env.device).manual_seed(DEFAULT_SEED + env.rank)
+    a = torch.randn((n, n), generator=gen, device=env.device).to(torch.bfloat16)
+    b = torch.randn((n, n), generator=gen, device=env.device).to(torch.bfloat16)
+    clock = _Clock(env.device)
+    for _ in range(GEMM_PEAK_WARMUP):
+        torch.matmul(a, b)
+    marks = []
+    for _ in range(GEMM_PEAK_ITERS):
+        m0 = clock.mark()
+        torch.matmul(a, b)
+        marks.append((m0, clock.mark()))
+    clock.sync()
+    times = _max_over_ranks([[clock.elapsed_ms(s, e)] for s, e in marks], env)
+    return 2 * n**3 / (_median(times[:, 0]) * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------- the cases
+
+@dataclass
+class Case:
+    """One preset's inputs on this rank: the same for every backend."""
+
+    preset: Preset
+    config: MoEConfig
+    tokens: int
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    grad_y: torch.Tensor
+    weights: ExpertWeights  # leaves that require grad
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [self.x, self.topk_weights, *(w for w in self.weights if w is not None)]
+
+
+def make_case(preset_name: str, opts: BenchOptions, env: DistEnv) -> Case:
+    """Random inputs and weights of this rank (drawn on the device: dsv3 weights are GBs)."""
+    preset = get_preset(preset_name)
+    config = preset.config(env.world_size)
+    tokens = opts.tokens or preset.tokens_per_rank
+    seed = opts.seed + _RANK_SEED_STRIDE * env.rank
+    gen = torch.Generator(device=env.device).manual_seed(seed)
+    kw: dict[str, Any] = dict(generator=gen, device=env.device)
+    h, i, i_s = config.hidden_size, config.intermediate_size, config.shared_intermediate_size
+    e_local = config.local_experts(env.world_size)
+
+    def param(*shape: int) -> torch.Tensor:
+        # Normal / sqrt(fan_in) keeps activations O(1) through the layer.
+        w = torch.randn(shape, **kw).mul_(shape[-1] ** -0.5)
+        return w.to(torch.bfloat16).requires_grad_(True)
+
+    shared = (param(i_s, h), param(i_s, h), param(h, i_s)) if i_s else (None, None, None)
+    weights = ExpertWeights(param(e_local, i, h), param(e_local, i, h), param(e_local, h, i), *shared)
+    x = torch.randn((tokens, h), **kw).to(torch.bfloat16).requires_grad_(True)
+    grad_y = torch.randn((tokens, h), **kw).to(torch.bfloat16)
+    ids, w = make_routing(
+        tokens, config.num_experts, config.top_k, kind=opts.routing, world_size=env.world_size,
+        generator=torch.Generator().manual_seed(seed), device=env.device,
+    )
+    return Case(preset, config, tokens, x, ids, w.requires_grad_(True), grad_y, weights)
+
+
+def layer_fn(backend: str) -> MoEFn:
+    """The callable benchmarked for ``backend``, with the signature of ``moe_reference``.
+
+    Value checks (which read device values, i.e. synchronize) are off: the inputs are known
+    valid, and a training loop would turn them off too once debugged.
+    """
+    if backend == BASELINE:
+        return torch_a2a_moe
+
+    def run(x, topk_ids, topk_weights, weights, config, group):  # type: ignore[no-untyped-def]
+        return functional.moe(x, topk_ids, topk_weights, weights, config, group=group,
+                              backend=backend, check_values=False)
+
+    return run
+
+
+def float64_result(case: Case, env: DistEnv) -> RunResult:
+    """Output and every gradient of the float64 reference path (the accuracy oracle)."""
+    fn = functools.partial(moe_reference, compute_dtype=torch.float64)
+    return run_with_grads(fn, case.x, case.topk_ids, case.topk_weights, case.weights, case.grad_y,
+                          case.config, env.group, dtype=torch.float64)
+
+
+def check_backend(fn: MoEFn, case: Case, expected: RunResult, env: DistEnv) -> dict[str, Any]:
+    """check = max |y - y64| (worst rank); check_rel = worst relative error of y and all grads."""
+    got = run_with_grads(fn, case.x, case.topk_ids, case.topk_weights, case.weights, case.grad_y,
+                         case.config, env.group)
+    errs = compare_results(got, expected)
+    max_abs = (got.y.double() - expected.y).abs().max().item() if got.y.numel() else 0.0
+    worst = _max_over_ranks([[max_abs, max(errs.values())]], env)[0]
+    worst_abs, worst_rel = float(worst[0]), float(worst[1])
+    ok = worst_rel <= CHECK_RTOL  # NaN/inf fail
+    return {"check": worst_abs, "check_rel": worst_rel, "check_ok": ok}
+
+
+def time_backend(fn: MoEFn, case: Case, opts: BenchOptions, env: DistEnv,
+                 tick: Callable[[], None]) -> dict[str, float]:
+    """Median over iterations of the per-iteration max over ranks: fwd, bwd and fwd+bwd (ms)."""
+    clock = _Clock(env.device)
+    leaves = case.leaves()
+    marks = []
+    for it in range(opts.warmup + opts.iters):
+        for t in leaves:
+            t.grad = None
+        m0 = clock.mark()
+        y = fn(case.x, case.topk_ids, case.topk_weights, case.weights, case.config, env.group)
+        m1 = clock.mark()
+        y.backward(case.grad_y)
+        m2 = clock.mark()
+        if it >= opts.warmup:
+            marks.append((m0, m1, m2))
+        del y
+        tick()
+    clock.sync()
+    for t in leaves:
+        t.grad = None
+    per_iter = [[clock.elapsed_ms(a, b), clock.elapsed_ms(b, c), clock.elapsed_ms(a, c)]
+                for a, b, c in marks]
+    worst = _max_over_ranks(per_iter, env)
+    return {"fwd_ms": _median(worst[:, 0]), "bwd_ms": _median(worst[:, 1]),
+            "fwdbwd_ms": _median(worst[:, 2])}
+
+
+# ------------------------------------------------------------------------------------ records
+
+def base_record(case: Case, backend: str, opts: BenchOptions, env: DistEnv, peak: float,
+                facts: dict[str, str]) -> dict[str, Any]:
+    c = case.config
+    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+    rec.update(
+        preset=case.preset.name, world_size=env.world_size, backend=backend,
+        tokens_per_rank=case.tokens, hidden=c.hidden_size, intermediate=c.intermediate_size,
+        experts=c.num_experts, local_experts=c.local_experts(env.world_size), top_k=c.top_k,
+        shared_intermediate=c.shared_intermediate_size, gemm_peak_tflops=peak,
+        routing=opts.routing, iters=opts.iters, warmup=opts.warmup, status="ok", note="",
+        torch=torch.__version__, **facts,
+    )
+    return rec
+
+
+def add_rates(rec: dict[str, Any], config: MoEConfig, tokens: int) -> None:
+    flops = config.flops_per_token() * tokens
+    rec["fwd_tflops"] = flops / (rec["fwd_ms"] * 1e-3) / 1e12
+    rec["fwdbwd_tflops"] = FWDBWD_FLOP_FACTOR * flops / (rec["fwdbwd_ms"] * 1e-3) / 1e12
+
+
+def add_speedups(records: list[dict[str, Any]]) -> None:
+    """speedup_vs_torch_a2a = baseline fwd+bwd time / this fwd+bwd time (same preset, W)."""
+    base = {(r["preset"], r["world_size"]): r for r in records
+            if r["backend"] == BASELINE and r["status"] == "ok"}
+    for r in records:
+        b = base.get((r["preset"], r["world_size"]))
+        if b is None or r["status"] != "ok":
+            continue
+        r["speedup_vs_torch_a2a"] = b["fwdbwd_ms"] / r["fwdbwd_ms"]
+        r["fwd_speedup_vs_torch_a2a"] = b["fwd_ms"] / r["fwd_ms"]
+
+
+# ---------------------------------------------------------------------------------------- run
+
+def total_steps(opts: BenchOptions) -> int:
+    """Progress steps of :func:`run_bench`: GEMM peak, float64 references, checks, iterations."""
+    per_backend = (1 if opts.check else 0) + opts.warmup + opts.iters
+    per_preset = (1 if opts.check else 0) + per_backend * len(opts.backends)
+    return 1 + per_preset * len(opts.presets)
+
+
+def _free_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_bench(opts: BenchOptions, env: DistEnv, *, progress: ProgressBar | None = None) -> list[dict]:
+    """Benchmark every (preset, backend); returns the records (the same on every rank)."""
+    bar = progress or ProgressBar(total_steps(opts), enabled=False)
+    bar.update("dense GEMM peak")
+    peak = measure_gemm_peak(env)
+    bar.step()
+    facts = {"gpu": device_name(env.device), "commit": git_commit(), "date": _utc_now()}
+    records: list[dict] = []
+    for preset_name in opts.presets:
+        bar.update(f"{preset_name}: inputs")
+        case = make_case(preset_name, opts, env)
+        expected = None
+        if opts.check:
+            bar.update(f"{preset_name}: float64 reference")
+            expected = float64_result(case, env)
+            bar.step()
+        for backend in opts.backends:
+            records.append(_run_one(case, backend, expected, opts, env, peak, facts, bar))
+        del case, expected
+        _free_memory(env.device)
+    add_speedups(records)
+    return records
+
+
+def _run_one(case: Case, backend: str, expected: RunResult | None, opts: BenchOptions,
+             env: DistEnv, peak: float, facts: dict[str, str], bar: ProgressBar) -> dict:
+    label = f"{case.preset.name} {backend}"
+    rec = base_record(case, backend, opts, env, peak, facts)
+    steps = (1 if opts.check else 0) + opts.warmup + opts.iters
+    ok, reason = backend_status(backend, env.device)
+    if not ok:
+        rec.update(status="skipped", note=reason)
+        bar.step(steps, f"{label}: skipped")
+        return rec
+    fn = layer_fn(backend)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        bar.step(1, f"{label}: timing")
+
+    try:
+        if expected is not None:
+            bar.update(f"{label}: check")
+            rec.update(check_backend(fn, case, expected, env))
+            done += 1
+            bar.step()
+        rec.update(time_backend(fn, case, opts, env, tick))
+        add_rates(rec, case.config, case.tokens)
+    except NotImplementedError as exc:  # e.g. a single-GPU backend under expert parallelism
+        rec.update(status="skipped", note=str(exc).splitlines()[0][:300])
+        bar.step(steps - done, f"{label}: skipped")
+    except Exception as exc:  # report and go on with the next backend
+        rec.update(status="error", note=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+        bar.step(steps - done, f"{label}: error")
+        _free_memory(env.device)
+    return rec
+
+
+def run_failed(records: list[dict]) -> bool:
+    """True when a backend errored or failed its accuracy check (skips are fine)."""
+    return any(r.get("status") == "error" or r.get("check_ok") is False for r in records)

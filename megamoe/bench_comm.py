@@ -1,0 +1,172 @@
+"""NVLink bandwidth of the dispatch pull and combine push kernels, in GB/s of remote bytes.
+
+Run under torchrun (one process per GPU)::
+
+    torchrun --nproc-per-node=2 -m megamoe.bench_comm --out comm.json
+
+Every rank moves its rows at the same time (each timed iteration starts right after a device
+barrier). Only bytes that cross NVLink count: rows a rank pulls from a peer (dispatch) or pushes to
+a peer (combine); rows of the rank's own tokens are copied too but not counted. A time is the
+median over iterations of the per-iteration maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import triton
+
+from .kernels import comm
+from .kernels.schedule import RowSchedule, build_row_schedule
+from .workspace import Workspace, check_errors, get_workspace, publish
+
+__all__ = ["bench_comm", "routed_problem", "remote_rows", "main"]
+
+_DEFAULT_PROGRAMS = (8, 16, 24)
+_DEFAULT_TILE_KB = (32, 64, 128)
+_DEFAULT_WARPS = (8, 16)
+# A copy task lives in registers: skip (tile, warps) pairs that need more than this per thread.
+_MAX_TILE_BYTES_PER_THREAD = 256
+_BLOCK_ROWS = 128
+_ENV_KEYS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+
+
+def routed_problem(ws: Workspace, local_experts: int, seed: int = 0,
+                   block_rows: int = _BLOCK_ROWS) -> RowSchedule:
+    """Publish random tokens, dy and uniform top-k routing, exchange routing, build the schedule."""
+    t, h, k, w = ws.num_tokens, ws.hidden, ws.top_k, ws.world_size
+    gen = torch.Generator(device=ws.device).manual_seed(seed * 1000 + ws.rank)
+    e = local_experts * w
+    x = torch.randn(t, h, generator=gen, device=ws.device).to(ws.dtype)
+    dy = torch.randn(t, h, generator=gen, device=ws.device).to(ws.dtype)
+    ids = torch.rand(t, e, generator=gen, device=ws.device).argsort(dim=1)[:, :k]
+    weights = torch.rand(t, k, generator=gen, device=ws.device).softmax(dim=1)
+    publish(ws, x=x, topk_ids=ids, topk_weights=weights, dy=dy if ws.backward else None)
+    comm.barrier(ws)
+    all_ids, _ = comm.gather_routing(ws)
+    return build_row_schedule(all_ids, local_experts, block_rows, expert_lo=ws.rank * local_experts)
+
+
+def remote_rows(ws: Workspace, sched: RowSchedule) -> int:
+    """Rows of this rank's layout whose token lives on another rank (a host read; setup only)."""
+    used = int(sched.num_blocks.item()) * sched.block_rows
+    slots = sched.row_src[:used].long()
+    return int(((slots >= 0) & (slots // ws.slots != ws.rank)).sum().item())
+
+
+def _time(ws: Workspace, fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
+    """Per-iteration times (ms), maximum over ranks; each iteration starts after a barrier."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    for _ in range(warmup):
+        comm.barrier(ws)
+        fn()
+    for start, end in events:
+        comm.barrier(ws)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) for s, e in events], device=ws.device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def bench_comm(group: dist.ProcessGroup | None = None, tokens: int = 4096, hidden: int = 7168,
+               top_k: int = 8, local_experts: int = 32, programs: tuple[int, ...] = _DEFAULT_PROGRAMS,
+               tile_kb: tuple[int, ...] = _DEFAULT_TILE_KB, num_warps: tuple[int, ...] = _DEFAULT_WARPS,
+               iters: int = 20, warmup: int = 3, backward: bool = True) -> list[dict]:
+    """Dispatch / combine (and the scaled dy pull) GB/s for every (programs, tile, warps).
+
+    Pairs whose tile needs more than 256 bytes of registers per thread are skipped.
+    """
+    ws = get_workspace(group, tokens, hidden, top_k, torch.bfloat16, backward=backward)
+    sched = routed_problem(ws, local_experts)
+    remote = remote_rows(ws, sched)
+    row_bytes = hidden * ws.dtype.itemsize
+    remote_all = [None] * ws.world_size
+    dist.all_gather_object(remote_all, remote, group=group)
+    used = int(sched.num_blocks.item()) * sched.block_rows
+    pulled = torch.empty(sched.rows, hidden, dtype=ws.dtype, device=ws.device)
+    ref_pull = comm.dispatch_pull(ws, sched, programs=16)[:used].clone()
+    expert_out = torch.randn(sched.rows, hidden, device=ws.device).to(ws.dtype)
+    ops = {"dispatch": lambda p, tb, nw: comm.dispatch_pull(ws, sched, out=pulled, programs=p,
+                                                             tile_bytes=tb, num_warps=nw),
+           "combine": lambda p, tb, nw: comm.combine_push(ws, expert_out, sched, programs=p,
+                                                           tile_bytes=tb, num_warps=nw)}
+    if backward:
+        ops["dispatch_dy"] = lambda p, tb, nw: comm.dispatch_pull(
+            ws, sched, source="dy", out=pulled, programs=p, tile_bytes=tb, num_warps=nw)
+    meta = {"world_size": ws.world_size, "tokens_per_rank": tokens, "hidden": hidden,
+            "top_k": top_k, "local_experts": local_experts, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "env": {k: os.environ.get(k) for k in _ENV_KEYS}}
+    records = []
+    for op, run in ops.items():
+        for nw in num_warps:
+            for kb in tile_kb:
+                if kb * 1024 > nw * 32 * _MAX_TILE_BYTES_PER_THREAD:
+                    continue
+                for p in programs:
+                    times = _time(ws, lambda: run(p, kb * 1024, nw), iters, warmup)
+                    check_errors(ws)
+                    same = bool(torch.equal(pulled[:used], ref_pull)) if op == "dispatch" else None
+                    med = statistics.median(times)
+                    records.append(dict(
+                        meta, op=op, programs=p, tile_bytes=kb * 1024, num_warps=nw,
+                        median_ms=med, min_ms=min(times), remote_rows=remote_all,
+                        remote_bytes=[r * row_bytes for r in remote_all],
+                        gbps=min(r * row_bytes for r in remote_all) / (med * 1e-3) / 1e9,
+                        bitwise_same_as_16_programs=same))
+    return records
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the records here as a JSON list")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--local-experts", type=int, default=32)
+    ap.add_argument("--programs", type=_ints, default=_DEFAULT_PROGRAMS)
+    ap.add_argument("--tile-kb", type=_ints, default=_DEFAULT_TILE_KB)
+    ap.add_argument("--warps", type=_ints, default=_DEFAULT_WARPS)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    try:
+        records = bench_comm(None, args.tokens, args.hidden, args.top_k, args.local_experts,
+                             args.programs, args.tile_kb, args.warps, args.iters, args.warmup)
+        if dist.get_rank() == 0:
+            print(f"{'op':<12} {'programs':>8} {'tile KB':>8} {'warps':>5} {'ms':>8} {'GB/s':>7}")
+            for r in records:
+                print(f"{r['op']:<12} {r['programs']:>8} {r['tile_bytes'] // 1024:>8} "
+                      f"{r['num_warps']:>5} {r['median_ms']:>8.3f} {r['gbps']:>7.1f}")
+            for op in dict.fromkeys(r["op"] for r in records):
+                best = max((r for r in records if r["op"] == op), key=lambda r: r["gbps"])
+                print(f"best {op}: {best['gbps']:.1f} GB/s of remote bytes with {best['programs']} "
+                      f"programs, {best['tile_bytes'] // 1024} KB tiles, {best['num_warps']} warps")
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(records, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

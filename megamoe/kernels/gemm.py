@@ -1,0 +1,225 @@
+"""Grouped GEMMs over the padded expert-contiguous row layout (persistent, TMA, bf16 -> fp32).
+
+Three kernels, each a persistent grid of one program per SM walking its tiles:
+  * ``gate_up``: g = A Wg^T and u = A Wu^T from one pass over A, epilogue h = silu(g) * u;
+    writes g, u (for the backward) and h.
+  * ``grouped_mm``: C = A W_e per row block, with W stored either way round; optionally a second
+    (A2, W2) pair summed into the same accumulator (dgrad of gate and up), or a SwiGLU-backward
+    epilogue that turns d_h into (d_g, d_u) (dgrad of down).
+  * ``wgrad``: d_W_e = A_e^T B_e, one program per output tile looping over all rows of expert e
+    in order (no split-K, no atomics): bitwise reproducible.
+
+Row blocks map to experts through ``RowSchedule.block_expert``; the number of used blocks is read
+on the device, so the grid never depends on the routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import descriptor, empty, interpreting, persistent_programs
+from .schedule import RowSchedule
+from .tiles import cast, load_weight_tile, mma, swiglu, swiglu_backward, tile_of
+
+__all__ = ["GemmTiles", "gate_up", "grouped_mm", "dgrad_swiglu", "dgrad_pair", "wgrad", "tiles_for"]
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tile shape and pipelining of one kernel (the row-block height is ``block_rows``)."""
+
+    bn: int
+    bk: int
+    stages: int
+    warps: int
+    bm: int = 0  # only the weight-gradient kernel picks its own tile height
+    flatten: bool = False  # fuse the persistent tile loop with the K loop (software pipelining)
+
+
+# Hopper choices (H200), from interleaved A/B runs at the dsv3 shapes on 2026-11-30 (run-to-run
+# spread is about 5%): 128-row blocks, 64-deep K steps, stages within 227 KB. Flattening the
+# persistent loop into the K loop cost ~20% on gate/up, so it is off.
+GPU_TILES: dict[str, GemmTiles] = {
+    "gate_up": GemmTiles(bn=128, bk=64, stages=4, warps=8),  # two B tiles per stage
+    "mm": GemmTiles(bn=256, bk=64, stages=3, warps=8),
+    "swiglu_bwd": GemmTiles(bn=256, bk=64, stages=3, warps=8),
+    "wgrad": GemmTiles(bm=128, bn=256, bk=64, stages=3, warps=8),
+}
+# Small tiles keep interpreter runs (CPU tests) fast.
+INTERPRETER_TILES: dict[str, GemmTiles] = {
+    name: GemmTiles(bn=32, bk=32, stages=1, warps=4, bm=32 if name == "wgrad" else 0)
+    for name in GPU_TILES
+}
+
+
+def tiles_for(kind: str) -> GemmTiles:
+    return (INTERPRETER_TILES if interpreting() else GPU_TILES)[kind]
+
+
+@triton.jit
+def _gate_up_kernel(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc, block_expert_ptr,
+                    num_blocks_ptr, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
+    tiles_n = tl.cdiv(N, BN)
+    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
+        mb, nb = tile_of(tile, tiles_n)
+        expert = tl.load(block_expert_ptr + mb)
+        row = mb * BM
+        col = nb * BN
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for ki in range(k_tiles):
+            k = ki * BK
+            a = a_desc.load([row, k])
+            acc_g = mma(acc_g, a, load_weight_tile(bg_desc, expert, k, col, K, N, BK, BN, False),
+                        UPCAST)
+            acc_u = mma(acc_u, a, load_weight_tile(bu_desc, expert, k, col, K, N, BK, BN, False),
+                        UPCAST)
+        g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
+        u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
+        h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
+
+
+@triton.jit
+def _grouped_mm_kernel(a_desc, b_desc, a2_desc, b2_desc, c_desc, c2_desc, g_desc, u_desc,
+                       block_expert_ptr, num_blocks_ptr, N, K, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
+                       TWO_PAIRS: tl.constexpr, SWIGLU_BWD: tl.constexpr,
+                       NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
+    tiles_n = tl.cdiv(N, BN)
+    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
+        mb, nb = tile_of(tile, tiles_n)
+        expert = tl.load(block_expert_ptr + mb)
+        row = mb * BM
+        col = nb * BN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for ki in range(k_tiles):
+            k = ki * BK
+            acc = mma(acc, a_desc.load([row, k]),
+                      load_weight_tile(b_desc, expert, k, col, K, N, BK, BN, B_KN), UPCAST)
+        if TWO_PAIRS:
+            for ki in range(k_tiles):
+                k = ki * BK
+                acc = mma(acc, a2_desc.load([row, k]),
+                          load_weight_tile(b2_desc, expert, k, col, K, N, BK, BN, B_KN), UPCAST)
+        if SWIGLU_BWD:
+            g = g_desc.load([row, col]).to(tl.float32)
+            u = u_desc.load([row, col]).to(tl.float32)
+            dg, du = swiglu_backward(acc, g, u)
+            c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
+            c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
+        else:
+            c_desc.store([row, col], cast(acc, c_desc.dtype, UPCAST))
+
+
+@triton.jit
+def _wgrad_kernel(a_desc, b_desc, c_desc, row_start_ptr, E, M, N, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    tiles_n = tl.cdiv(N, BN)
+    tiles_per_expert = tl.cdiv(M, BM) * tiles_n
+    for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
+        expert = tile // tiles_per_expert
+        mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
+        m0 = mb * BM
+        n0 = nb * BN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        # All rows of this expert, in order: padding rows hold zeros in A and B.
+        for r in range(tl.load(row_start_ptr + expert), tl.load(row_start_ptr + expert + 1), BK):
+            acc = mma(acc, a_desc.load([r, m0]).T, b_desc.load([r, n0]), UPCAST)
+        c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
+
+
+def _launch_grid(work_items: int, device: torch.device) -> tuple[int]:
+    return (max(1, min(persistent_programs(device), work_items)),)
+
+
+def _weight_2d(w: torch.Tensor) -> torch.Tensor:
+    """[E, R, C] -> [E*R, C] (experts stacked along rows, as the kernels index them)."""
+    return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
+
+
+def gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g, u, h), each [rows of a, I]: both projections and SwiGLU of every used row block."""
+    t = tiles_for("gate_up")
+    bm = sched.block_rows
+    rows, k = a.shape
+    n = w_gate.shape[1]
+    g, u, h = (empty((rows, n), a.dtype, a.device) for _ in range(3))
+    out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
+    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device)
+    _gate_up_kernel[grid](
+        descriptor(a, [bm, t.bk]), descriptor(_weight_2d(w_gate), [t.bn, t.bk]),
+        descriptor(_weight_2d(w_up), [t.bn, t.bk]), *out_descs, sched.block_expert,
+        sched.num_blocks, n, k, BM=bm, BN=t.bn, BK=t.bk, NUM_PROGS=grid[0],
+        FLATTEN=t.flatten and not interpreting(),
+        UPCAST=interpreting(), num_warps=t.warps, num_stages=t.stages)
+    return g, u, h
+
+
+def _mm_launch(kind: str, a: torch.Tensor, w: torch.Tensor, sched: RowSchedule, *, b_kn: bool,
+               a2: torch.Tensor | None = None, w2: torch.Tensor | None = None,
+               gu: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    t = tiles_for(kind)
+    bm = sched.block_rows
+    rows, k = a.shape
+    n = w.shape[2] if b_kn else w.shape[1]
+    outs = [empty((rows, n), a.dtype, a.device)
+            for _ in range(2 if gu is not None else 1)]
+    b_block = [t.bk, t.bn] if b_kn else [t.bn, t.bk]
+    a_desc = descriptor(a, [bm, t.bk])
+    b_desc = descriptor(_weight_2d(w), b_block)
+    c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
+    gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
+    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device)
+    _grouped_mm_kernel[grid](
+        a_desc, b_desc, descriptor(a2, [bm, t.bk]) if a2 is not None else a_desc,
+        descriptor(_weight_2d(w2), b_block) if w2 is not None else b_desc,
+        c_descs[0], c_descs[-1], gu_descs[0], gu_descs[1], sched.block_expert, sched.num_blocks,
+        n, k, BM=bm, BN=t.bn, BK=t.bk, B_KN=b_kn, TWO_PAIRS=a2 is not None,
+        SWIGLU_BWD=gu is not None, NUM_PROGS=grid[0], FLATTEN=t.flatten and not interpreting(),
+        UPCAST=interpreting(),
+        num_warps=t.warps, num_stages=t.stages)
+    return outs
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
+    """C[r] = a[r] @ w[e(r)]^T for weights in ``nn.Linear`` layout [E, N, K] (forward down)."""
+    return _mm_launch("mm", a, w, sched, b_kn=False)[0]
+
+
+def dgrad_swiglu(dz: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
+                 sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_g, d_u) = SwiGLU backward of d_h = dz @ w_down[e] (w_down [E, H, I])."""
+    dg, du = _mm_launch("swiglu_bwd", dz, w_down, sched, b_kn=True, gu=(g, u))
+    return dg, du
+
+
+def dgrad_pair(dg: torch.Tensor, w_gate: torch.Tensor, du: torch.Tensor, w_up: torch.Tensor,
+               sched: RowSchedule) -> torch.Tensor:
+    """d_x rows = dg @ w_gate[e] + du @ w_up[e] in one fp32 accumulator (weights [E, I, H])."""
+    return _mm_launch("mm", dg, w_gate, sched, b_kn=True, a2=du, w2=w_up)[0]
+
+
+def wgrad(a: torch.Tensor, b: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
+    """d_W [E, M, N], d_W[e] = a_e^T @ b_e over the rows of expert e (a [rows, M], b [rows, N])."""
+    t = tiles_for("wgrad")
+    bk = min(t.bk, sched.block_rows)
+    m, n = a.shape[1], b.shape[1]
+    e = sched.num_experts
+    out = empty((e, m, n), a.dtype, a.device)
+    grid = _launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device)
+    _wgrad_kernel[grid](
+        descriptor(a, [bk, t.bm]), descriptor(b, [bk, t.bn]), descriptor(out, [1, t.bm, t.bn]),
+        sched.row_start, e, m, n, BM=t.bm, BN=t.bn, BK=bk, NUM_PROGS=grid[0],
+        UPCAST=interpreting(), num_warps=t.warps, num_stages=t.stages)
+    return out

@@ -1,0 +1,118 @@
+"""Row movement between token order and the expert-contiguous layout (memory-bound kernels).
+
+  gather      xs[r] = x[token(r)]                 (zeros on padding rows)
+  combine     y[t]  = sum_k w[t,k] * z[row(t,k)]  (fp32, k in order) + base[t]
+  route_grad  dz[r] = w[t,k] * dy[t];  dw[t,k] = <dy[t], z[r]>   (fp32, fixed order)
+
+Only rows of used row blocks are touched; grids are sized for the worst case so the host
+never reads the schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .schedule import RowSchedule
+from .runtime import empty, interpreting
+from .tiles import load_rows, store_rows
+
+__all__ = ["gather", "combine", "route_grad"]
+
+# Rows x columns of one program's tile in these memory-bound kernels.
+_ROWS = 16
+_COLS = 512
+_TOKENS = 16
+
+
+@triton.jit
+def _gather_kernel(x_ptr, out_ptr, row_src_ptr, num_blocks_ptr, H, TOP_K: tl.constexpr,
+                   BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    used = rows < tl.load(num_blocks_ptr) * BLOCK_ROWS
+    slot = tl.load(row_src_ptr + rows, mask=used, other=-1)
+    col_mask = cols < H
+    vals = load_rows(x_ptr, slot // TOP_K, cols, H, used & (slot >= 0), col_mask)
+    store_rows(out_ptr, rows, cols, H, vals, used, col_mask, UPCAST)
+
+
+@triton.jit
+def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, out_ptr, T, H, TOP_K: tl.constexpr,
+                    HAS_WEIGHT: tl.constexpr, HAS_BASE: tl.constexpr, TOKENS: tl.constexpr,
+                    COLS: tl.constexpr, UPCAST: tl.constexpr):
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    tok_mask = tokens < T
+    col_mask = cols < H
+    acc = tl.zeros([TOKENS, COLS], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = tokens * TOP_K + k
+        row = tl.load(dest_row_ptr + slot, mask=tok_mask, other=-1)
+        val = load_rows(z_ptr, row, cols, H, tok_mask & (row >= 0), col_mask)
+        if HAS_WEIGHT:
+            val = val * tl.load(w_ptr + slot, mask=tok_mask, other=0.0)[:, None]
+        acc += val
+    if HAS_BASE:
+        acc += load_rows(base_ptr, tokens, cols, H, tok_mask, col_mask)
+    store_rows(out_ptr, tokens, cols, H, acc, tok_mask, col_mask, UPCAST)
+
+
+@triton.jit
+def _route_grad_kernel(dy_ptr, z_ptr, w_ptr, row_src_ptr, num_blocks_ptr, dz_ptr, dw_ptr, H,
+                       TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr,
+                       COLS: tl.constexpr, UPCAST: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    used = rows < tl.load(num_blocks_ptr) * BLOCK_ROWS
+    slot = tl.load(row_src_ptr + rows, mask=used, other=-1)
+    real = used & (slot >= 0)
+    token = slot // TOP_K
+    w = tl.load(w_ptr + slot, mask=real, other=0.0)
+    dot = tl.zeros([ROWS], dtype=tl.float32)
+    for c0 in range(0, H, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        col_mask = cols < H
+        dy = load_rows(dy_ptr, token, cols, H, real, col_mask)
+        dot += tl.sum(dy * load_rows(z_ptr, rows, cols, H, real, col_mask), axis=1)
+        store_rows(dz_ptr, rows, cols, H, w[:, None] * dy, used, col_mask, UPCAST)
+    tl.store(dw_ptr + slot, dot, mask=real)
+
+
+def gather(x: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
+    """x [T, H] -> rows [sched.rows, H] in the schedule's layout (rows past the used ones unset)."""
+    h = x.shape[1]
+    out = empty((sched.rows, h), x.dtype, x.device)
+    grid = (sched.rows // _ROWS, triton.cdiv(h, _COLS))
+    _gather_kernel[grid](x, out, sched.row_src, sched.num_blocks, h, TOP_K=sched.top_k,
+                         BLOCK_ROWS=sched.block_rows, ROWS=_ROWS, COLS=_COLS,
+                         UPCAST=interpreting())
+    return out
+
+
+def combine(z: torch.Tensor, sched: RowSchedule, weights: torch.Tensor | None,
+            base: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per token, ``sum_k weights[t,k] * z[row(t,k)]`` (fp32, k in order) ``+ base[t]``."""
+    t, h = sched.num_tokens, z.shape[1]
+    out = empty((t, h), out_dtype, z.device)
+    grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
+    _combine_kernel[grid](z, sched.dest_row, weights if weights is not None else z,
+                          base if base is not None else z, out, t, h, TOP_K=sched.top_k,
+                          HAS_WEIGHT=weights is not None, HAS_BASE=base is not None,
+                          TOKENS=_TOKENS, COLS=_COLS, UPCAST=interpreting())
+    return out
+
+
+def route_grad(dy: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
+               sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dz [rows, H] in the layout, zeros on padding rows; dw [T, K] fp32)."""
+    h = dy.shape[1]
+    dz = empty((sched.rows, h), z.dtype, z.device)
+    dw = empty((sched.num_tokens, sched.top_k), torch.float32, z.device)
+    grid = (sched.rows // _ROWS,)
+    _route_grad_kernel[grid](dy, z, weights, sched.row_src, sched.num_blocks, dz, dw, h,
+                             TOP_K=sched.top_k, BLOCK_ROWS=sched.block_rows, ROWS=_ROWS,
+                             COLS=_COLS, UPCAST=interpreting())
+    return dz, dw
+

@@ -1,0 +1,70 @@
+"""Host-side helpers shared by the kernel launchers: interpreter detection, grid size, descriptors.
+
+Kept apart from the kernels so that launchers, the backend and the tests agree on one answer to
+"are we interpreting?" and "how many programs make a persistent grid?".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+__all__ = ["interpreting", "persistent_programs", "descriptor", "empty", "poisoned_buffers",
+           "INTERPRETER_PROGRAMS"]
+
+# Under the interpreter programs run one after another: a few programs are enough to exercise
+# the persistent loops (every program takes several tiles) while keeping CPU tests fast.
+INTERPRETER_PROGRAMS = 3
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(device: torch.device) -> int:
+    """One program per SM on a GPU (the persistent grid); a handful in the interpreter."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA tensor descriptor over ``t`` (out-of-bounds loads read zeros, stores are clipped)."""
+    return TensorDescriptor.from_tensor(t, block)
+
+
+# Test hook: when set, every buffer the launchers allocate starts as NaN (floats) or a huge
+# sentinel (ints), so an element a kernel forgot to write shows up in the results.
+_POISON = False
+_INT_POISON = -(2**30)
+
+
+@contextlib.contextmanager
+def poisoned_buffers() -> Iterator[None]:
+    """Within this block, kernel outputs and workspaces are allocated pre-filled with poison."""
+    global _POISON
+    old, _POISON = _POISON, True
+    try:
+        yield
+    finally:
+        _POISON = old
+
+
+def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs (poisoned under :func:`poisoned_buffers`)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not _POISON:
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else _INT_POISON
+    return torch.full(shape, fill, dtype=dtype, device=device)

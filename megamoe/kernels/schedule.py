@@ -1,0 +1,200 @@
+"""Row schedule on the device: where every routed (source rank, token, k) row goes.
+
+The layout is a pure function of ``topk_ids`` (no atomics, no host reads):
+  * experts are laid out one after another, each padded to a multiple of ``block_rows``;
+  * inside an expert, rows are in global slot order ``slot = rank*T*K + t*K + k``
+    (rank-major, then token, then k), so the layout generalizes to expert parallelism.
+
+Three launches: a per-chunk histogram, a one-program scan (prefix sums, expert starts, the
+row-block -> expert table, padded-row markers) and a per-chunk placement. Grids depend only on
+static sizes, so the schedule can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import empty
+
+__all__ = ["RowSchedule", "build_row_schedule", "max_rows", "uniform_schedule"]
+
+# Elements of the one-hot [chunk, experts] tile a program may hold (registers, not memory).
+_ONEHOT_ELEMS = 8192
+_MIN_CHUNK = 16
+_MAX_CHUNK = 1024
+# Row blocks handled per step of the scan's block -> expert loop, and padded rows per step.
+_SCAN_BLOCKS = 64
+_PAD_STEP = 32
+
+
+@dataclass(frozen=True)
+class RowSchedule:
+    """Device tensors of the padded, expert-contiguous row layout, plus its static sizes.
+
+    dest_row     [T*K]  int32  row of slot t*K+k in the layout (-1 if not on this rank)
+    row_src      [rows] int32  global slot of each row; -1 for padding (valid below the used rows)
+    row_start    [E+1]  int32  first row of each expert (padded), row_start[E] = used rows
+    counts       [E]    int32  real rows of each expert
+    block_expert [rows / block_rows] int32  expert of each row block, -1 past the used blocks
+    num_blocks   [1]    int32  used row blocks
+    """
+
+    dest_row: torch.Tensor
+    row_src: torch.Tensor
+    row_start: torch.Tensor
+    counts: torch.Tensor
+    block_expert: torch.Tensor
+    num_blocks: torch.Tensor
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    block_rows: int
+    rows: int  # worst-case rows of the layout (buffers are sized for it)
+
+    @property
+    def max_blocks(self) -> int:
+        return self.rows // self.block_rows
+
+
+def max_rows(entries: int, num_experts: int, block_rows: int) -> int:
+    """Worst-case padded rows: every entry placed plus up to block_rows-1 padding per expert."""
+    worst = entries + num_experts * (block_rows - 1)
+    return triton.cdiv(worst, block_rows) * block_rows
+
+
+@triton.jit
+def expert_onehot(ids_ptr, offs, n_entries, expert_lo, E: tl.constexpr, E_PAD: tl.constexpr):
+    """One-hot [len(offs), E_PAD] int32 of the local expert of each entry (0 rows if not local)."""
+    in_range = offs < n_entries
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int64) - expert_lo
+    valid = in_range & (ids >= 0) & (ids < E)
+    experts = tl.arange(0, E_PAD)
+    onehot = (ids[:, None] == experts[None, :]) & valid[:, None]
+    return onehot.to(tl.int32), valid
+
+
+@triton.jit
+def _histogram_kernel(ids_ptr, n_entries, expert_lo, chunk_counts_ptr,
+                      E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    onehot, _ = expert_onehot(ids_ptr, offs, n_entries, expert_lo, E, E_PAD)
+    tl.store(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _scan_kernel(chunk_counts_ptr, chunk_base_ptr, n_chunks, counts_ptr, row_start_ptr,
+                 block_expert_ptr, num_blocks_ptr, row_src_ptr, max_blocks,
+                 E: tl.constexpr, E_PAD: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, PAD_STEP: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    is_expert = experts < E
+    # Per-expert exclusive prefix over chunks (chunk order == slot order).
+    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, n_chunks, CHUNKS_PER_STEP):
+        chunks = c0 + tl.arange(0, CHUNKS_PER_STEP)
+        offs = chunks[:, None] * E_PAD + experts[None, :]
+        mask = (chunks < n_chunks)[:, None]
+        cnt = tl.load(chunk_counts_ptr + offs, mask=mask, other=0)
+        tl.store(chunk_base_ptr + offs, tl.cumsum(cnt, axis=0) - cnt + carry[None, :], mask=mask)
+        carry += tl.sum(cnt, axis=0)
+    counts = tl.where(is_expert, carry, 0)
+    padded = (counts + BLOCK_ROWS - 1) // BLOCK_ROWS * BLOCK_ROWS
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    used_rows = tl.sum(padded, axis=0)
+    used_blocks = used_rows // BLOCK_ROWS
+    tl.store(counts_ptr + experts, counts, mask=is_expert)
+    tl.store(row_start_ptr + experts, starts, mask=is_expert)
+    tl.store(row_start_ptr + E, used_rows)
+    tl.store(num_blocks_ptr, used_blocks)
+    # Row block b belongs to the expert whose padded range holds it: the number of experts
+    # that end at or before b (empty experts end where they start, so they are skipped).
+    end_blocks = tl.where(is_expert, ends // BLOCK_ROWS, 2147483647)
+    for b0 in range(0, max_blocks, SCAN_BLOCKS):
+        blocks = b0 + tl.arange(0, SCAN_BLOCKS)
+        owner = tl.sum((end_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(blocks < used_blocks, owner, -1)
+        tl.store(block_expert_ptr + blocks, owner, mask=blocks < max_blocks)
+    # Padding rows of each expert carry slot -1 (they gather zeros and are never combined).
+    for j0 in range(0, BLOCK_ROWS, PAD_STEP):
+        j = j0 + tl.arange(0, PAD_STEP)
+        pad_rows = (starts + counts)[:, None] + j[None, :]
+        pad_mask = is_expert[:, None] & (j[None, :] < (padded - counts)[:, None])
+        tl.store(row_src_ptr + pad_rows, tl.full([E_PAD, PAD_STEP], -1, tl.int32), mask=pad_mask)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, n_entries, expert_lo, slot_offset, chunk_base_ptr, row_start_ptr,
+                  dest_row_ptr, row_src_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    onehot, valid = expert_onehot(ids_ptr, offs, n_entries, expert_lo, E, E_PAD)
+    experts = tl.arange(0, E_PAD)
+    # Rank of each entry among the entries of its expert inside this chunk.
+    within = tl.sum(onehot * tl.cumsum(onehot, axis=0), axis=1) - 1
+    base = tl.load(chunk_base_ptr + c * E_PAD + experts) + \
+        tl.load(row_start_ptr + experts, mask=experts < E, other=0)
+    dest = tl.sum(onehot * base[None, :], axis=1) + within
+    tl.store(dest_row_ptr + offs, tl.where(valid, dest, -1), mask=offs < n_entries)
+    tl.store(row_src_ptr + dest, slot_offset + offs, mask=valid)
+
+
+def _chunk(e_pad: int) -> int:
+    return max(_MIN_CHUNK, min(_MAX_CHUNK, _ONEHOT_ELEMS // e_pad))
+
+
+def build_row_schedule(topk_ids: torch.Tensor, num_experts: int, block_rows: int,
+                       expert_lo: int = 0, rank: int = 0) -> RowSchedule:
+    """Schedule the rows of local experts ``[expert_lo, expert_lo + num_experts)``.
+
+    ``topk_ids`` is [T, K] (int32/int64, global ids). ``rank`` is the source rank of these ids;
+    with one rank every entry is local.
+    """
+    t, k = topk_ids.shape
+    entries = t * k
+    dev = topk_ids.device
+    ids = topk_ids.contiguous().view(-1)
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk = _chunk(e_pad)
+    n_chunks = max(1, triton.cdiv(entries, chunk))
+    rows = max_rows(entries, num_experts, block_rows)
+    chunk_counts = empty((n_chunks, e_pad), torch.int32, dev)
+    chunk_base = empty((n_chunks, e_pad), torch.int32, dev)
+    counts = empty(num_experts, torch.int32, dev)
+    row_start = empty(num_experts + 1, torch.int32, dev)
+    block_expert = empty(rows // block_rows, torch.int32, dev)
+    num_blocks = empty(1, torch.int32, dev)
+    dest_row = empty(entries, torch.int32, dev)
+    row_src = empty(rows, torch.int32, dev)
+    _histogram_kernel[(n_chunks,)](ids, entries, expert_lo, chunk_counts,
+                                   E=num_experts, E_PAD=e_pad, CHUNK=chunk)
+    _scan_kernel[(1,)](chunk_counts, chunk_base, n_chunks, counts, row_start, block_expert,
+                       num_blocks, row_src, rows // block_rows, E=num_experts, E_PAD=e_pad,
+                       CHUNKS_PER_STEP=max(1, _ONEHOT_ELEMS // e_pad), BLOCK_ROWS=block_rows,
+                       SCAN_BLOCKS=_SCAN_BLOCKS, PAD_STEP=min(_PAD_STEP, block_rows))
+    _place_kernel[(n_chunks,)](ids, entries, expert_lo, rank * entries, chunk_base, row_start,
+                               dest_row, row_src, E=num_experts, E_PAD=e_pad, CHUNK=chunk)
+    return RowSchedule(dest_row, row_src, row_start, counts, block_expert, num_blocks,
+                       num_tokens=t, top_k=k, num_experts=num_experts, block_rows=block_rows,
+                       rows=rows)
+
+
+def uniform_schedule(num_rows: int, block_rows: int, device: torch.device) -> RowSchedule:
+    """The layout of one expert that takes all ``num_rows`` rows in order (the shared expert).
+
+    Rows are not padded: the GEMM descriptors clip at ``num_rows``.
+    """
+    blocks = triton.cdiv(num_rows, block_rows)
+    i32 = dict(dtype=torch.int32, device=device)
+    row_start = torch.arange(2, **i32) * num_rows  # [0, num_rows], built on the device
+    return RowSchedule(
+        dest_row=torch.arange(num_rows, **i32), row_src=torch.arange(num_rows, **i32),
+        row_start=row_start, counts=row_start[1:], block_expert=torch.zeros(blocks, **i32),
+        num_blocks=torch.full((1,), blocks, **i32), num_tokens=num_rows, top_k=1, num_experts=1,
+        block_rows=block_rows, rows=blocks * block_rows)

@@ -1,0 +1,95 @@
+"""Tile-level ``@triton.jit`` device functions shared by every kernel (and the future megakernel).
+
+Each function does one job on one tile: the tile-to-expert mapping of the padded row layout,
+loading a weight tile in either stored layout, one MMA step, SwiGLU forward/backward, and
+masked row gathers/stores. Kernels compose these; nothing here launches anything.
+
+``UPCAST`` is a constexpr that is True only under the Triton interpreter, which cannot do bf16
+``tl.dot`` or bf16 arithmetic: the same kernel source then multiplies fp32 copies of the tiles.
+The interpreter also truncates fp32 -> bf16 conversions; ``cast`` rounds to nearest-even there
+first, so interpreter results carry GPU rounding and tests can keep bf16 tolerances.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(acc, a, b, UPCAST: tl.constexpr):
+    """``acc += a @ b``, fp32 accumulation (bf16 operands; fp32 copies under the interpreter)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 tile -> ``dtype`` with round-to-nearest-even (emulated under the interpreter)."""
+    if UPCAST and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def load_weight_tile(desc, expert, k, n, K, N, BK: tl.constexpr, BN: tl.constexpr,
+                     B_KN: tl.constexpr):
+    """The [BK, BN] operand tile of expert ``expert``'s weight at (k, n).
+
+    The weight is viewed 2-D with the experts stacked along the rows: [E*K, N] when it is stored
+    K-major (``B_KN``, e.g. w_down used by dgrad) or [E*N, K] when stored N-major (``nn.Linear``
+    layout used by the forward), in which case the loaded [BN, BK] tile is transposed.
+    """
+    if B_KN:
+        return desc.load([expert * K + k, n])
+    else:
+        return desc.load([expert * N + n, k]).T
+
+
+@triton.jit
+def tile_of(tile_id, tiles_n):
+    """Row-block and column-block of a tile; the column is the fast index so that programs
+    running at the same time share one row block of A (and one expert's weights) in L2."""
+    return tile_id // tiles_n, tile_id % tiles_n
+
+
+@triton.jit
+def silu(g):
+    """SiLU in fp32."""
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def swiglu(g, u):
+    """h = silu(g) * u, fp32 in, fp32 out."""
+    return silu(g) * u
+
+
+@triton.jit
+def swiglu_backward(dh, g, u):
+    """(d_g, d_u) of h = silu(g) * u, all fp32."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    s = g * sig
+    dg = dh * u * (sig + s * (1.0 - sig))
+    du = dh * s
+    return dg, du
+
+
+@triton.jit
+def load_rows(ptr, rows, cols, stride, row_mask, col_mask):
+    """Gather a [len(rows), len(cols)] tile of a row-major matrix as fp32; masked entries are 0."""
+    offs = rows.to(tl.int64)[:, None] * stride + cols[None, :]
+    vals = tl.load(ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    return vals.to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, rows, cols, stride, vals, row_mask, col_mask, UPCAST: tl.constexpr):
+    """Scatter an fp32 tile into rows ``rows`` of a row-major matrix, rounding to its dtype."""
+    offs = rows.to(tl.int64)[:, None] * stride + cols[None, :]
+    tl.store(ptr + offs, cast(vals, ptr.dtype.element_ty, UPCAST),
+             mask=row_mask[:, None] & col_mask[None, :])

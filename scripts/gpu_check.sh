@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
+#
+#   scripts/gpu_check.sh [tests] [comm] [bench] [kernels] [all]  (default: all = every part)
+#
+#   tests    python -m pytest tests/gpu -k 'not ep'             (one GPU)
+#            torchrun --nproc-per-node=$NGPU -m pytest tests/gpu/test_ep_reference.py  (>= 2 GPUs)
+#   comm     torchrun: tests/gpu/test_comm.py and the dispatch/combine bandwidth sweep (>= 2 GPUs)
+#   bench    megamoe bench on $MEGAMOE_PRESETS at W=1, and under torchrun at W=$NGPU (>= 2 GPUs)
+#   kernels  adds --kernels (grouped-GEMM kernel records) to the W=1 bench
+#
+# Environment (all optional):
+#   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); at most 8 files
+#   MEGAMOE_PRESETS      default "dsv3 qwen3-30b mok-v4"
+#   MEGAMOE_BACKENDS     default: every available backend + torch-a2a (bench's own default)
+#   MEGAMOE_ITERS        timed iterations (default 20); MEGAMOE_WARMUP (default 3)
+#   MEGAMOE_BENCH_ARGS   extra arguments for every bench run (e.g. "--routing zipf")
+#   MEGAMOE_COMMIT       recorded as the commit when the tree has no git metadata
+#   STEP_TIMEOUT_S       wall-clock limit of each step (default 900)
+#
+# The package is used from this checkout through PYTHONPATH (no install: the GPU machine may have
+# no network for build dependencies). Exit status: the number of failed steps (0 = all passed).
+set -uo pipefail
+
+# NVLink multicast must stay off on shared machines (see HARDWARE.md / device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/megamoe_gpu_check}"
+PY="${PYTHON:-python3}"
+PRESETS="${MEGAMOE_PRESETS:-dsv3 qwen3-30b mok-v4}"
+ITERS="${MEGAMOE_ITERS:-20}"
+WARMUP="${MEGAMOE_WARMUP:-3}"
+STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-900}"
+if [ -z "${MEGAMOE_COMMIT:-}" ]; then
+    MEGAMOE_COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+fi
+export MEGAMOE_COMMIT
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(all)
+want() {  # want PART: was PART (or all) asked for?
+    local p
+    for p in "${parts[@]}"; do
+        case "$p" in
+            "$1" | all) return 0 ;;
+            tests | comm | bench | kernels) ;;
+            *) echo "gpu_check.sh: unknown part '$p' (expected tests, comm, bench, kernels or all)" >&2; exit 2 ;;
+        esac
+    done
+    return 1
+}
+want tests || true  # validates the arguments once
+mkdir -p "$OUT"
+
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+failures=0
+step() {  # step NAME LOG CMD...: run with a time limit, log to LOG, record the outcome
+    local name="$1" log="$2"
+    shift 2
+    echo "=== $name: $*" | tee -a "$log"
+    local t0=$SECONDS
+    timeout --signal=TERM --kill-after=30 "$STEP_TIMEOUT_S" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    local verdict="ok"
+    [ "$rc" -ne 0 ] && verdict="FAILED (exit $rc)" && failures=$((failures + 1))
+    echo "$name: $verdict in $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+}
+
+NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+{
+    echo "date: $(date -u +%FT%TZ)   commit: $MEGAMOE_COMMIT   GPUs: $NGPU   parts: ${parts[*]}"
+    "$PY" -m megamoe info
+    command -v nvidia-smi >/dev/null && nvidia-smi topo -m
+} >"$OUT/info.txt" 2>&1
+cat "$OUT/info.txt"
+if [ "$NGPU" -lt 1 ]; then
+    echo "gpu_check.sh: no CUDA GPU visible; nothing to do" | tee -a "$SUMMARY"
+    exit 1
+fi
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
+
+if want tests; then
+    step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" "$PY" -m pytest -q tests/gpu -k 'not ep'
+    if [ "$NGPU" -ge 2 ]; then
+        step "EP tests, $NGPU GPUs" "$OUT/tests_ep.log" \
+            "${TORCHRUN[@]}" -m pytest -q -p no:cacheprovider tests/gpu/test_ep_reference.py
+    else
+        echo "EP tests: skipped (1 GPU)" | tee -a "$SUMMARY"
+    fi
+fi
+
+if want comm; then
+    if [ "$NGPU" -ge 2 ]; then
+        step "comm tests, $NGPU GPUs" "$OUT/comm.log" \
+            "${TORCHRUN[@]}" -m pytest -q -p no:cacheprovider tests/gpu/test_comm.py
+        step "comm bench, $NGPU GPUs" "$OUT/comm.log" \
+            "${TORCHRUN[@]}" -m megamoe.bench_comm --out "$OUT/comm.json"
+    else
+        echo "comm: skipped (1 GPU)" | tee -a "$SUMMARY"
+    fi
+fi
+
+bench_args=(bench --iters "$ITERS" --warmup "$WARMUP")
+# shellcheck disable=SC2206
+bench_args+=(--preset $PRESETS)
+# shellcheck disable=SC2206
+[ -n "${MEGAMOE_BACKENDS:-}" ] && bench_args+=(--backend $MEGAMOE_BACKENDS)
+# shellcheck disable=SC2206
+[ -n "${MEGAMOE_BENCH_ARGS:-}" ] && bench_args+=($MEGAMOE_BENCH_ARGS)
+
+if want bench || want kernels; then
+    w1_args=("${bench_args[@]}")
+    want kernels && w1_args+=(--kernels)
+    step "bench W=1" "$OUT/bench_w1.log" "$PY" -m megamoe "${w1_args[@]}" --out "$OUT/bench_w1.json"
+fi
+if want bench && [ "$NGPU" -ge 2 ]; then
+    step "bench W=$NGPU" "$OUT/bench_w$NGPU.log" \
+        "${TORCHRUN[@]}" -m megamoe "${bench_args[@]}" --out "$OUT/bench_w$NGPU.json"
+fi
+
+echo "--- summary ($failures failed step(s)); files in $OUT:"
+cat "$SUMMARY"
+ls -l "$OUT"
+exit "$failures"

@@ -1,0 +1,118 @@
+"""Backend "triton" under the Triton interpreter on the CPU: every kernel, tiny shapes.
+
+The same kernel source as on the GPU runs here with fp32 copies of bf16 tiles (the interpreter
+cannot do bf16 math). Outputs and all gradients are checked against the float64 reference, with
+every buffer poisoned so unwritten elements or leaking padding rows fail the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megamoe.kernels.runtime import interpreting, poisoned_buffers  # noqa: E402
+
+if not interpreting():
+    pytest.skip("needs TRITON_INTERPRET=1 (GPU runs are in tests/gpu)", allow_module_level=True)
+
+from megamoe.backends import triton as backend  # noqa: E402
+from megamoe.kernels.schedule import build_row_schedule  # noqa: E402
+from moe_cases import compare, make_config, make_problem, reference_grads, run_backend  # noqa: E402
+
+CPU = torch.device("cpu")
+# The interpreter converts loaded scalars with a NumPy call that NumPy deprecates; not ours.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning")
+
+# (tokens, hidden, intermediate, experts, top_k, shared, block_rows, routing)
+CASES = {
+    "uniform_shared": (37, 64, 96, 4, 2, 64, 16, "uniform"),
+    "empty_experts": (29, 64, 64, 6, 2, 0, 16, "empty_experts"),
+    "one_expert_all_rows": (41, 64, 64, 3, 2, 32, 32, "one_expert"),
+    "zipf_top3": (23, 96, 64, 5, 3, 0, 16, "zipf"),
+    "single_token": (1, 64, 32, 4, 2, 32, 16, "uniform"),
+    "sizes_not_tile_multiples": (27, 72, 40, 3, 2, 24, 16, "uniform"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference(case: str) -> None:
+    t, h, i, e, k, i_s, bm, routing = CASES[case]
+    p = make_problem(make_config(h, i, e, k, i_s, bm), t, routing,
+                     seed=sorted(CASES).index(case), device=CPU)
+    compare(run_backend(p), reference_grads(p, torch.float64), reference_grads(p, torch.bfloat16))
+
+
+def test_int32_ids_and_bitwise_repeat() -> None:
+    p = make_problem(make_config(64, 64, 4, 2, 32, 16), 19, "uniform", seed=7, device=CPU,
+                     ids_dtype=torch.int32)
+    y1, g1 = run_backend(p)
+    y2, g2 = run_backend(p)
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    compare((y1, g1), reference_grads(p, torch.float64), reference_grads(p, torch.bfloat16))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "one_expert"])
+def test_schedule_layout(routing: str) -> None:
+    t, e, k, bm = 53, 7, 3, 16
+    p = make_problem(make_config(64, 64, e, k, 0, bm), t, routing, seed=3, device=CPU)
+    with poisoned_buffers():
+        s = build_row_schedule(p.topk_ids, e, bm)
+    flat = p.topk_ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=e)
+    padded = (counts + bm - 1) // bm * bm
+    starts = torch.cumsum(padded, 0) - padded
+    assert torch.equal(s.counts.long(), counts)
+    assert torch.equal(s.row_start.long(), torch.cat([starts, padded.sum().view(1)]))
+    assert s.num_blocks.item() == padded.sum().item() // bm
+    used = int(padded.sum())
+    for ex in range(e):
+        slots = (flat == ex).nonzero().flatten()  # global (token, k) order
+        r0 = int(starts[ex])
+        rows = torch.arange(r0, r0 + len(slots))
+        assert torch.equal(s.dest_row[slots].long(), rows)
+        assert torch.equal(s.row_src[rows].long(), slots)
+        assert (s.row_src[r0 + len(slots):r0 + int(padded[ex])] == -1).all()
+        assert (s.block_expert[r0 // bm:(r0 + int(padded[ex])) // bm] == ex).all()
+    assert (s.block_expert[used // bm:] == -1).all()
+
+
+def test_schedule_of_one_rank_among_several() -> None:
+    """Expert-parallel form: only ids in [expert_lo, expert_lo + E) are placed; slots carry the
+    source rank's offset."""
+    t, k, e_local, bm, rank = 31, 2, 3, 16, 1
+    ids = torch.stack([torch.randperm(9)[:k] for _ in range(t)])
+    with poisoned_buffers():
+        s = build_row_schedule(ids, e_local, bm, expert_lo=3, rank=rank)
+    flat = ids.reshape(-1)
+    local = (flat >= 3) & (flat < 6)
+    assert (s.dest_row[~local] == -1).all()
+    assert torch.equal(s.counts.long(), torch.bincount(flat[local] - 3, minlength=e_local))
+    placed = s.dest_row[local].long()
+    assert torch.equal(s.row_src[placed].long(), local.nonzero().flatten() + rank * t * k)
+
+
+def test_world_size_above_one_is_refused() -> None:
+    class FakeGroup:  # only asked for its size
+        pass
+
+    import torch.distributed as dist
+
+    cfg = make_config(64, 64, 4, 2, 0, 16)
+    orig = dist.get_world_size
+    dist.get_world_size = lambda group=None: 2  # type: ignore[assignment]
+    try:
+        with pytest.raises(NotImplementedError, match="issue 6"):
+            backend.build_schedule(torch.zeros((4, 2), dtype=torch.int64), cfg, FakeGroup())
+    finally:
+        dist.get_world_size = orig  # type: ignore[assignment]
+
+
+def test_cpu_is_not_offered_as_a_backend() -> None:
+    """The interpreter is for tests: backend="auto" must not pick it on the CPU."""
+    ok, reason = backend.is_available(CPU)
+    assert not ok and "interpreter" in reason
