@@ -6,7 +6,7 @@ avoids), send the rows with a second ``all_to_all_single``, group the received r
 expert (stable argsort), run gate/up/down with ``torch._grouped_mm`` in bf16 and SwiGLU, put the
 rows back in arrival order with ``index_copy``, send them home, and combine as an fp32 weighted
 sum over k plus the optional shared expert. Autograd differentiates everything, including the
-router weights; the all-to-all is made differentiable by a small autograd Function.
+router weights; the all-to-all is the reference layer's differentiable row exchange.
 
 ``torch._grouped_mm`` also runs (and differentiates) on the CPU in torch >= 2.11, so the same code
 is the CPU baseline; a per-expert loop is kept only as a fallback for builds without it.
@@ -19,33 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import MoEConfig
+from .reference import all_to_all_rows
 from .types import ExpertWeights
+from .validation import group_size_rank
 
 __all__ = ["torch_a2a_moe", "grouped_linear"]
-
-
-def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Differentiable ``all_to_all_single``; the backward sends gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        grad_in = grad_out.new_empty((sum(in_splits),) + tuple(grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
 
 
 def _has_grouped_mm() -> bool:
@@ -90,7 +68,7 @@ def _expert_rows(
 
     ``send_counts`` [W * E_local] counts this rank's rows per global expert.
     """
-    world, _ = _world(group)
+    world, _ = group_size_rank(group)
     if world == 1:
         return _swiglu_experts(x_sorted, send_counts, weights)
 
@@ -101,7 +79,7 @@ def _expert_rows(
     recv_matrix = recv_counts.view(world, e_local)
     out_splits = recv_matrix.sum(1).tolist()
 
-    recv = _AllToAll.apply(x_sorted, out_splits, in_splits, group)
+    recv = all_to_all_rows(x_sorted, out_splits, in_splits, group)
     # Arrival order is (source rank, local expert); the GEMMs want rows grouped by local expert.
     local_expert = torch.arange(e_local, device=recv.device).repeat(world)
     row_expert = torch.repeat_interleave(local_expert, recv_matrix.reshape(-1),
@@ -109,7 +87,7 @@ def _expert_rows(
     perm = torch.argsort(row_expert, stable=True)
     out_grouped = _swiglu_experts(recv[perm], recv_matrix.sum(0), weights)
     out_arrival = torch.zeros_like(out_grouped).index_copy(0, perm, out_grouped)
-    return _AllToAll.apply(out_arrival, in_splits, out_splits, group)
+    return all_to_all_rows(out_arrival, in_splits, out_splits, group)
 
 
 def torch_a2a_moe(
@@ -125,7 +103,7 @@ def torch_a2a_moe(
     Same contract as :func:`megamoe.reference.moe_reference`; ``weights`` holds this rank's
     ``E / W`` experts. Inputs are assumed valid (this is a benchmark baseline, not the API).
     """
-    world, _ = _world(group)
+    world, _ = group_size_rank(group)
     e_local = config.local_experts(world)
     num_tokens, top_k = topk_ids.shape
 

@@ -11,13 +11,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megamoe import ExpertWeights, MoEConfig
+from megamoe.routing import make_routing
 
 
 def random_routing(t: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct random experts per token, softmax weights."""
-    ids = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k]
-    weights = torch.randn(t, k, generator=gen).softmax(dim=1)
-    return ids, weights.float()
+    """Distinct random experts per token, softmax weights (megamoe.routing, uniform)."""
+    return make_routing(t, e, k, generator=gen)
 
 
 def random_weights(cfg: MoEConfig, e_local: int, gen: torch.Generator,
