@@ -33,6 +33,10 @@ def value_checks_enabled(check_values: bool) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _check_tensor(name: str, t: object, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
                   device: torch.device | None) -> None:
     if not isinstance(t, torch.Tensor):
@@ -40,8 +44,8 @@ def _check_tensor(name: str, t: object, shape: tuple[int, ...], dtypes: tuple[to
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+        names = ", ".join(_name(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {_name(t.dtype)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on device {device} (where x is), got {t.device}")
 
@@ -51,8 +55,10 @@ def validate_weights(weights: ExpertWeights, config: MoEConfig, world_size: int,
     """Check expert (and shared expert) weight shapes against the config and world size."""
     e_local = config.local_experts(world_size)
     h, i, i_s = config.hidden_size, config.intermediate_size, config.shared_intermediate_size
-    dtypes = (dtype,) if dtype is not None else FLOAT_DTYPES
-    _check_tensor("w_gate", weights.w_gate, (e_local, i, h), dtypes, device)
+    _check_tensor("w_gate", weights.w_gate, (e_local, i, h), FLOAT_DTYPES, device)
+    if dtype is not None and weights.w_gate.dtype != dtype:
+        raise TypeError(f"w_gate must have the dtype of x ({_name(dtype)}), "
+                        f"got {_name(weights.w_gate.dtype)}")
     dtypes = (weights.w_gate.dtype,)
     _check_tensor("w_up", weights.w_up, (e_local, i, h), dtypes, device)
     _check_tensor("w_down", weights.w_down, (e_local, h, i), dtypes, device)

@@ -31,7 +31,7 @@ def test_valid_inputs_pass():
 
 
 @pytest.mark.parametrize("make, error, pattern", [
-    (lambda x, i, w: dict(x=x.float()), TypeError, r"w_gate must have dtype in \(float32\), got bfloat16"),
+    (lambda x, i, w: dict(x=x.float()), TypeError, r"w_gate must have the dtype of x \(float32\), got bfloat16"),
     (lambda x, i, w: dict(x=x[:, :60].contiguous()), ValueError, r"x must have shape \[tokens, 64\], got \[8, 60\]"),
     (lambda x, i, w: dict(x=x.t().contiguous().t()), ValueError, r"x must be contiguous"),
     (lambda x, i, w: dict(x=x.to(torch.int32)), TypeError, r"x must be a floating tensor"),
