@@ -3,8 +3,9 @@
 #
 #   scripts/gpu_check.sh [tests] [comm] [bench] [kernels] [all]  (default: all = every part)
 #
-#   tests    python -m pytest tests/gpu -k 'not ep'             (one GPU)
-#            torchrun --nproc-per-node=$NGPU -m pytest tests/gpu/test_ep_reference.py  (>= 2 GPUs)
+#   tests    python -m pytest tests/gpu/test_triton_backend.py   (one GPU)
+#            torchrun --nproc-per-node=$NGPU -m pytest tests/gpu/test_ep_reference.py
+#                tests/gpu/test_triton_ep.py                         (>= 2 GPUs)
 #   comm     torchrun: tests/gpu/test_comm.py and the dispatch/combine bandwidth sweep (>= 2 GPUs)
 #   bench    megamoe bench on $MEGAMOE_PRESETS at W=1, and under torchrun at W=$NGPU (>= 2 GPUs)
 #   kernels  adds --kernels (grouped-GEMM kernel records) to the W=1 bench
@@ -85,10 +86,11 @@ fi
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
 
 if want tests; then
-    step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" "$PY" -m pytest -q tests/gpu -k 'not ep'
+    step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" "$PY" -m pytest -q tests/gpu/test_triton_backend.py
     if [ "$NGPU" -ge 2 ]; then
         step "EP tests, $NGPU GPUs" "$OUT/tests_ep.log" \
-            "${TORCHRUN[@]}" -m pytest -q -p no:cacheprovider tests/gpu/test_ep_reference.py
+            "${TORCHRUN[@]}" -m pytest -q -p no:cacheprovider tests/gpu/test_ep_reference.py \
+            tests/gpu/test_triton_ep.py
     else
         echo "EP tests: skipped (1 GPU)" | tee -a "$SUMMARY"
     fi

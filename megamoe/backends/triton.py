@@ -1,37 +1,82 @@
-"""Backend "triton": expert compute on one GPU with the Triton kernels of ``megamoe.kernels``.
+"""Backend "triton": expert compute with the Triton kernels of ``megamoe.kernels``, on one GPU or
+expert-parallel over NVLink (any world size).
 
-Forward:  schedule -> gather rows -> gate/up GEMM + SwiGLU -> down GEMM -> combine (+ shared).
-Backward: route grad (d_z rows, d_w) -> down dgrad + SwiGLU backward -> gate/up dgrad (one
-accumulator) -> combine d_x; weight gradients per expert in fixed row order.
+One GPU (W = 1):
+  Forward:  schedule -> gather rows -> gate/up GEMM + SwiGLU -> down GEMM -> combine (+ shared).
+  Backward: route grad (d_z rows, d_w) -> down dgrad + SwiGLU backward -> gate/up dgrad (one
+  accumulator) -> combine d_x; weight gradients per expert in fixed row order.
 
-Everything runs on the device without host synchronization (a whole step can be captured in a
-CUDA graph) and is bitwise deterministic. Expert parallelism (world size > 1) is issue 6.
+Expert parallel (W > 1), through the symmetric workspace (docs/comm.md):
+  Schedule: publish ids -> barrier -> gather every rank's ids -> row schedule of the local
+            experts (global slot order) -> capacity check on the device.
+  Forward:  publish x, weights -> barrier -> pull x rows from the peers -> the same expert
+            GEMMs -> push z rows into the source ranks' combine slots -> barrier -> combine the
+            own slots in k order (+ shared).
+  Backward: publish dy -> barrier -> pull dy rows (unscaled) -> route grad by row -> the same
+            dgrad/wgrad GEMMs -> push d_x rows and d_w values to the source ranks -> barrier ->
+            sum the own d_x slots in k order (+ shared d_x).
+
+Each expert sees its rows in the same order and tiles at every world size and the combines run
+the same kernels, so routed outputs and gradients at W > 1 have the bits of W = 1 on the same
+global batch. Nothing reads the device from the host (a whole step can be captured in a CUDA
+graph); device error records (capacity overflow, barrier stalls) reach Python as described at
+:func:`check`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import weakref
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 from ..config import MoEConfig
 from ..types import ExpertWeights, MoEGrads
 
 if TYPE_CHECKING:
     from ..kernels.schedule import RowSchedule
+    from ..workspace import Workspace
 
-__all__ = ["is_available", "build_schedule", "forward", "backward", "TritonSchedule",
-           "TritonContext"]
+__all__ = ["is_available", "build_schedule", "forward", "backward", "check", "CapacityError",
+           "TritonSchedule", "TritonContext", "EpRouting", "schedule_steps", "forward_steps",
+           "backward_steps", "CHECK_ENV"]
 
-# Expert parallelism over NVLink is issue 6; until then this backend runs on one GPU.
-MAX_WORLD_SIZE = 1
+# Any expert-parallel world size (the comm layer is written for W ranks).
+MAX_WORLD_SIZE = None
 # Compute capability the kernels are written for (wgmma, TMA).
 MIN_CAPABILITY = (9, 0)
 KERNEL_DTYPE = torch.bfloat16
 # TMA needs 16-byte row strides: sizes must be multiples of this many bf16 elements.
 SIZE_MULTIPLE = 8
+# Barrier channel of the layer's protocol (every barrier of a step, in program order).
+EP_CHANNEL = 0
+# When device error records are turned into exceptions (see `check`):
+#   lagged (default) at each build_schedule, the records as of the previous build_schedule,
+#                    through an async copy: never stalls the stream, errors show <= 2 steps late
+#   eager            also a blocking check at the end of every forward and backward (debugging)
+#   off              never automatically; call `check` yourself
+CHECK_ENV = "MEGAMOE_EP_CHECK"
+CHECK_MODES = ("lagged", "eager", "off")
+# Capacity record words: flag, offending rank, its routed rows, the capacity.
+_CAP_FLAG, _CAP_RANK, _CAP_ROWS, _CAP_LIMIT = range(4)
+_CAP_WORDS = 4
+# Routing entries per step of the capacity kernel's loop.
+_LOAD_BLOCK = 1024
+
+_T = TypeVar("_T")
+# A step of the EP protocol: yields where every rank must pass a device barrier, returns a value.
+Steps = Generator[None, None, _T]
+
+
+class CapacityError(RuntimeError):
+    """A rank was routed more rows than ``MoEConfig.capacity_factor`` allows."""
 
 
 def _interpreting() -> bool:
@@ -46,10 +91,6 @@ def is_available(device: torch.device | None = None) -> tuple[bool, str]:
     slow for real use and must never be what ``backend="auto"`` picks; tests call this module's
     functions directly there.
     """
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        return False, f"triton is not importable: {exc}"
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -64,12 +105,26 @@ def is_available(device: torch.device | None = None) -> tuple[bool, str]:
     return True, f"CUDA compute capability {cap[0]}.{cap[1]}"
 
 
+# --------------------------------------------------------------------------------------------
+# Schedule and context
+
+
+@dataclass(frozen=True)
+class EpRouting:
+    """What an expert-parallel schedule adds: the workspace and every rank's routing."""
+
+    workspace: Workspace
+    all_ids: torch.Tensor  # [W*T, K] int32, the schedule's input (global slot order)
+    capacity: int  # real routed rows one rank may hold
+
+
 @dataclass(frozen=True)
 class TritonSchedule:
     """Row layout of the routed experts (device tensors) plus the config it was built for."""
 
     routed: RowSchedule
     config: MoEConfig
+    ep: EpRouting | None = None
 
 
 @dataclass
@@ -78,7 +133,7 @@ class TritonContext:
 
     schedule: TritonSchedule
     x: torch.Tensor
-    topk_weights: torch.Tensor
+    slot_weights: torch.Tensor  # router weights by global slot: [T*K] (W=1) or [W*T*K] (W>1)
     weights: ExpertWeights
     xs: torch.Tensor
     g: torch.Tensor
@@ -90,18 +145,6 @@ class TritonContext:
 
 def _world_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
-                   group: dist.ProcessGroup | None) -> TritonSchedule:
-    """Device-side row layout of this step's routing (no host sync)."""
-    if _world_size(group) > 1:
-        raise NotImplementedError(
-            "backend 'triton' runs on one GPU for now; expert parallelism (world size > 1) is "
-            "issue 6 (expert parallelism over NVLink)")
-    from ..kernels.schedule import build_row_schedule
-    routed = build_row_schedule(topk_ids, config.num_experts, config.block_rows)
-    return TritonSchedule(routed, config)
 
 
 def _check_supported(x: torch.Tensor, config: MoEConfig) -> None:
@@ -118,12 +161,334 @@ def _contiguous(weights: ExpertWeights) -> ExpertWeights:
     return ExpertWeights(*(w.contiguous() if w is not None else None for w in weights))
 
 
+# --------------------------------------------------------------------------------------------
+# Expert compute (the same calls at every world size: the root of W>1 == W=1 bitwise)
+
+
+def _experts_forward(xs: torch.Tensor, weights: ExpertWeights,
+                     sched: RowSchedule) -> tuple[torch.Tensor, ...]:
+    """(g, u, h, z) of the routed rows."""
+    from ..kernels import gemm
+    g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)
+    return g, u, h, gemm.grouped_mm(h, weights.w_down, sched)
+
+
+def _shared_forward(x: torch.Tensor, weights: ExpertWeights, config: MoEConfig
+                    ) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
+    """((g, u, h), output) of the shared expert on the local tokens; (None, None) without one."""
+    from ..kernels import gemm
+    from ..kernels.schedule import uniform_schedule
+    if not weights.has_shared:
+        return None, None
+    one = uniform_schedule(x.shape[0], config.block_rows, x.device)
+    sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one)
+    return (sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one)
+
+
+def _experts_backward(dz: torch.Tensor, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
+    """(d_x rows, d_w_gate, d_w_up, d_w_down) from the routed rows' d_z."""
+    from ..kernels import gemm
+    sched, w = ctx.schedule.routed, ctx.weights
+    dg, du = gemm.dgrad_swiglu(dz, w.w_down, ctx.g, ctx.u, sched)
+    dxs = gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched)
+    return (dxs, gemm.wgrad(dg, ctx.xs, sched), gemm.wgrad(du, ctx.xs, sched),
+            gemm.wgrad(dz, ctx.h, sched))
+
+
+def _shared_backward(dy: torch.Tensor, ctx: TritonContext
+                     ) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
+    """(shared d_x, (d_s_gate, d_s_up, d_s_down)) over the local tokens."""
+    from ..kernels import gemm
+    from ..kernels.schedule import uniform_schedule
+    if ctx.shared is None:
+        return None, (None, None, None)
+    w = ctx.weights
+    sg, su, sh = ctx.shared
+    one = uniform_schedule(ctx.x.shape[0], ctx.schedule.config.block_rows, ctx.x.device)
+    dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], sg, su, one)
+    dx_shared = gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one)
+    return dx_shared, (gemm.wgrad(dsg, ctx.x, one)[0], gemm.wgrad(dsu, ctx.x, one)[0],
+                       gemm.wgrad(dy, sh, one)[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Per-workspace protocol state and error reporting
+
+
+@dataclass(eq=False)
+class _EpState:
+    """Host and device state of the EP protocol on one workspace (shared by layers using it)."""
+
+    capacity_record: torch.Tensor  # int32 [_CAP_WORDS], set by the capacity kernel
+    host_words: torch.Tensor  # (pinned) copy of the stall and capacity records, for lagged checks
+    snapshot: torch.cuda.Event | None = None
+    snapshot_pending: bool = False
+    # The peers may still read our routing_ids (published by the last build_schedule, which ends
+    # without a barrier): the next build_schedule must pass a barrier before overwriting them.
+    routing_in_use: bool = False
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(ws: Workspace) -> _EpState:
+    state = _STATES.get(ws)
+    if state is None:
+        from ..workspace import ERROR_WORDS
+        pinned = ws.device.type == "cuda"
+        state = _EpState(
+            capacity_record=torch.zeros(_CAP_WORDS, dtype=torch.int32, device=ws.device),
+            host_words=torch.zeros(ERROR_WORDS + _CAP_WORDS, dtype=torch.int32,
+                                   pin_memory=pinned))
+        _STATES[ws] = state
+    return state
+
+
+def _raise_if_recorded(ws: Workspace, words: list[int]) -> None:
+    """Turn error words (stall record, then capacity record) into an exception; clear the device
+    records first so that the workspace is usable again."""
+    from ..workspace import ERR_FLAG, ERROR_WORDS, StallError, describe_error
+    stall, cap = words[:ERROR_WORDS], words[ERROR_WORDS:]
+    if stall[ERR_FLAG] == 0 and cap[_CAP_FLAG] == 0:
+        return
+    ws.errors.zero_()
+    _state(ws).capacity_record.zero_()
+    if stall[ERR_FLAG]:
+        raise StallError(describe_error(stall))
+    raise CapacityError(
+        f"expert-parallel capacity exceeded: rank {cap[_CAP_RANK]} was routed {cap[_CAP_ROWS]} "
+        f"rows, its capacity is {cap[_CAP_LIMIT]} (MoEConfig.capacity_factor times T*top_k). "
+        f"No routed rows were computed in that step on any rank, so its outputs are invalid. "
+        f"Raise capacity_factor, or set it to None to allow the worst case (W*T*top_k rows).")
+
+
+def _device_words(ws: Workspace) -> torch.Tensor:
+    return torch.cat([ws.errors, _state(ws).capacity_record])
+
+
+def _capturing(ws: Workspace) -> bool:
+    return ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check(target: TritonSchedule | TritonContext | Workspace) -> None:
+    """Raise what the device recorded on this schedule's workspace since the last check.
+
+    :class:`CapacityError` when some rank was routed more rows than its capacity (every rank
+    records it: the check runs on all ranks' routing), ``StallError`` when a barrier gave up
+    waiting for a peer. A blocking read (host sync): call it at check points, never inside a
+    captured graph. With W = 1 there is no workspace and nothing to check.
+    """
+    ws = _workspace_of(target)
+    if ws is not None:
+        _raise_if_recorded(ws, _device_words(ws).tolist())
+
+
+def _workspace_of(target: TritonSchedule | TritonContext | Workspace) -> Workspace | None:
+    if isinstance(target, TritonContext):
+        target = target.schedule
+    if isinstance(target, TritonSchedule):
+        return target.ep.workspace if target.ep is not None else None
+    return target
+
+
+def _check_mode() -> str:
+    mode = os.environ.get(CHECK_ENV, CHECK_MODES[0])
+    if mode not in CHECK_MODES:
+        raise ValueError(f"{CHECK_ENV} must be one of {list(CHECK_MODES)}, got {mode!r}")
+    return mode
+
+
+def _lagged_check(ws: Workspace) -> None:
+    """At a step start: raise what the previous snapshot holds, then snapshot the records again.
+
+    The snapshot is an async copy into pinned memory after everything queued so far; waiting for
+    it one step later never stalls the stream (the GPU is still busy with the step in between),
+    and every rank raises at the same call, before any barrier, so no peer is left waiting.
+    """
+    state = _state(ws)
+    if _check_mode() == "off" or _capturing(ws):
+        return
+    if state.snapshot_pending:
+        if state.snapshot is not None:
+            state.snapshot.synchronize()
+        state.snapshot_pending = False
+        _raise_if_recorded(ws, state.host_words.tolist())
+    state.host_words.copy_(_device_words(ws), non_blocking=True)
+    if ws.device.type == "cuda":
+        state.snapshot = torch.cuda.Event()
+        state.snapshot.record()
+    state.snapshot_pending = True
+
+
+def _eager_check(ws: Workspace) -> None:
+    if _check_mode() == "eager" and not _capturing(ws):
+        check(ws)
+
+
+# --------------------------------------------------------------------------------------------
+# Capacity: every rank checks every rank's load, so all of them agree on an overflow
+
+
+@triton.jit
+def _capacity_kernel(ids_ptr, n_entries, experts_per_rank, capacity, cap_rows, rank,
+                     num_blocks_ptr, row_start_ptr, record_ptr, W: tl.constexpr,
+                     W_PAD: tl.constexpr, E: tl.constexpr, E1_PAD: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Count each rank's routed rows; on overflow empty the local schedule and record it.
+
+    Emptying (0 used blocks, every expert 0 rows) keeps every later kernel inside its buffers.
+    The local padded rows are checked too, which the real-row test already implies.
+    """
+    ranks = tl.arange(0, W_PAD)
+    loads = tl.zeros([W_PAD], dtype=tl.int32)
+    for start in range(0, n_entries, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n_entries, other=-1)
+        dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
+        loads += tl.sum((dest[:, None] == ranks[None, :]).to(tl.int32), axis=0)
+    over = (ranks < W) & (loads > capacity)
+    first = tl.min(tl.where(over, ranks, W_PAD), axis=0)
+    local_over = tl.load(num_blocks_ptr) * BLOCK_ROWS > cap_rows
+    if (first < W) | local_over:
+        culprit = tl.where(first < W, first, rank)
+        tl.store(num_blocks_ptr, 0)
+        experts = tl.arange(0, E1_PAD)
+        tl.store(row_start_ptr + experts, tl.zeros([E1_PAD], dtype=tl.int32), mask=experts <= E)
+        tl.store(record_ptr + 1, culprit)
+        tl.store(record_ptr + 2, tl.sum(tl.where(ranks == culprit, loads, 0), axis=0))
+        tl.store(record_ptr + 3, capacity)
+        tl.store(record_ptr, 1)
+
+
+def _limit_capacity(full: RowSchedule, all_ids: torch.Tensor, capacity: int, rank: int,
+                    world: int, record: torch.Tensor) -> RowSchedule:
+    """The schedule with its row buffers sized for ``capacity`` real rows (plus tile padding).
+
+    The schedule's own int32 tables keep their worst-case size (small); the activation buffers
+    follow ``rows``. Nothing to check when the capacity is the worst case.
+    """
+    from ..kernels.schedule import max_rows
+    if capacity >= all_ids.numel():
+        return full
+    cap_rows = min(full.rows, max_rows(capacity, full.num_experts, full.block_rows))
+    e = full.num_experts
+    _capacity_kernel[(1,)](all_ids, all_ids.numel(), e, capacity, cap_rows, rank,
+                           full.num_blocks, full.row_start, record, W=world,
+                           W_PAD=triton.next_power_of_2(world), E=e,
+                           E1_PAD=triton.next_power_of_2(e + 1), BLOCK_ROWS=full.block_rows,
+                           BLOCK=_LOAD_BLOCK)
+    return dataclasses.replace(full, rows=cap_rows)
+
+
+# --------------------------------------------------------------------------------------------
+# The expert-parallel protocol, as generators: the driver runs a device barrier at each yield
+# (`_run` on GPUs; the CPU tests run every emulated rank's steps in lockstep instead).
+
+
+def _barrier_point(ws: Workspace) -> Steps[None]:
+    """Every rank passes a device barrier here; afterwards no peer still reads our routing."""
+    yield
+    _state(ws).routing_in_use = False
+
+
+def _run(steps: Steps[_T], ws: Workspace) -> _T:
+    from ..kernels import comm
+    try:
+        while True:
+            next(steps)
+            comm.barrier(ws, EP_CHANNEL)
+    except StopIteration as done:
+        return done.value
+
+
+def schedule_steps(topk_ids: torch.Tensor, config: MoEConfig, ws: Workspace) -> Steps[TritonSchedule]:
+    """Publish ids, exchange, and lay out the rows of this rank's experts (no host sync)."""
+    from ..kernels import comm
+    from ..kernels.schedule import build_row_schedule
+    from ..workspace import publish
+    state = _state(ws)
+    if state.routing_in_use:  # two schedules in a row: peers may still read the last ids
+        yield from _barrier_point(ws)
+    publish(ws, topk_ids=topk_ids.detach())
+    yield from _barrier_point(ws)
+    all_ids, _ = comm.gather_routing(ws)
+    state.routing_in_use = True
+    e_local = config.local_experts(ws.world_size)
+    full = build_row_schedule(all_ids, e_local, config.block_rows,
+                              expert_lo=ws.rank * e_local)
+    capacity = config.capacity_rows(ws.num_tokens, ws.world_size)
+    routed = _limit_capacity(full, all_ids, capacity, ws.rank, ws.world_size,
+                             state.capacity_record)
+    return TritonSchedule(routed, config, EpRouting(ws, all_ids, capacity))
+
+
+def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
+                  schedule: TritonSchedule) -> Steps[tuple[torch.Tensor, TritonContext]]:
+    """Pull dispatch, expert GEMMs, push combine, local k-order combine (+ shared)."""
+    from ..kernels import comm, rows
+    from ..workspace import publish
+    ws, sched, config = schedule.ep.workspace, schedule.routed, schedule.config
+    publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
+    yield from _barrier_point(ws)
+    _, slot_weights = comm.gather_routing(ws)
+    xs = comm.dispatch_pull(ws, sched, "x", programs=config.comm_programs)
+    g, u, h, z = _experts_forward(xs, weights, sched)
+    comm.combine_push(ws, z, sched, "combine", programs=config.comm_programs)
+    shared, shared_out = _shared_forward(x, weights, config)
+    yield from _barrier_point(ws)
+    y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype)
+    ctx = TritonContext(schedule, x, slot_weights.view(-1), weights, xs, g, u, h, z, shared)
+    return y, ctx
+
+
+def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
+    """Pull dy rows, route grad by row, dgrad/wgrad GEMMs, push d_x rows and d_w values back."""
+    from ..kernels import comm, rows
+    from ..workspace import publish
+    schedule = ctx.schedule
+    ws, sched, programs = schedule.ep.workspace, schedule.routed, schedule.config.comm_programs
+    publish(ws, dy=dy.detach())
+    yield from _barrier_point(ws)
+    dy_rows = comm.dispatch_pull(ws, sched, "dy", programs=programs, scale=False)
+    dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.z, ctx.slot_weights, sched)
+    dxs, d_w_gate, d_w_up, d_w_down = _experts_backward(dz, ctx)
+    comm.combine_push(ws, dxs, sched, "dx", programs=programs)
+    comm.push_row_values(ws, dw_rows, sched, programs=programs)
+    dx_shared, shared_grads = _shared_backward(dy, ctx)
+    yield from _barrier_point(ws)
+    dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype)
+    d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k).clone()
+    return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)
+
+
+# --------------------------------------------------------------------------------------------
+# The backend interface
+
+
+def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
+                   group: dist.ProcessGroup | None) -> TritonSchedule:
+    """Device-side row layout of this step's routing (no host sync).
+
+    With W > 1 this is also the step's check point for errors of earlier steps (see
+    :func:`check` and ``MEGAMOE_EP_CHECK``), and the first call for a shape creates the
+    symmetric workspace (a collective: every rank must call it).
+    """
+    from ..kernels.schedule import build_row_schedule
+    if _world_size(group) == 1:
+        routed = build_row_schedule(topk_ids, config.num_experts, config.block_rows)
+        return TritonSchedule(routed, config)
+    from ..workspace import get_workspace
+    t, k = topk_ids.shape
+    ws = get_workspace(group, t, config.hidden_size, k, KERNEL_DTYPE, topk_ids.device)
+    _lagged_check(ws)
+    return _run(schedule_steps(topk_ids, config, ws), ws)
+
+
 def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             weights: ExpertWeights, config: MoEConfig, group: dist.ProcessGroup | None,
             schedule: TritonSchedule | None) -> tuple[torch.Tensor, TritonContext]:
     """y [T, H] bf16 and the context for :func:`backward`."""
-    from ..kernels import gemm, rows
-    from ..kernels.schedule import uniform_schedule
+    from ..kernels import rows
 
     _check_supported(x, config)
     if schedule is None:
@@ -131,44 +496,35 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     weights = _contiguous(weights)
     x = x.contiguous()
     topk_weights = topk_weights.contiguous()
+    if schedule.ep is not None:
+        ws = schedule.ep.workspace
+        if x.shape[0] != ws.num_tokens:
+            raise ValueError(f"x has {x.shape[0]} tokens, the schedule was built for "
+                             f"{ws.num_tokens}")
+        y, ctx = _run(forward_steps(x, topk_weights, weights, schedule), ws)
+        _eager_check(ws)
+        return y, ctx
     sched = schedule.routed
     xs = rows.gather(x, sched)
-    g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)
-    z = gemm.grouped_mm(h, weights.w_down, sched)
-    shared = None
-    shared_out = None
-    if weights.has_shared:
-        one = uniform_schedule(x.shape[0], config.block_rows, x.device)
-        sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one)
-        shared_out = gemm.grouped_mm(sh, weights.s_down[None], one)
-        shared = (sg, su, sh)
+    g, u, h, z = _experts_forward(xs, weights, sched)
+    shared, shared_out = _shared_forward(x, weights, config)
     y = rows.combine(z, sched, topk_weights, shared_out, x.dtype)
-    ctx = TritonContext(schedule, x, topk_weights, weights, xs, g, u, h, z, shared)
-    return y, ctx
+    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, xs, g, u, h, z, shared)
 
 
 def backward(ctx: TritonContext, grad_y: torch.Tensor) -> MoEGrads:
     """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype)."""
-    from ..kernels import gemm, rows
-    from ..kernels.schedule import uniform_schedule
+    from ..kernels import rows
 
-    sched = ctx.schedule.routed
-    w = ctx.weights
     dy = grad_y.to(ctx.x.dtype).contiguous()
-    dz, d_topk = rows.route_grad(dy, ctx.z, ctx.topk_weights, sched)
-    dg, du = gemm.dgrad_swiglu(dz, w.w_down, ctx.g, ctx.u, sched)
-    dxs = gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched)
-    d_w_down = gemm.wgrad(dz, ctx.h, sched)
-    d_w_gate = gemm.wgrad(dg, ctx.xs, sched)
-    d_w_up = gemm.wgrad(du, ctx.xs, sched)
-    shared_grads: tuple[torch.Tensor | None, ...] = (None, None, None)
-    dx_shared = None
-    if ctx.shared is not None:
-        sg, su, sh = ctx.shared
-        one = uniform_schedule(ctx.x.shape[0], ctx.schedule.config.block_rows, ctx.x.device)
-        dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], sg, su, one)
-        dx_shared = gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one)
-        shared_grads = (gemm.wgrad(dsg, ctx.x, one)[0], gemm.wgrad(dsu, ctx.x, one)[0],
-                        gemm.wgrad(dy, sh, one)[0])
+    if ctx.schedule.ep is not None:
+        ws = ctx.schedule.ep.workspace
+        grads = _run(backward_steps(ctx, dy), ws)
+        _eager_check(ws)
+        return grads
+    sched = ctx.schedule.routed
+    dz, d_topk = rows.route_grad(dy, ctx.z, ctx.slot_weights, sched)
+    dxs, d_w_gate, d_w_up, d_w_down = _experts_backward(dz, ctx)
+    dx_shared, shared_grads = _shared_backward(dy, ctx)
     dx = rows.combine(dxs, sched, None, dx_shared, ctx.x.dtype)
     return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)

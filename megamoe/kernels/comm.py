@@ -391,18 +391,25 @@ def _check_schedule(ws: Workspace, sched: RowSchedule) -> None:
 
 def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
                   out: torch.Tensor | None = None, programs: int = DEFAULT_COMM_PROGRAMS,
-                  tile_bytes: int = COPY_TILE_BYTES, num_warps: int = COPY_WARPS) -> torch.Tensor:
+                  tile_bytes: int = COPY_TILE_BYTES, num_warps: int = COPY_WARPS,
+                  scale: bool | None = None) -> torch.Tensor:
     """Pull the scheduled rows from every rank into ``out [sched.rows, H]``.
 
     ``source="x"``: the peers' ``x_buffer`` rows. ``source="dy"``: ``dy_buffer`` rows scaled by the
-    router weight of their slot (the backward of the weighted combine). Padding rows are zeros;
-    rows past the used ones are left untouched. Call after a barrier that follows the publish.
+    router weight of their slot (the backward of the weighted combine); ``scale=False`` pulls them
+    unscaled (a backward that also needs ``<dy, z>`` for the router-weight gradient). Padding rows
+    are zeros; rows past the used ones are left untouched. Call after a barrier that follows the
+    publish.
     """
     _check_schedule(ws, sched)
     if source not in ("x", "dy"):
         raise ValueError(f"source must be 'x' or 'dy', got {source!r}")
     if source == "dy" and not ws.backward:
         raise ValueError("source='dy' needs a workspace built with backward=True")
+    if scale is None:
+        scale = source == "dy"
+    elif scale and source != "dy":
+        raise ValueError("scale=True needs source='dy' (x rows are never scaled)")
     h = ws.hidden
     if out is None:
         out = torch.empty((sched.rows, h), dtype=ws.dtype, device=ws.device)
@@ -413,7 +420,7 @@ def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
     table = ws.peers.x if source == "x" else ws.peers.dy
     _pull_kernel[(_programs(programs),)](
         table, ws.peers.weights, out, sched.row_src, sched.num_blocks, ws.num_tokens, h,
-        TOP_K=ws.top_k, BLOCK_ROWS=sched.block_rows, SCALE=source == "dy", ROWS=rows, COLS=cols,
+        TOP_K=ws.top_k, BLOCK_ROWS=sched.block_rows, SCALE=bool(scale), ROWS=rows, COLS=cols,
         UPCAST=interpreting(), num_warps=num_warps)
     return out
 

@@ -80,12 +80,12 @@ def kernel_specs() -> list[KernelSpec]:
     specs.append(_spec("route_grad", rows._route_grad_kernel,
                        dict(dy_ptr="*bf16", z_ptr="*bf16", w_ptr="*fp32", row_src_ptr="*i32",
                             num_blocks_ptr="*i32", dz_ptr="*bf16", dw_ptr="*fp32", H="i32"),
-                       row_consts))
+                       {**row_consts, "BY_ROW": False}))
     specs.append(_spec("combine", rows._combine_kernel,
                        dict(z_ptr="*bf16", dest_row_ptr="*i32", w_ptr="*fp32", base_ptr="*bf16",
                             out_ptr="*bf16", T="i32", H="i32"),
-                       dict(TOP_K=8, HAS_WEIGHT=True, HAS_BASE=True, TOKENS=rows._TOKENS,
-                            COLS=rows._COLS, UPCAST=False)))
+                       dict(TOP_K=8, HAS_WEIGHT=True, HAS_BASE=True, IDENTITY=False,
+                            TOKENS=rows._TOKENS, COLS=rows._COLS, UPCAST=False)))
     t = gemm.GPU_TILES["gate_up"]
     specs.append(_spec(
         "gate_up", gemm._gate_up_kernel,

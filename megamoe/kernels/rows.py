@@ -4,6 +4,10 @@
   combine     y[t]  = sum_k w[t,k] * z[row(t,k)]  (fp32, k in order) + base[t]
   route_grad  dz[r] = w[t,k] * dy[t];  dw[t,k] = <dy[t], z[r]>   (fp32, fixed order)
 
+Expert-parallel variants (same kernels, a constexpr switch, so W > 1 gives the bits of W = 1):
+  combine_slots    y[t]  = sum_k w[t,k] * slots[t*K+k] + base[t]  (slots pushed by the owners)
+  route_grad_rows  dz[r] = w[s] * dy_rows[r];  dw_rows[r] = <dy_rows[r], z[r]>  (dy pulled by row)
+
 Only rows of used row blocks are touched; grids are sized for the worst case so the host
 never reads the schedule.
 """
@@ -18,7 +22,7 @@ from .schedule import RowSchedule
 from .runtime import empty, interpreting
 from .tiles import load_rows, store_rows
 
-__all__ = ["gather", "combine", "route_grad"]
+__all__ = ["gather", "combine", "combine_slots", "route_grad", "route_grad_rows"]
 
 # Rows x columns of one program's tile in these memory-bound kernels.
 _ROWS = 16
@@ -41,8 +45,8 @@ def _gather_kernel(x_ptr, out_ptr, row_src_ptr, num_blocks_ptr, H, TOP_K: tl.con
 
 @triton.jit
 def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, out_ptr, T, H, TOP_K: tl.constexpr,
-                    HAS_WEIGHT: tl.constexpr, HAS_BASE: tl.constexpr, TOKENS: tl.constexpr,
-                    COLS: tl.constexpr, UPCAST: tl.constexpr):
+                    HAS_WEIGHT: tl.constexpr, HAS_BASE: tl.constexpr, IDENTITY: tl.constexpr,
+                    TOKENS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     tok_mask = tokens < T
@@ -50,7 +54,10 @@ def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, out_ptr, T, H, TOP_K: 
     acc = tl.zeros([TOKENS, COLS], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         slot = tokens * TOP_K + k
-        row = tl.load(dest_row_ptr + slot, mask=tok_mask, other=-1)
+        if IDENTITY:  # z holds one row per slot (the expert-parallel combine buffer)
+            row = slot
+        else:
+            row = tl.load(dest_row_ptr + slot, mask=tok_mask, other=-1)
         val = load_rows(z_ptr, row, cols, H, tok_mask & (row >= 0), col_mask)
         if HAS_WEIGHT:
             val = val * tl.load(w_ptr + slot, mask=tok_mask, other=0.0)[:, None]
@@ -62,22 +69,27 @@ def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, out_ptr, T, H, TOP_K: 
 
 @triton.jit
 def _route_grad_kernel(dy_ptr, z_ptr, w_ptr, row_src_ptr, num_blocks_ptr, dz_ptr, dw_ptr, H,
-                       TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr,
-                       COLS: tl.constexpr, UPCAST: tl.constexpr):
+                       TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BY_ROW: tl.constexpr,
+                       ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     used = rows < tl.load(num_blocks_ptr) * BLOCK_ROWS
     slot = tl.load(row_src_ptr + rows, mask=used, other=-1)
     real = used & (slot >= 0)
-    token = slot // TOP_K
+    if BY_ROW:  # dy already in the row layout (pulled from the source ranks); dw per row
+        dy_row = rows
+        dw_at = rows
+    else:
+        dy_row = slot // TOP_K
+        dw_at = slot
     w = tl.load(w_ptr + slot, mask=real, other=0.0)
     dot = tl.zeros([ROWS], dtype=tl.float32)
     for c0 in range(0, H, COLS):
         cols = c0 + tl.arange(0, COLS)
         col_mask = cols < H
-        dy = load_rows(dy_ptr, token, cols, H, real, col_mask)
+        dy = load_rows(dy_ptr, dy_row, cols, H, real, col_mask)
         dot += tl.sum(dy * load_rows(z_ptr, rows, cols, H, real, col_mask), axis=1)
         store_rows(dz_ptr, rows, cols, H, w[:, None] * dy, used, col_mask, UPCAST)
-    tl.store(dw_ptr + slot, dot, mask=real)
+    tl.store(dw_ptr + dw_at, dot, mask=real)
 
 
 def gather(x: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
@@ -100,7 +112,27 @@ def combine(z: torch.Tensor, sched: RowSchedule, weights: torch.Tensor | None,
     _combine_kernel[grid](z, sched.dest_row, weights if weights is not None else z,
                           base if base is not None else z, out, t, h, TOP_K=sched.top_k,
                           HAS_WEIGHT=weights is not None, HAS_BASE=base is not None,
-                          TOKENS=_TOKENS, COLS=_COLS, UPCAST=interpreting())
+                          IDENTITY=False, TOKENS=_TOKENS, COLS=_COLS, UPCAST=interpreting())
+    return out
+
+
+def combine_slots(slots: torch.Tensor, top_k: int, weights: torch.Tensor | None,
+                  base: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`combine` over one row per (token, k): ``slots [T*K, H]``, row ``t*K+k``.
+
+    The expert-parallel epilogue: the experts' owners pushed their rows into these slots. The
+    arithmetic is :func:`combine`'s (same kernel), so the result has the same bits.
+    """
+    n, h = slots.shape
+    if n % top_k:
+        raise ValueError(f"slots must have T*top_k rows, got {n} rows with top_k={top_k}")
+    t = n // top_k
+    out = empty((t, h), out_dtype, slots.device)
+    grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
+    _combine_kernel[grid](slots, slots, weights if weights is not None else slots,
+                          base if base is not None else slots, out, t, h, TOP_K=top_k,
+                          HAS_WEIGHT=weights is not None, HAS_BASE=base is not None,
+                          IDENTITY=True, TOKENS=_TOKENS, COLS=_COLS, UPCAST=interpreting())
     return out
 
 
@@ -112,7 +144,27 @@ def route_grad(dy: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
     dw = empty((sched.num_tokens, sched.top_k), torch.float32, z.device)
     grid = (sched.rows // _ROWS,)
     _route_grad_kernel[grid](dy, z, weights, sched.row_src, sched.num_blocks, dz, dw, h,
-                             TOP_K=sched.top_k, BLOCK_ROWS=sched.block_rows, ROWS=_ROWS,
-                             COLS=_COLS, UPCAST=interpreting())
+                             TOP_K=sched.top_k, BLOCK_ROWS=sched.block_rows, BY_ROW=False,
+                             ROWS=_ROWS, COLS=_COLS, UPCAST=interpreting())
+    return dz, dw
+
+
+def route_grad_rows(dy_rows: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
+                    sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route_grad` with ``dy`` already in the row layout (pulled unscaled from the peers).
+
+    ``weights`` is indexed by the global slot of each row (every rank's weights, concatenated).
+    Returns (dz [rows, H], zeros on padding rows; dw [rows] fp32, set on real rows only), with
+    the bits :func:`route_grad` gives for the same rows.
+    """
+    h = dy_rows.shape[1]
+    if dy_rows.shape[0] < sched.rows:
+        raise ValueError(f"dy_rows must have >= {sched.rows} rows, got {dy_rows.shape[0]}")
+    dz = empty((sched.rows, h), z.dtype, z.device)
+    dw = empty(sched.rows, torch.float32, z.device)
+    grid = (sched.rows // _ROWS,)
+    _route_grad_kernel[grid](dy_rows, z, weights, sched.row_src, sched.num_blocks, dz, dw, h,
+                             TOP_K=sched.top_k, BLOCK_ROWS=sched.block_rows, BY_ROW=True,
+                             ROWS=_ROWS, COLS=_COLS, UPCAST=interpreting())
     return dz, dw
 
