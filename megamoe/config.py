@@ -45,7 +45,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     shared_intermediate_size: int = 0
-    comm_programs: int = 16
+    comm_programs: int = 24
     minibatch_rows: int = 256
     ring_rows: int = 16384
     block_rows: int = DEFAULT_BLOCK_ROWS

@@ -41,8 +41,8 @@ WAIT = 2
 BOTH = ARRIVE | WAIT
 STAGE_BARRIER = 1  # stage code in the error record (workspace.STAGE_NAMES[1] == "barrier")
 
-# Programs that move rows; config.comm_programs overrides it.
-DEFAULT_COMM_PROGRAMS = 16
+# Programs that move rows; config.comm_programs overrides it (same default, from the sweep).
+DEFAULT_COMM_PROGRAMS = 24
 # Polls of a flag before a wait gives up. One acquire poll of a local flag costs ~0.5-1 us, so
 # this is seconds: long enough for a peer still compiling a kernel, short enough to beat a hang.
 DEFAULT_SPIN_BUDGET = 1 << 24
@@ -52,6 +52,12 @@ SPIN_BUDGET_ENV = "MEGAMOE_SPIN_BUDGET"
 COPY_TILE_BYTES = 64 * 1024
 _MAX_COLS = 1024
 COPY_WARPS = 8
+# Pulls are latency bound (a load round trip over NVLink per tile), so they want more bytes in
+# flight than pushes: the 2026-11-30 H200x2 sweep (benchmarks/results/comm_h200x2_2026-11-30.json)
+# gave 294 GB/s with 128 KB / 16 warps vs 249 with 64 KB / 8 warps at 24 programs; pushes peaked
+# at 64 KB / 8 warps (319 GB/s).
+PULL_TILE_BYTES = 128 * 1024
+PULL_WARPS = 16
 _ROUTING_BLOCK = 1024
 
 # Error record word offsets (workspace.ERR_*), as constexprs for the device code.
@@ -391,7 +397,7 @@ def _check_schedule(ws: Workspace, sched: RowSchedule) -> None:
 
 def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
                   out: torch.Tensor | None = None, programs: int = DEFAULT_COMM_PROGRAMS,
-                  tile_bytes: int = COPY_TILE_BYTES, num_warps: int = COPY_WARPS,
+                  tile_bytes: int = PULL_TILE_BYTES, num_warps: int = PULL_WARPS,
                   scale: bool | None = None) -> torch.Tensor:
     """Pull the scheduled rows from every rank into ``out [sched.rows, H]``.
 
