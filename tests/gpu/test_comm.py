@@ -11,17 +11,17 @@ the other waiting in a collective.
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from ep_support import release_workspaces
 
 from megamoe.bench_comm import bench_comm
 from megamoe.kernels import comm
 from megamoe.kernels.schedule import build_row_schedule
-from megamoe.workspace import (StallError, check_errors, clear_workspace_cache, get_workspace,
+from megamoe.workspace import (StallError, check_errors, get_workspace,
                                publish)
 
 pytestmark = pytest.mark.skipif(
@@ -32,17 +32,9 @@ T, H, K, E_LOCAL, BLOCK_ROWS = 256, 7168, 8, 8, 128
 
 
 @pytest.fixture(scope="module")
-def group():
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    yield dist.group.WORLD
-    torch.cuda.synchronize()
-    clear_workspace_cache()
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+def group(nccl_world):
+    yield nccl_world[0]
+    release_workspaces()
 
 
 def agree(ok: bool, what: str = "") -> None:

@@ -9,7 +9,6 @@ Skipped unless started by torchrun (WORLD_SIZE set) with a GPU per rank.
 """
 
 import functools
-import os
 
 import pytest
 import torch
@@ -48,21 +47,12 @@ SHAPES = [
 
 
 @pytest.fixture(scope="module")
-def ep():
+def ep(nccl_world):
     """The NCCL group of all torchrun ranks, one GPU each."""
-    if "WORLD_SIZE" not in os.environ:
-        pytest.skip("run under torchrun (WORLD_SIZE is not set)")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU per rank")
-    world = int(os.environ["WORLD_SIZE"])
+    world = dist.get_world_size()
     if world < 2:
         pytest.skip(f"needs at least 2 ranks, got WORLD_SIZE={world}")
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=device)
-    yield dist.group.WORLD, device
-    dist.destroy_process_group()
+    yield nccl_world
 
 
 def _shared_seed(device: torch.device) -> int:

@@ -12,19 +12,18 @@ failure never leaves the other waiting in a collective.
 from __future__ import annotations
 
 import functools
-import gc
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from ep_support import release_workspaces
 
 from megamoe import MoEConfig, functional
 from megamoe.backends import triton as backend
 from megamoe.config import get_preset
 from megamoe.reference import moe_reference
 from megamoe.testing import ep_vs_single, global_weights, make_inputs, slice_weights
-from megamoe.workspace import clear_workspace_cache
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or "WORLD_SIZE" not in os.environ
@@ -47,18 +46,9 @@ ODD = {
 
 
 @pytest.fixture(scope="module")
-def ep():
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=device)
-    yield dist.group.WORLD, device
-    torch.cuda.synchronize()
-    clear_workspace_cache()
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+def ep(nccl_world):
+    yield nccl_world
+    release_workspaces()
 
 
 def agree(ok: bool, what: str = "") -> None:
