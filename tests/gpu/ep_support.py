@@ -16,3 +16,12 @@ def release_workspaces() -> None:
     clear_workspace_cache()
     gc.collect()
     dist.barrier()
+
+
+def agree(ok: bool, what: str = "") -> None:
+    """Assert on every rank that every rank's check passed (so that one rank's failure never
+    leaves the other waiting in a collective)."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (bool(ok), what))
+    bad = [f"rank {r}: {w}" for r, (o, w) in enumerate(verdicts) if not o]
+    assert not bad, "; ".join(bad)

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ep_support import release_workspaces
+from ep_support import agree, release_workspaces
 
 from megamoe.bench_comm import bench_comm
 from megamoe.kernels import comm
@@ -35,14 +35,6 @@ T, H, K, E_LOCAL, BLOCK_ROWS = 256, 7168, 8, 8, 128
 def group(nccl_world):
     yield nccl_world[0]
     release_workspaces()
-
-
-def agree(ok: bool, what: str = "") -> None:
-    """Assert on every rank that every rank's check passed."""
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, (bool(ok), what))
-    bad = [f"rank {r}: {w}" for r, (o, w) in enumerate(verdicts) if not o]
-    assert not bad, "; ".join(bad)
 
 
 def _encode(slot: torch.Tensor, h: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ep_support import release_workspaces
+from ep_support import agree, release_workspaces
 
 from megamoe import MoEConfig, functional
 from megamoe.backends import triton as backend
@@ -49,14 +49,6 @@ ODD = {
 def ep(nccl_world):
     yield nccl_world
     release_workspaces()
-
-
-def agree(ok: bool, what: str = "") -> None:
-    """Assert on every rank that every rank's check passed."""
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, (bool(ok), what))
-    bad = [f"rank {r}: {w}" for r, (o, w) in enumerate(verdicts) if not o]
-    assert not bad, "; ".join(bad)
 
 
 def _seed(device: torch.device) -> int:
