@@ -58,7 +58,10 @@ def local_experts_forward(rows: torch.Tensor, local_ids: torch.Tensor, w_gate: t
     perm = torch.sort(local_ids, stable=True).indices
     counts = torch.bincount(local_ids, minlength=w_gate.shape[0]).tolist()
     blocks = rows.index_select(0, perm).split(counts)
-    outs = [swiglu_mlp(b, w_gate[e], w_up[e], w_down[e]) for e, b in enumerate(blocks) if len(b)]
+    # unbind, not w[e]: the backward of one unbind stacks the per-expert gradients once, where
+    # each w[e] would materialize (and add) a gradient the size of all experts' weights.
+    gate, up, down = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    outs = [swiglu_mlp(b, gate[e], up[e], down[e]) for e, b in enumerate(blocks) if len(b)]
     grouped = torch.cat(outs)
     return grouped.new_empty(grouped.shape).index_copy(0, perm, grouped)
 
