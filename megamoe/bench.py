@@ -7,6 +7,11 @@ clock on the CPU), reduced with MAX over ranks, and the MEDIAN over iterations i
 TFLOP/s per GPU from :meth:`MoEConfig.flops_per_token` (backward counts twice the forward) and
 the dense bf16 GEMM rate measured in the same run. Records follow DESIGN.md "Benchmark records".
 
+Backend "triton" at W > 1 on GPUs also gets the bandwidth of its NVLink copies: after its layer
+timing, the step's schedule is built once on the case's routing and the dispatch pull, combine
+push, dy pull and d_x push are timed alone (``bench_comm.layer_comm_gbps``: GB/s of remote bytes,
+median of the per-iteration max over ranks), with the config's ``comm_programs``.
+
 Every rank calls :func:`run_bench` (it uses collectives); rank 0 reports.
 """
 
@@ -44,6 +49,8 @@ __all__ = [
     "default_presets",
     "default_backends",
     "measure_gemm_peak",
+    "measures_comm",
+    "tunable_fields",
     "run_bench",
     "git_commit",
 ]
@@ -57,6 +64,9 @@ RECORD_FIELDS: tuple[str, ...] = (
     "routing", "iters", "check", "speedup_vs_torch_a2a",
     "check_rel", "check_ok", "fwd_speedup_vs_torch_a2a", "local_experts", "warmup", "status",
     "note", "torch",
+    # Where they apply (else null): GB/s of the NVLink copies and the config tunables used.
+    "dispatch_gbps", "combine_gbps", "dispatch_bwd_gbps", "combine_bwd_gbps", "comm_programs",
+    "minibatch_rows", "ring_rows",
 )
 DEFAULT_SEED = 1234
 # Worst relative error (norm-wise, output and every gradient) a bf16 layer may have vs float64.
@@ -67,6 +77,13 @@ GEMM_PEAK_WARMUP, GEMM_PEAK_ITERS = 3, 10
 # Backward FLOPs are twice the forward's (dgrad + wgrad), so fwd+bwd = 3x forward.
 FWDBWD_FLOP_FACTOR = 3
 _RANK_SEED_STRIDE = 7919
+# Config tunables each backend reads at W > 1, recorded with its results (DESIGN.md: "where they
+# apply"). The unfused "triton" backend moves rows with comm_programs programs; minibatch_rows and
+# ring_rows are tunables of the fused kernel (MoEConfig's docstring).
+BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
+    "triton": ("comm_programs",),
+    "fused": ("comm_programs", "minibatch_rows", "ring_rows"),
+}
 
 
 @dataclass(frozen=True)
@@ -337,6 +354,36 @@ def time_backend(fn: MoEFn, case: Case, opts: BenchOptions, env: DistEnv,
             "fwdbwd_ms": _median(worst[:, 2])}
 
 
+# ------------------------------------------------------------------------------ communication
+
+def tunable_fields(backend: str, config: MoEConfig, world_size: int) -> dict[str, int]:
+    """The config tunables ``backend`` reads at this world size (none at W = 1: nothing moves)."""
+    if world_size == 1:
+        return {}
+    return {name: getattr(config, name) for name in BACKEND_TUNABLES.get(backend, ())}
+
+
+def measures_comm(backend: str, env: DistEnv) -> bool:
+    """Copy bandwidth is timed for backend "triton" expert-parallel on GPUs only."""
+    return backend == "triton" and env.world_size > 1 and env.device.type == "cuda"
+
+
+def time_comm(case: Case, opts: BenchOptions, env: DistEnv) -> dict[str, float]:
+    """GB/s of remote bytes of triton's dispatch/combine copies (forward and backward) on the
+    case's routing: its schedule is built once, x and dy are published, each copy is timed alone.
+
+    A collective (barriers, all-reduce): every rank calls it.
+    """
+    from .bench_comm import layer_comm_gbps
+    from .workspace import publish
+
+    schedule = functional.build_schedule(case.topk_ids, case.config, env.group, backend="triton")
+    ws = schedule.ep.workspace
+    publish(ws, x=case.x.detach(), dy=case.grad_y)  # visible to peers after the next barrier
+    return layer_comm_gbps(ws, schedule.routed, case.config.comm_programs, opts.iters,
+                           opts.warmup, env.group)
+
+
 # ------------------------------------------------------------------------------------ records
 
 def base_record(case: Case, backend: str, opts: BenchOptions, env: DistEnv, peak: float,
@@ -436,6 +483,10 @@ def _run_one(case: Case, backend: str, expected: RunResult | None, opts: BenchOp
             bar.step()
         rec.update(time_backend(fn, case, opts, env, tick))
         add_rates(rec, case.config, case.tokens)
+        rec.update(tunable_fields(backend, case.config, env.world_size))
+        if measures_comm(backend, env):
+            bar.update(f"{label}: dispatch/combine GB/s")
+            rec.update(time_comm(case, opts, env))
     except NotImplementedError as exc:  # e.g. a single-GPU backend under expert parallelism
         rec.update(status="skipped", note=str(exc).splitlines()[0][:300])
         bar.step(steps - done, f"{label}: skipped")

@@ -7,17 +7,21 @@ Run under torchrun (one process per GPU)::
 Every rank moves its rows at the same time (each timed iteration starts right after a device
 barrier). Only bytes that cross NVLink count: rows a rank pulls from a peer (dispatch) or pushes to
 a peer (combine); rows of the rank's own tokens are copied too but not counted. A time is the
-median over iterations of the per-iteration maximum over ranks.
+median over iterations of the per-iteration maximum over ranks; GB/s is the remote bytes of the
+busiest rank (the most remote rows; with uniform routing every rank moves about the same) over that
+time. ``megamoe bench`` reuses :func:`layer_comm_gbps` to time the layer's own copies on the
+schedule of its real routing.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +31,8 @@ from .kernels import comm
 from .kernels.schedule import RowSchedule, build_row_schedule
 from .workspace import Workspace, check_errors, get_workspace, publish
 
-__all__ = ["bench_comm", "routed_problem", "remote_rows", "main"]
+__all__ = ["bench_comm", "routed_problem", "remote_rows", "remote_bytes_per_rank", "remote_gbps",
+           "time_op", "measure_op", "copy_ops", "layer_comm_gbps", "LAYER_FIELDS", "main"]
 
 _DEFAULT_PROGRAMS = (8, 16, 24)
 _DEFAULT_TILE_KB = (32, 64, 128)
@@ -61,7 +66,25 @@ def remote_rows(ws: Workspace, sched: RowSchedule) -> int:
     return int(((slots >= 0) & (slots // ws.slots != ws.rank)).sum().item())
 
 
-def _time(ws: Workspace, fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
+def remote_bytes_per_rank(ws: Workspace, sched: RowSchedule,
+                          group: dist.ProcessGroup | None = None) -> list[int]:
+    """Every rank's remote rows x H x itemsize: the bytes its pull (and push) moves over NVLink."""
+    mine = remote_rows(ws, sched) * ws.hidden * ws.dtype.itemsize
+    everyone: list[int] = [0] * ws.world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def remote_gbps(remote_bytes: Sequence[int], ms: float) -> float:
+    """GB/s of the busiest rank's remote bytes over ``ms`` (a per-iteration max over ranks).
+
+    The busiest rank finished within ``ms``, so this is a lower bound on its own rate.
+    """
+    return max(remote_bytes) / (ms * 1e-3) / 1e9
+
+
+def time_op(ws: Workspace, fn: Callable[[], object], iters: int, warmup: int,
+            group: dist.ProcessGroup | None = None) -> list[float]:
     """Per-iteration times (ms), maximum over ranks; each iteration starts after a barrier."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]
@@ -75,8 +98,61 @@ def _time(ws: Workspace, fn: Callable[[], None], iters: int, warmup: int) -> lis
         end.record()
     torch.cuda.synchronize()
     times = torch.tensor([s.elapsed_time(e) for s, e in events], device=ws.device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return times.tolist()
+
+
+def measure_op(ws: Workspace, fn: Callable[[], object], remote_bytes: Sequence[int], iters: int,
+               warmup: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """median_ms, min_ms (of the per-iteration max over ranks) and GB/s of remote bytes of ``fn``;
+    raises if a barrier stalled."""
+    times = time_op(ws, fn, iters, warmup, group)
+    check_errors(ws)
+    med = statistics.median(times)
+    return {"median_ms": med, "min_ms": min(times), "gbps": remote_gbps(remote_bytes, med)}
+
+
+def copy_ops(ws: Workspace, sched: RowSchedule, rows: torch.Tensor,
+             scale_dy: bool = True) -> dict[str, Callable[..., object]]:
+    """The row copies of a layer step on ``sched``; call each with programs, tile_bytes, num_warps.
+
+    dispatch: pull x rows into ``rows``; combine: push ``rows`` to the combine slots; with a
+    backward workspace also dispatch_dy (pull dy rows, scaled by the router weight unless
+    ``scale_dy`` is False) and combine_dx (push ``rows`` to the d_x slots).
+    """
+    ops: dict[str, Callable[..., object]] = {
+        "dispatch": functools.partial(comm.dispatch_pull, ws, sched, "x", out=rows),
+        "combine": functools.partial(comm.combine_push, ws, rows, sched, "combine"),
+    }
+    if ws.backward:
+        ops["dispatch_dy"] = functools.partial(comm.dispatch_pull, ws, sched, "dy", out=rows,
+                                               scale=scale_dy)
+        ops["combine_dx"] = functools.partial(comm.combine_push, ws, rows, sched, "dx")
+    return ops
+
+
+# Record field of each copy of the layer (megamoe bench).
+LAYER_FIELDS = {"dispatch": "dispatch_gbps", "combine": "combine_gbps",
+                "dispatch_dy": "dispatch_bwd_gbps", "combine_dx": "combine_bwd_gbps"}
+
+
+def layer_comm_gbps(ws: Workspace, sched: RowSchedule, programs: int, iters: int, warmup: int,
+                    group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """GB/s of remote bytes of the layer's own copies on its schedule, as backend "triton" runs
+    them (``programs``, default tiles, unscaled dy pull): fields of :data:`LAYER_FIELDS`.
+
+    A collective: every rank calls it with its own schedule; x and dy must be published.
+    """
+    rows = torch.zeros(sched.rows, ws.hidden, dtype=ws.dtype, device=ws.device)
+    remote = remote_bytes_per_rank(ws, sched, group)
+    ops = copy_ops(ws, sched, rows, scale_dy=False)
+    return {LAYER_FIELDS[op]: measure_op(ws, functools.partial(fn, programs=programs), remote,
+                                         iters, warmup, group)["gbps"]
+            for op, fn in ops.items()}
+
+
+# The ops of the sweep (the backward push moves the same bytes as the forward one).
+_SWEEP_OPS = ("dispatch", "combine", "dispatch_dy")
 
 
 def bench_comm(group: dist.ProcessGroup | None = None, tokens: int = 4096, hidden: int = 7168,
@@ -89,43 +165,33 @@ def bench_comm(group: dist.ProcessGroup | None = None, tokens: int = 4096, hidde
     """
     ws = get_workspace(group, tokens, hidden, top_k, torch.bfloat16, backward=backward)
     sched = routed_problem(ws, local_experts)
-    remote = remote_rows(ws, sched)
+    remote = remote_bytes_per_rank(ws, sched, group)
     row_bytes = hidden * ws.dtype.itemsize
-    remote_all = [None] * ws.world_size
-    dist.all_gather_object(remote_all, remote, group=group)
     used = int(sched.num_blocks.item()) * sched.block_rows
-    pulled = torch.empty(sched.rows, hidden, dtype=ws.dtype, device=ws.device)
+    pulled = torch.zeros(sched.rows, hidden, dtype=ws.dtype, device=ws.device)
     ref_pull = comm.dispatch_pull(ws, sched, programs=16)[:used].clone()
-    expert_out = torch.randn(sched.rows, hidden, device=ws.device).to(ws.dtype)
-    ops = {"dispatch": lambda p, tb, nw: comm.dispatch_pull(ws, sched, out=pulled, programs=p,
-                                                             tile_bytes=tb, num_warps=nw),
-           "combine": lambda p, tb, nw: comm.combine_push(ws, expert_out, sched, programs=p,
-                                                           tile_bytes=tb, num_warps=nw)}
-    if backward:
-        ops["dispatch_dy"] = lambda p, tb, nw: comm.dispatch_pull(
-            ws, sched, source="dy", out=pulled, programs=p, tile_bytes=tb, num_warps=nw)
+    ops = copy_ops(ws, sched, pulled)
     meta = {"world_size": ws.world_size, "tokens_per_rank": tokens, "hidden": hidden,
             "top_k": top_k, "local_experts": local_experts, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "env": {k: os.environ.get(k) for k in _ENV_KEYS}}
     records = []
-    for op, run in ops.items():
+    for op in (o for o in _SWEEP_OPS if o in ops):
         for nw in num_warps:
             for kb in tile_kb:
                 if kb * 1024 > nw * 32 * _MAX_TILE_BYTES_PER_THREAD:
                     continue
                 for p in programs:
-                    times = _time(ws, lambda: run(p, kb * 1024, nw), iters, warmup)
-                    check_errors(ws)
+                    run = functools.partial(ops[op], programs=p, tile_bytes=kb * 1024,
+                                            num_warps=nw)
+                    m = measure_op(ws, run, remote, iters, warmup, group)
                     same = bool(torch.equal(pulled[:used], ref_pull)) if op == "dispatch" else None
-                    med = statistics.median(times)
                     records.append(dict(
                         meta, op=op, programs=p, tile_bytes=kb * 1024, num_warps=nw,
-                        median_ms=med, min_ms=min(times), remote_rows=remote_all,
-                        remote_bytes=[r * row_bytes for r in remote_all],
-                        gbps=min(r * row_bytes for r in remote_all) / (med * 1e-3) / 1e9,
-                        bitwise_same_as_16_programs=same))
+                        median_ms=m["median_ms"], min_ms=m["min_ms"],
+                        remote_rows=[b // row_bytes for b in remote], remote_bytes=remote,
+                        gbps=m["gbps"], bitwise_same_as_16_programs=same))
     return records
 
 

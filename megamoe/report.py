@@ -91,7 +91,7 @@ def _status_cell(rec: dict) -> str | None:
     return None if status == "ok" else f"{status}: {rec.get('note', '')}"
 
 
-# (header, how to read one record)
+# (header, how to read one record); the check cell comes last (a skipped row's reason goes there).
 _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("preset", lambda r: r["preset"]),
     ("W", lambda r: r["world_size"]),
@@ -106,8 +106,23 @@ _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("% GEMM peak", lambda r: _fmt(_pct_of_peak(r), 0)),
     ("vs torch-a2a", lambda r: "-" if r.get("speedup_vs_torch_a2a") is None
      else f"{r['speedup_vs_torch_a2a']:.2f}x"),
-    ("check (rel err)", _check_cell),
 )
+_CHECK_COLUMN = ("check (rel err)", _check_cell)
+# Shown only when some record has the field (expert-parallel Triton runs): (header, field).
+_COMM_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("dispatch GB/s", "dispatch_gbps"),
+    ("combine GB/s", "combine_gbps"),
+    ("dy pull GB/s", "dispatch_bwd_gbps"),
+    ("dx push GB/s", "combine_bwd_gbps"),
+    ("comm programs", "comm_programs"),
+)
+
+
+def _columns(records: Sequence[dict]) -> list[tuple[str, Any]]:
+    """The layer columns, with the communication ones that some record fills."""
+    comm = [(header, lambda r, f=field: _fmt(r.get(f), 0)) for header, field in _COMM_COLUMNS
+            if any(r.get(field) is not None for r in records)]
+    return [*_LAYER_COLUMNS, *comm, _CHECK_COLUMN]
 
 
 def _pct_of_peak(rec: dict) -> float | None:
@@ -118,14 +133,15 @@ def _pct_of_peak(rec: dict) -> float | None:
 
 
 def _layer_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = [h for h, _ in _LAYER_COLUMNS]
+    columns = _columns(records)
+    headers = [h for h, _ in columns]
     rows = []
     for rec in records:
         status = _status_cell(rec)
         if status is None:
-            rows.append([str(_fmt(get(rec))) for _, get in _LAYER_COLUMNS])
+            rows.append([str(_fmt(get(rec))) for _, get in columns])
         else:
-            head = [str(_fmt(get(rec))) for _, get in _LAYER_COLUMNS[:5]]
+            head = [str(_fmt(get(rec))) for _, get in columns[:5]]
             rows.append(head + ["-"] * (len(headers) - 6) + [status])
     return headers, rows
 

@@ -16,6 +16,9 @@ DESIGN_FIELDS = (
     "fwd_tflops", "fwdbwd_tflops", "gemm_peak_tflops",
 )
 EXTRA_FIELDS = ("routing", "iters", "check", "speedup_vs_torch_a2a")
+# DESIGN.md's "where they apply" fields (+ the backward copies): null unless triton runs at W > 1.
+COMM_FIELDS = ("dispatch_gbps", "combine_gbps", "comm_programs", "minibatch_rows", "ring_rows",
+               "dispatch_bwd_gbps", "combine_bwd_gbps")
 TIMEOUT_S = 120
 
 
@@ -34,8 +37,9 @@ def _assert_ok(proc: subprocess.CompletedProcess) -> None:
 def _check_records(records: list, world_size: int, backends: set[str], checked: bool = True) -> None:
     assert {r["backend"] for r in records} == backends
     for r in records:
-        missing = [f for f in DESIGN_FIELDS + EXTRA_FIELDS if f not in r]
+        missing = [f for f in DESIGN_FIELDS + EXTRA_FIELDS + COMM_FIELDS if f not in r]
         assert not missing, f"record lacks {missing}"
+        assert all(r[f] is None for f in COMM_FIELDS), r  # no GPU copies on the CPU
         assert r["status"] == "ok", r
         assert r["preset"] == "tiny" and r["world_size"] == world_size
         assert r["experts"] == 4 * world_size and r["top_k"] == 2
@@ -61,6 +65,7 @@ def test_bench_cpu_default_checks_and_writes_records(tmp_path):
     proc = _run("-m", "megamoe", "bench", "--iters", "2", "--out", str(out))
     _assert_ok(proc)
     assert "fwd+bwd ms" in proc.stdout and "tiny" in proc.stdout
+    assert "GB/s" not in proc.stdout  # no copy-bandwidth columns without values
     assert "ok (" in proc.stdout and "FAIL" not in proc.stdout
     assert "100%" in proc.stderr, "the progress bar should finish"
     _check_records(json.loads(out.read_text()), 1, {"reference", "torch-a2a"})
@@ -123,3 +128,124 @@ def test_accuracy_check_catches_a_wrong_layer():
 
     bad = check_backend(off_by_5_percent, case, expected, env)
     assert bad["check_ok"] is False and bad["check_rel"] > 0.04
+
+
+# ------------------------------------------------------------------- copy bandwidth (triton, W > 1)
+
+def _layer_record(backend: str, **fields) -> dict:
+    rec = dict(preset="dsv3", world_size=2, backend=backend, routing="uniform",
+               tokens_per_rank=4096, fwd_ms=5.0, bwd_ms=10.0, fwdbwd_ms=15.0, fwd_tflops=100.0,
+               fwdbwd_tflops=200.0, gemm_peak_tflops=700.0, status="ok")
+    rec.update(dict.fromkeys(COMM_FIELDS), **fields)
+    return rec
+
+
+def test_table_shows_copy_bandwidth_only_when_present():
+    from megamoe.report import format_layer_table
+
+    triton = _layer_record("triton", dispatch_gbps=301.4, combine_gbps=318.6,
+                           dispatch_bwd_gbps=297.0, combine_bwd_gbps=315.2, comm_programs=24)
+    base = _layer_record("torch-a2a", speedup_vs_torch_a2a=1.0)
+    skipped = _layer_record("fused", status="skipped", note="not built")
+    lines = format_layer_table([triton, base, skipped]).splitlines()
+    for header in ("dispatch GB/s", "combine GB/s", "dy pull GB/s", "dx push GB/s",
+                   "comm programs"):
+        assert header in lines[0]
+    assert lines[0].rstrip().endswith("check (rel err)")
+    assert lines[2].split()[-6:] == ["301", "319", "297", "315", "24", "-"]
+    assert lines[3].split()[-6:] == ["-"] * 6
+    assert lines[4].endswith("skipped: not built")  # the reason stays in the last column
+    md = format_layer_table([triton, base], markdown=True)
+    assert "| 301 | 319 | 297 | 315 | 24 | - |" in md
+    assert "GB/s" not in format_layer_table([base])
+
+
+def test_tunables_and_copy_timing_only_where_they_apply():
+    from megamoe.bench import DistEnv, measures_comm, tunable_fields
+    from megamoe.config import get_preset
+
+    config = get_preset("tiny").config(2).replace(comm_programs=12)
+    assert tunable_fields("triton", config, 2) == {"comm_programs": 12}
+    assert tunable_fields("triton", config, 1) == {}
+    assert tunable_fields("reference", config, 2) == tunable_fields("torch-a2a", config, 2) == {}
+    cpu2 = DistEnv(world_size=2, rank=0)
+    assert not measures_comm("triton", cpu2)  # no CUDA
+    gpu = torch.device("cuda", 0)
+    assert measures_comm("triton", DistEnv(world_size=2, device=gpu))
+    assert not measures_comm("triton", DistEnv(world_size=1, device=gpu))
+    assert not measures_comm("torch-a2a", DistEnv(world_size=2, device=gpu))
+
+
+def test_remote_gbps():
+    from megamoe.bench_comm import remote_gbps
+
+    assert remote_gbps([3_000_000, 1_000_000], 0.01) == pytest.approx(300.0)  # 3 MB in 10 us
+    assert remote_gbps([0, 0], 1.0) == 0.0
+
+
+def needs_interpreter(test):
+    """Emulated ranks run their kernels in the Triton interpreter (tests/conftest.py)."""
+    skip = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                              reason="emulated ranks need the Triton interpreter")
+    quiet = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+    return skip(quiet(test))
+
+
+def _emulated_pair(t: int = 8, h: int = 32, k: int = 2, e_local: int = 2, block_rows: int = 16):
+    """Two emulated ranks with random routing, published, and each rank's schedule."""
+    from megamoe.kernels.schedule import build_row_schedule
+    from megamoe.workspace import emulated_workspaces, publish
+
+    gen = torch.Generator().manual_seed(5)
+    ws = emulated_workspaces(2, t, h, k)
+    ids = [torch.rand(t, 2 * e_local, generator=gen).argsort(dim=1)[:, :k] for _ in ws]
+    for w, i in zip(ws, ids):
+        publish(w, x=torch.randn(t, h, generator=gen).to(torch.bfloat16), topk_ids=i,
+                topk_weights=torch.rand(t, k, generator=gen),
+                dy=torch.randn(t, h, generator=gen).to(torch.bfloat16))
+    all_ids = torch.cat(ids).to(torch.int32)
+    scheds = [build_row_schedule(all_ids, e_local, block_rows, expert_lo=r * e_local)
+              for r in range(2)]
+    return ws, ids, scheds, e_local
+
+
+@needs_interpreter
+def test_remote_rows_count_only_other_ranks_tokens():
+    from megamoe.bench_comm import remote_rows
+
+    ws, ids, scheds, e_local = _emulated_pair()
+    for r in range(2):
+        peer = ids[1 - r]  # entries of the other rank's tokens routed to r's experts
+        want = int((peer // e_local == r).sum())
+        assert want > 0 and remote_rows(ws[r], scheds[r]) == want
+
+
+@needs_interpreter
+def test_layer_comm_gbps_runs_each_copy_with_the_programs(monkeypatch):
+    """The plumbing of the bench's GPU path, with the device timing replaced by fixed times:
+    each of the four copies really runs (interpreter) with the given programs."""
+    from megamoe import bench_comm
+    from megamoe.kernels import comm
+
+    ws, _, scheds, _ = _emulated_pair()
+    launches: list[tuple[str, int]] = []
+
+    def spy(name, real):
+        def run(*args, **kw):
+            launches.append((name, kw["programs"]))
+            return real(*args, **kw)
+        return run
+
+    monkeypatch.setattr(comm, "dispatch_pull", spy("pull", comm.dispatch_pull))
+    monkeypatch.setattr(comm, "combine_push", spy("push", comm.combine_push))
+    def fake_time_op(ws, fn, iters, warmup, group=None):
+        fn()
+        return [4.0, 2.0, 1.0]  # median 2 ms
+
+    monkeypatch.setattr(bench_comm, "time_op", fake_time_op)
+    monkeypatch.setattr(bench_comm, "remote_bytes_per_rank",
+                        lambda ws, sched, group=None: [2_000_000, 1_000_000])
+    got = bench_comm.layer_comm_gbps(ws[0], scheds[0], programs=3, iters=3, warmup=0)
+    assert got == {f: pytest.approx(1.0) for f in ("dispatch_gbps", "combine_gbps",
+                                                    "dispatch_bwd_gbps", "combine_bwd_gbps")}
+    assert launches == [("pull", 3), ("push", 3), ("pull", 3), ("push", 3)]
