@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["is_available", "build_schedule", "forward", "backward", "check", "CapacityError",
            "TritonSchedule", "TritonContext", "EpRouting", "schedule_steps", "forward_steps",
-           "backward_steps", "CHECK_ENV"]
+           "backward_steps", "routed_unfused", "CHECK_ENV"]
 
 # Any expert-parallel world size (the comm layer is written for W ranks).
 MAX_WORLD_SIZE = None
@@ -422,18 +422,35 @@ def schedule_steps(topk_ids: torch.Tensor, config: MoEConfig, ws: Workspace) -> 
     return TritonSchedule(routed, config, EpRouting(ws, all_ids, capacity))
 
 
-def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
-                  schedule: TritonSchedule) -> Steps[tuple[torch.Tensor, TritonContext]]:
-    """Pull dispatch, expert GEMMs, push combine, local k-order combine (+ shared)."""
-    from ..kernels import comm, rows
-    from ..workspace import publish
-    ws, sched, config = schedule.ep.workspace, schedule.routed, schedule.config
-    publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
-    yield from _barrier_point(ws)
-    _, slot_weights = comm.gather_routing(ws)
+def routed_unfused(ws: Workspace, schedule: TritonSchedule,
+                   weights: ExpertWeights) -> tuple[torch.Tensor, ...]:
+    """(xs, g, u, h, z): pull x rows, expert GEMMs, push z rows into the sources' combine slots."""
+    from ..kernels import comm
+    sched, config = schedule.routed, schedule.config
     xs = comm.dispatch_pull(ws, sched, "x", programs=config.comm_programs)
     g, u, h, z = _experts_forward(xs, weights, sched)
     comm.combine_push(ws, z, sched, "combine", programs=config.comm_programs)
+    return xs, g, u, h, z
+
+
+# (workspace, schedule, local weights) -> (xs, g, u, h, z), with z pushed to the combine slots.
+RoutedForward = Callable[["Workspace", TritonSchedule, ExpertWeights], tuple[torch.Tensor, ...]]
+
+
+def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
+                  schedule: TritonSchedule, routed: RoutedForward = routed_unfused
+                  ) -> Steps[tuple[torch.Tensor, TritonContext]]:
+    """Pull dispatch, expert GEMMs, push combine, local k-order combine (+ shared).
+
+    ``routed`` does the part between the two barriers (backend "fused" passes its kernel).
+    """
+    from ..kernels import comm, rows
+    from ..workspace import publish
+    ws, config = schedule.ep.workspace, schedule.config
+    publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
+    yield from _barrier_point(ws)
+    _, slot_weights = comm.gather_routing(ws)
+    xs, g, u, h, z = routed(ws, schedule, weights)
     shared, shared_out = _shared_forward(x, weights, config)
     yield from _barrier_point(ws)
     y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype)

@@ -25,7 +25,7 @@ from .runtime import descriptor, empty, interpreting, persistent_programs
 from .schedule import RowSchedule
 from .tiles import cast, load_weight_tile, mma, swiglu, swiglu_backward, tile_of
 
-__all__ = ["GemmTiles", "gate_up", "grouped_mm", "dgrad_swiglu", "dgrad_pair", "wgrad", "tiles_for"]
+__all__ = ["GemmTiles", "gate_up_tile", "mm_acc", "gate_up", "grouped_mm", "dgrad_swiglu", "dgrad_pair", "wgrad", "tiles_for"]
 
 
 @dataclass(frozen=True)
@@ -61,29 +61,47 @@ def tiles_for(kind: str) -> GemmTiles:
 
 
 @triton.jit
+def gate_up_tile(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc, expert, row, col, N, K,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """One [BM, BN] tile of g = A Wg^T, u = A Wu^T and h = silu(g) * u at (row, col).
+
+    Shared by the unfused kernel and the fused forward, so both give the same bits.
+    """
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BK)):
+        k = ki * BK
+        a = a_desc.load([row, k])
+        acc_g = mma(acc_g, a, load_weight_tile(bg_desc, expert, k, col, K, N, BK, BN, False),
+                    UPCAST)
+        acc_u = mma(acc_u, a, load_weight_tile(bu_desc, expert, k, col, K, N, BK, BN, False),
+                    UPCAST)
+    g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
+    u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
+    h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
+
+
+@triton.jit
+def mm_acc(acc, a_desc, b_desc, expert, row, col, N, K, BK: tl.constexpr, BN: tl.constexpr,
+           B_KN: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc += A[row:row+BM] @ W_expert`` over all of K, in K order (one output tile)."""
+    for ki in range(tl.cdiv(K, BK)):
+        k = ki * BK
+        acc = mma(acc, a_desc.load([row, k]),
+                  load_weight_tile(b_desc, expert, k, col, K, N, BK, BN, B_KN), UPCAST)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc, block_expert_ptr,
                     num_blocks_ptr, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tl.load(num_blocks_ptr) * tiles_n
-    k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         mb, nb = tile_of(tile, tiles_n)
-        expert = tl.load(block_expert_ptr + mb)
-        row = mb * BM
-        col = nb * BN
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for ki in range(k_tiles):
-            k = ki * BK
-            a = a_desc.load([row, k])
-            acc_g = mma(acc_g, a, load_weight_tile(bg_desc, expert, k, col, K, N, BK, BN, False),
-                        UPCAST)
-            acc_u = mma(acc_u, a, load_weight_tile(bu_desc, expert, k, col, K, N, BK, BN, False),
-                        UPCAST)
-        g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
-        u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
-        h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
+        gate_up_tile(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc,
+                     tl.load(block_expert_ptr + mb), mb * BM, nb * BN, N, K, BM, BN, BK, UPCAST)
 
 
 @triton.jit
@@ -94,22 +112,15 @@ def _grouped_mm_kernel(a_desc, b_desc, a2_desc, b2_desc, c_desc, c2_desc, g_desc
                        NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tl.load(num_blocks_ptr) * tiles_n
-    k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         mb, nb = tile_of(tile, tiles_n)
         expert = tl.load(block_expert_ptr + mb)
         row = mb * BM
         col = nb * BN
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for ki in range(k_tiles):
-            k = ki * BK
-            acc = mma(acc, a_desc.load([row, k]),
-                      load_weight_tile(b_desc, expert, k, col, K, N, BK, BN, B_KN), UPCAST)
+        acc = mm_acc(tl.zeros([BM, BN], dtype=tl.float32), a_desc, b_desc, expert, row, col,
+                     N, K, BK, BN, B_KN, UPCAST)
         if TWO_PAIRS:
-            for ki in range(k_tiles):
-                k = ki * BK
-                acc = mma(acc, a2_desc.load([row, k]),
-                          load_weight_tile(b2_desc, expert, k, col, K, N, BK, BN, B_KN), UPCAST)
+            acc = mm_acc(acc, a2_desc, b2_desc, expert, row, col, N, K, BK, BN, B_KN, UPCAST)
         if SWIGLU_BWD:
             g = g_desc.load([row, col]).to(tl.float32)
             u = u_desc.load([row, col]).to(tl.float32)

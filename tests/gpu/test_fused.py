@@ -1,0 +1,212 @@
+"""Backend "fused" (the fused forward kernel) on Hopper GPUs, one GPU and expert-parallel.
+
+    python -m pytest -q tests/gpu/test_fused.py                           # one GPU
+    torchrun --nproc-per-node=2 -m pytest -q tests/gpu/test_fused.py      # W = 2 (+ W = 1)
+
+Checked: outputs and every gradient (the fused forward's context through backend "triton"'s
+backward) bitwise equal to backend "triton" for comm programs 4/16/32 and several minibatch
+sizes; against the float64 reference (one GPU: presets and odd shapes; W = 2: via ep_vs_single);
+the watchdog turns a missing signal into a StallError instead of a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
+
+import torch.distributed as dist  # noqa: E402
+from ep_support import release_workspaces  # noqa: E402
+
+from megamoe import MoEConfig, functional  # noqa: E402
+from megamoe.backends import BACKENDS  # noqa: E402
+from megamoe.backends import fused as fused_backend  # noqa: E402
+from megamoe.backends import triton as triton_backend  # noqa: E402
+from megamoe.config import get_preset  # noqa: E402
+from megamoe.kernels import fused_forward as ff  # noqa: E402
+from megamoe.kernels.runtime import poisoned_buffers  # noqa: E402
+from megamoe.reference import moe_reference  # noqa: E402
+from megamoe.testing import ep_vs_single, global_weights, make_inputs, slice_weights  # noqa: E402
+from megamoe.workspace import StallError, check_errors  # noqa: E402
+from moe_cases import compare, make_config, make_problem, reference_grads, run_backend  # noqa: E402
+
+DEV = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+NUM_COMM = (4, 16, 32)
+BF16_RTOL = 2e-2
+PRESET_TOKENS = {"dsv3": 768, "qwen3-30b": 1024, "mok-v4": 512}
+# (tokens, hidden, intermediate, experts, top_k, shared, routing)
+ODD = {
+    "empty_experts": (333, 512, 384, 16, 2, 0, "empty_experts"),
+    "one_expert_all_rows": (517, 768, 512, 8, 3, 256, "one_expert"),
+    "sizes_not_tile_multiples": (300, 520, 200, 6, 2, 136, "uniform"),
+    "single_token": (1, 512, 256, 8, 2, 256, "uniform"),
+}
+STALL_BUDGET = 1 << 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fused_registered():
+    """Make backend="fused" resolvable for functional.moe even before it is registered."""
+    added = "fused" not in BACKENDS
+    if added:
+        BACKENDS["fused"] = "megamoe.backends.fused"
+    yield
+    if added:
+        del BACKENDS["fused"]
+
+
+def _bits_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _fused_step(x, ids, w, weights, cfg, group, dy):
+    sched = fused_backend.build_schedule(ids, cfg, group)
+    y, ctx = fused_backend.forward(x, ids, w, weights, cfg, group, sched)
+    return y, fused_backend.backward(ctx, dy), sched
+
+
+def _triton_step(x, ids, w, weights, cfg, group, dy):
+    sched = triton_backend.build_schedule(ids, cfg, group)
+    y, ctx = triton_backend.forward(x, ids, w, weights, cfg, group, sched)
+    return y, triton_backend.backward(ctx, dy), sched
+
+
+def _differences(a, b) -> list[str]:
+    names = ("y",) + a[1]._fields
+    return [n for n, p, q in zip(names, (a[0], *a[1]), (b[0], *b[1])) if not _bits_equal(p, q)]
+
+
+# ------------------------------------------------------------------------------ one GPU
+
+def _single_problem(name: str, num_comm: int, minibatch_rows: int = 256):
+    if name in PRESET_TOKENS:
+        p = get_preset(name)
+        cfg = make_config(p.hidden_size, p.intermediate_size, p.local_experts, p.top_k,
+                          p.shared_intermediate_size, 128)
+        tokens, routing = PRESET_TOKENS[name], "uniform"
+    else:
+        tokens, h, i, e, k, i_s, routing = ODD[name]
+        cfg = make_config(h, i, e, k, i_s, 128)
+    cfg = cfg.replace(comm_programs=num_comm, minibatch_rows=minibatch_rows,
+                      ring_rows=max(minibatch_rows, cfg.ring_rows))
+    return make_problem(cfg, tokens, routing, seed=3, device=DEV)
+
+
+def _run_fused(p):
+    with poisoned_buffers():
+        y, grads, _ = _fused_step(p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None,
+                                  p.grad_y)
+    return y, grads
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_TOKENS) + sorted(ODD))
+def test_single_gpu_matches_reference_and_triton_bits(name: str) -> None:
+    p = _single_problem(name, num_comm=16)
+    ours = _run_fused(p)
+    errors = compare(ours, reference_grads(p, torch.float64), reference_grads(p, torch.bfloat16))
+    print(" ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    assert not _differences(ours, run_backend(p)), "not bitwise equal to backend triton"
+
+
+@pytest.mark.parametrize("num_comm", NUM_COMM)
+@pytest.mark.parametrize("minibatch_rows", [128, 512, 2048])
+def test_single_gpu_bits_do_not_depend_on_tunables(num_comm: int, minibatch_rows: int) -> None:
+    p = _single_problem("qwen3-30b", num_comm, minibatch_rows)
+    bad = _differences(_run_fused(p), run_backend(p))
+    assert not bad, f"num_comm={num_comm} minibatch={minibatch_rows}: {bad} differ from triton"
+
+
+@pytest.mark.parametrize("skip_tasks,stage", [(1, "fused forward"),
+                                              (1 << 30, "down tiles of a minibatch")])
+def test_watchdog_turns_a_missing_signal_into_an_error(skip_tasks: int, stage: str) -> None:
+    """Pre-advance the task ticket: skipped tasks never signal, the waits give up, no hang."""
+    p = _single_problem("sizes_not_tile_multiples", num_comm=4)
+    cfg, (t, h), k = p.config, p.x.shape, p.topk_ids.shape[1]
+    sched = triton_backend.build_schedule(p.topk_ids, cfg, None).routed
+    ws = fused_backend.local_workspace(t, h, k, torch.bfloat16, DEV)
+    ws.x_buffer.copy_(p.x)
+    flags = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
+    flags[0] = skip_tasks
+    ff.fused_forward(ws, sched, p.weights.w_gate, p.weights.w_up, p.weights.w_down, num_comm=4,
+                     minibatch_rows=cfg.minibatch_rows, budget=STALL_BUDGET, flags=flags)
+    torch.cuda.synchronize()
+    with pytest.raises(StallError, match=stage):
+        check_errors(ws)
+    # The workspace works again afterwards.
+    assert not _differences(_run_fused(p), run_backend(p))
+
+
+# ------------------------------------------------------------------------------ W ranks
+
+@pytest.fixture(scope="module")
+def ep(request):
+    if "WORLD_SIZE" not in os.environ:
+        pytest.skip("run under torchrun (WORLD_SIZE is not set)")
+    group, device = request.getfixturevalue("nccl_world")
+    yield group, device
+    release_workspaces()
+
+
+def agree(ok: bool, what: str = "") -> None:
+    """Assert on every rank that every rank's check passed."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (bool(ok), what))
+    bad = [f"rank {r}: {w}" for r, (o, w) in enumerate(verdicts) if not o]
+    assert not bad, "; ".join(bad)
+
+
+def _seed(device: torch.device) -> int:
+    seed = torch.randint(0, 2**31 - 1, (1,), device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
+def fused_moe(x, topk_ids, topk_weights, weights, config, group):
+    return functional.moe(x, topk_ids, topk_weights, weights, config, group=group,
+                          backend="fused", check_values=False)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "one-rank"])
+def test_ep_matches_reference(ep, routing: str) -> None:
+    group, device = ep
+    cfg = MoEConfig(1024, 512, 8 * dist.get_world_size(group), 4, shared_intermediate_size=256)
+    reference64 = functools.partial(moe_reference, compute_dtype=torch.float64)
+    errs = ep_vs_single(fused_moe, reference64, cfg, 384, group, seed=_seed(device),
+                        routing=routing, device=device)
+    print(" ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    agree(max(errs.values()) < BF16_RTOL, str(errs))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "one-rank"])
+def test_ep_bits_equal_triton_for_every_num_comm(ep, routing: str) -> None:
+    group, device = ep
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    seed = _seed(device)
+    base = get_preset("qwen3-30b").config(world).replace(num_experts=16 * world)
+    weights = slice_weights(global_weights(base, seed=seed, device=device), rank, world)
+    x, ids, w, dy = make_inputs(base, 1024, seed=seed + 1, rank=rank, world_size=world,
+                                routing=routing, device=device)
+    expected = _triton_step(x, ids, w, weights, base, group, dy)
+    problems = []
+    for num_comm in NUM_COMM:
+        for minibatch in (256, 2048):
+            cfg = base.replace(comm_programs=num_comm, minibatch_rows=minibatch,
+                               ring_rows=max(minibatch, base.ring_rows))
+            out = _fused_step(x, ids, w, weights, cfg, group, dy)
+            triton_backend.check(out[2])
+            bad = _differences(out, expected)
+            if bad:
+                problems.append(f"num_comm={num_comm} minibatch={minibatch}: {bad}")
+    agree(not problems, "; ".join(problems))
