@@ -378,9 +378,9 @@ def time_comm(case: Case, opts: BenchOptions, env: DistEnv) -> dict[str, float]:
     from .workspace import publish
 
     schedule = functional.build_schedule(case.topk_ids, case.config, env.group, backend="triton")
-    ws = schedule.ep.workspace
+    ws = schedule.inner.ep.workspace
     publish(ws, x=case.x.detach(), dy=case.grad_y)  # visible to peers after the next barrier
-    return layer_comm_gbps(ws, schedule.routed, case.config.comm_programs, opts.iters,
+    return layer_comm_gbps(ws, schedule.inner.routed, case.config.comm_programs, opts.iters,
                            opts.warmup, env.group)
 
 

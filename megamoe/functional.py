@@ -15,28 +15,76 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .backends import get_backend, resolve_backend
 from .config import MoEConfig
 from .types import ExpertWeights, MoEGrads
 from .validation import group_size_rank, validate_inputs
 
-__all__ = ["MoEContext", "build_schedule", "forward", "backward", "moe"]
+__all__ = ["MoEContext", "Schedule", "build_schedule", "forward", "backward", "moe"]
 
 
 @dataclass
 class MoEContext:
-    """What ``backward`` needs: the backend that ran and its own saved state."""
+    """What ``backward`` needs: the backend that ran, its own saved state, and y's signature
+    (to check ``grad_y``)."""
 
     backend: str
     state: Any
+    y_shape: tuple[int, ...]
+    y_dtype: torch.dtype
+    y_device: torch.device
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A backend's schedule plus what it was built for, so ``forward`` can refuse a mismatch.
+
+    ``ids_key`` identifies the ``topk_ids`` tensor it was built from (storage, shape, version): a
+    schedule reused with other or modified ids would silently route tokens to the wrong experts.
+    """
+
+    backend: str
+    config: MoEConfig
+    world_size: int
+    ids_key: tuple[int, tuple[int, ...], int]
+    inner: Any
+
+
+def _ids_key(topk_ids: torch.Tensor) -> tuple[int, tuple[int, ...], int]:
+    return topk_ids.data_ptr(), tuple(topk_ids.shape), topk_ids._version
 
 
 def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
                    group: dist.ProcessGroup | None = None, backend: str = "reference") -> Any:
-    """Routing exchange and row layout for one step; reusable by forward and backward."""
-    name = resolve_backend(backend, topk_ids.device, group_size_rank(group)[0])
-    return get_backend(name).build_schedule(topk_ids, config, group)
+    """Routing exchange and row layout for one step; reusable by forward and backward.
+
+    Pass it to :func:`forward` with the same ``topk_ids`` tensor (unmodified), config, group and
+    backend; anything else is refused.
+    """
+    world_size = group_size_rank(group)[0]
+    name = resolve_backend(backend, topk_ids.device, world_size)
+    inner = get_backend(name).build_schedule(topk_ids, config, group)
+    return Schedule(name, config, world_size, _ids_key(topk_ids), inner)
+
+
+def _check_schedule(schedule: object, name: str, topk_ids: torch.Tensor, config: MoEConfig,
+                    world_size: int) -> None:
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must come from megamoe.functional.build_schedule, "
+                        f"got {type(schedule).__name__}")
+    if schedule.backend != name:
+        raise ValueError(f"schedule was built for backend {schedule.backend!r}, "
+                         f"but forward runs backend {name!r}")
+    if schedule.config != config:
+        raise ValueError(f"schedule was built for config {schedule.config}, got {config}")
+    if schedule.world_size != world_size:
+        raise ValueError(f"schedule was built for world size {schedule.world_size}, "
+                         f"got {world_size}")
+    if schedule.ids_key != _ids_key(topk_ids):
+        raise ValueError("schedule was built from another topk_ids tensor (or the tensor was "
+                         "modified since): build the schedule from the topk_ids passed to forward")
 
 
 def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -49,19 +97,32 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     None). ``check_values=False`` skips the checks that read device values (see validation).
     """
     validate_inputs(x, topk_ids, topk_weights, weights, config, group, check_values=check_values)
-    name = resolve_backend(backend, x.device, group_size_rank(group)[0])
+    world_size = group_size_rank(group)[0]
+    name = resolve_backend(backend, x.device, world_size)
     impl = get_backend(name)
     if schedule is None:
-        schedule = impl.build_schedule(topk_ids, config, group)
-    y, state = impl.forward(x, topk_ids, topk_weights, weights, config, group, schedule)
-    return y, MoEContext(name, state)
+        inner = impl.build_schedule(topk_ids, config, group)
+    else:
+        _check_schedule(schedule, name, topk_ids, config, world_size)
+        inner = schedule.inner
+    y, state = impl.forward(x, topk_ids, topk_weights, weights, config, group, inner)
+    return y, MoEContext(name, state, tuple(y.shape), y.dtype, y.device)
 
 
 def backward(ctx: MoEContext, grad_y: torch.Tensor) -> MoEGrads:
     """Gradients of x, the router weights and every weight, given ``dL/dy``."""
     if not isinstance(ctx, MoEContext):
         raise TypeError(f"ctx must be the MoEContext returned by forward, got {type(ctx).__name__}")
-    return get_backend(ctx.backend).backward(ctx.state, grad_y.contiguous())
+    if not isinstance(grad_y, torch.Tensor):
+        raise TypeError(f"grad_y must be a torch.Tensor, got {type(grad_y).__name__}")
+    if tuple(grad_y.shape) != ctx.y_shape:
+        raise ValueError(f"grad_y must have the shape of y {list(ctx.y_shape)}, "
+                         f"got {list(grad_y.shape)}")
+    if not grad_y.is_floating_point():
+        raise TypeError(f"grad_y must be a floating tensor, got {grad_y.dtype}")
+    if grad_y.device != ctx.y_device:
+        raise ValueError(f"grad_y must be on device {ctx.y_device} (where y is), got {grad_y.device}")
+    return get_backend(ctx.backend).backward(ctx.state, grad_y.to(ctx.y_dtype).contiguous())
 
 
 class _MoEFunction(torch.autograd.Function):
@@ -73,7 +134,12 @@ class _MoEFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable
     def backward(autograd_ctx, grad_y: torch.Tensor):
+        if autograd_ctx.moe_ctx is None:
+            raise RuntimeError("megamoe's backward ran twice for one forward: its saved "
+                               "activations are freed after the first (retain_graph=True is not "
+                               "supported)")
         g = backward(autograd_ctx.moe_ctx, grad_y)
         autograd_ctx.moe_ctx = None  # free saved activations
         return (None, g.x, None, g.topk_weights, g.w_gate, g.w_up, g.w_down,

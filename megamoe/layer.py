@@ -34,8 +34,10 @@ class MoE(nn.Module):
         group: expert-parallel process group (None: one process owns every expert).
         backend: "auto" (best available for the input's device), "reference" or "triton".
         device, dtype: of the weights; the kernels want bfloat16.
-        seed: when given, global expert e is initialized from ``seed + e`` (shared expert from
-            ``seed - 1``), so the same model is built whatever the world size.
+        seed: global expert e is initialized from a generator seeded by (seed, e), and the
+            shared expert from (seed, -1), so a seed builds the same model whatever the world size
+            and every rank owns different experts. None draws the seed from torch's global RNG
+            (the same on every rank when the ranks are seeded alike, as usual).
         check_values: run the input checks that read device values (ids in range, finite
             weights); they are skipped automatically while a CUDA graph is captured.
     """
@@ -74,6 +76,10 @@ class MoE(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
         """nn.Linear's default: uniform in +-1/sqrt(fan_in) for every projection."""
+        if seed is None:
+            # One draw, then per-expert streams: drawing every rank's local experts straight
+            # from the global RNG would give the same experts on every identically seeded rank.
+            seed = int(torch.randint(0, 2**62, ()).item())
         first = self.rank * self.num_local_experts
         for e in range(self.num_local_experts):
             gen = _generator(seed, first + e)
@@ -103,15 +109,13 @@ class MoE(nn.Module):
                 f"{self.world_size}), top_k={c.top_k}, {shared}, backend={self.backend!r}")
 
 
-def _generator(seed: int | None, stream: int) -> torch.Generator | None:
-    if seed is None:
-        return None
+def _generator(seed: int, stream: int) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed((seed * 1_000_003 + stream + 1) % (2**63))
     return gen
 
 
-def _uniform_fan_in(w: torch.Tensor, gen: torch.Generator | None) -> None:
+def _uniform_fan_in(w: torch.Tensor, gen: torch.Generator) -> None:
     bound = 1.0 / math.sqrt(w.shape[-1])
     # Draw on the CPU so a seed gives the same weights on every device.
     vals = torch.empty(w.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)

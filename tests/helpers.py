@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from megamoe import ExpertWeights, MoEConfig
 from megamoe.routing import make_routing
+from megamoe.testing import rel_err  # noqa: F401  (re-exported for the tests)
 
 
 def random_routing(t: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +49,6 @@ def loop_oracle(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
             acc = acc + sd @ (g * torch.sigmoid(g) * u)
         out.append(acc)
     return torch.stack(out)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| in float64 (0 when both are zero)."""
-    a, b = a.double(), b.double()
-    scale = b.abs().max().item()
-    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:

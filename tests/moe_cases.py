@@ -14,6 +14,7 @@ import torch
 
 from megamoe.config import MoEConfig
 from megamoe.reference import moe_reference
+from megamoe.testing import rel_err
 from megamoe.routing import make_routing
 from megamoe.types import ExpertWeights, MoEGrads
 
@@ -85,11 +86,6 @@ def reference_grads(p: Problem, dtype: torch.dtype) -> tuple[torch.Tensor, MoEGr
         grads = torch.autograd.grad(y, leaves, p.grad_y.to(dtype))
     grads = list(grads) + [None] * (8 - len(grads))
     return y.detach(), MoEGrads(*grads)
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.double(), ref.double()
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def compare(ours: tuple[torch.Tensor, MoEGrads], oracle: tuple[torch.Tensor, MoEGrads],

@@ -132,3 +132,67 @@ def test_router(score_func, renormalize):
         expect = expect / expect.sum(-1, keepdim=True)
     torch.testing.assert_close(w, expect)
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()  # distinct experts per token
+
+
+def test_schedule_must_match_the_call():
+    x, ids, tw, w = _inputs()
+    sched = functional.build_schedule(ids, CFG)
+    y, _ = functional.forward(x, ids, tw, w, CFG, schedule=sched)
+    y_fresh, _ = functional.forward(x, ids, tw, w, CFG)
+    assert torch.equal(y, y_fresh)
+    with pytest.raises(ValueError, match="built from another topk_ids tensor"):
+        functional.forward(x, ids.clone(), tw, w, CFG, schedule=sched)
+    with pytest.raises(ValueError, match="schedule was built for config"):
+        cfg2 = CFG.replace(comm_programs=5)
+        functional.forward(x, ids, tw, w, cfg2, schedule=functional.build_schedule(ids, CFG))
+    with pytest.raises(TypeError, match="schedule must come from megamoe.functional.build_schedule"):
+        functional.forward(x, ids, tw, w, CFG, schedule=sched.inner)
+    ids2 = ids.clone()
+    sched2 = functional.build_schedule(ids2, CFG)
+    ids2[0] = ids2[0].flip(0)  # modified after the schedule was built
+    with pytest.raises(ValueError, match="or the tensor was modified since"):
+        functional.forward(x, ids2, tw, w, CFG, schedule=sched2)
+
+
+def test_grad_y_is_checked():
+    x, ids, tw, w = _inputs()
+    _, ctx = functional.forward(x, ids, tw, w, CFG)
+    with pytest.raises(ValueError, match=r"grad_y must have the shape of y \[8, 64\], got \[8, 72\]"):
+        functional.backward(ctx, torch.zeros(8, 72))
+    with pytest.raises(TypeError, match="grad_y must be a floating tensor, got torch.int64"):
+        functional.backward(ctx, torch.zeros(8, 64, dtype=torch.int64))
+    with pytest.raises(TypeError, match="ctx must be the MoEContext returned by forward, got NoneType"):
+        functional.backward(None, torch.zeros(8, 64))
+
+
+def test_second_backward_is_refused_clearly():
+    x, ids, tw, w = _inputs()
+    x = x.requires_grad_()
+    y = functional.moe(x, ids, tw, w, CFG)
+    loss = y.float().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_unseeded_expert_parallel_ranks_get_different_experts():
+    # Two "ranks" with identically seeded global RNGs must not own identical experts.
+    class FakeGroup:
+        def __init__(self, rank: int):
+            self.rank = rank
+
+    import megamoe.layer as layer_mod
+
+    weights = []
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        orig = layer_mod.group_size_rank
+        layer_mod.group_size_rank = lambda g: (2, g.rank)
+        try:
+            weights.append(MoE(CFG, group=FakeGroup(rank)).w_gate.detach())
+        finally:
+            layer_mod.group_size_rank = orig
+    assert not torch.equal(weights[0], weights[1])
+    torch.manual_seed(0)
+    full = MoE(CFG).w_gate.detach()  # one process holding all 4 experts, same global seed
+    assert torch.equal(torch.cat(weights), full)

@@ -25,10 +25,9 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
 
 import torch.distributed as dist  # noqa: E402
-from ep_support import release_workspaces  # noqa: E402
+from ep_support import agree, release_workspaces  # noqa: E402
 
 from megamoe import MoEConfig, functional  # noqa: E402
-from megamoe.backends import BACKENDS  # noqa: E402
 from megamoe.backends import fused as fused_backend  # noqa: E402
 from megamoe.backends import triton as triton_backend  # noqa: E402
 from megamoe.config import get_preset  # noqa: E402
@@ -51,17 +50,6 @@ ODD = {
     "single_token": (1, 512, 256, 8, 2, 256, "uniform"),
 }
 STALL_BUDGET = 1 << 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fused_registered():
-    """Make backend="fused" resolvable for functional.moe even before it is registered."""
-    added = "fused" not in BACKENDS
-    if added:
-        BACKENDS["fused"] = "megamoe.backends.fused"
-    yield
-    if added:
-        del BACKENDS["fused"]
 
 
 def _bits_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -157,14 +145,6 @@ def ep(request):
     group, device = request.getfixturevalue("nccl_world")
     yield group, device
     release_workspaces()
-
-
-def agree(ok: bool, what: str = "") -> None:
-    """Assert on every rank that every rank's check passed."""
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, (bool(ok), what))
-    bad = [f"rank {r}: {w}" for r, (o, w) in enumerate(verdicts) if not o]
-    assert not bad, "; ".join(bad)
 
 
 def _seed(device: torch.device) -> int:
