@@ -34,7 +34,9 @@ class MoEConfig:
     Tunables (they never change results, only speed):
       comm_programs   programs of the fused kernel that move tokens between GPUs
       minibatch_rows  rows per dispatch readiness counter
-      ring_rows       rows of the routed-token ring buffer (the macrobatch)
+      ring_rows       rows of the routed-token ring buffer (the macrobatch) of backend "fused";
+                      below the schedule's rows the forward keeps only the ring and the
+                      backward replays the routed forward (docs/fused.md)
       block_rows      GEMM tile height each expert's rows are padded to
       capacity_factor rows a rank may receive, as a multiple of the balanced load
                       ``T * top_k``; None allows the worst case (every token of every rank).

@@ -20,7 +20,7 @@ Layout of a rank's allocation (each region starts at a multiple of ``REGION_ALIG
   routing_weights [T, K]    fp32   this rank's topk_weights (the backward pull scales by them)
   signals         [C, W]    int32  barrier pad: entry [c, src] is written only by rank src
   epochs          [C]       int32  barriers passed per channel (local; advanced by the kernels)
-  errors          [ERROR_WORDS] int32  first stall recorded by a spin-wait (local)
+  errors          [ERROR_WORDS] int32  first stall recorded by a spin-wait (local; fatal, see StallError)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 __all__ = [
     "Workspace", "PeerTables", "StallError", "get_workspace", "clear_workspace_cache",
     "emulated_workspaces", "check_errors", "publish", "BARRIER_CHANNELS", "ERROR_WORDS",
-    "STAGE_NAMES", "register_stage", "workspace_bytes", "describe_error",
+    "STAGE_NAMES", "register_stage", "workspace_bytes", "describe_error", "take_stall",
 ]
 
 # Regions start on this many bytes: 16 B vector loads need 16, TMA descriptors 16, L2 lines 128.
@@ -57,7 +57,14 @@ def register_stage(code: int, name: str) -> None:
 
 
 class StallError(RuntimeError):
-    """A device spin-wait ran out of its iteration budget: a peer never signalled."""
+    """A device spin-wait ran out of its iteration budget: a peer never signalled.
+
+    Fatal for the workspace. The stall is recorded only on the rank that waited (the peers may
+    raise nothing, or raise later), that rank went on without the data it waited for, and the
+    ranks' barrier epochs may now differ. Clearing the record does not repair that: drop the
+    workspace collectively, ``clear_workspace_cache()`` on every rank (after the other ranks
+    have stopped using it), and let the next call build a fresh one.
+    """
 
 
 @dataclass(frozen=True)
@@ -223,8 +230,9 @@ def get_workspace(group: dist.ProcessGroup | None, num_tokens: int, hidden: int,
     """The cached symmetric workspace for these shapes; created (collectively) on first use.
 
     Creation is a collective over ``group``: every rank must call this with the same arguments in
-    the same order. Buffers are zeroed and the group is synchronized before anyone uses them, so a
-    peer's first barrier signal can never be wiped by a late zero-fill.
+    the same order (checked: a ValueError names the ranks whose shapes differ from rank 0's).
+    Buffers are zeroed and the group is synchronized before anyone uses them, so a peer's first
+    barrier signal can never be wiped by a late zero-fill.
     """
     group, name = _group_name(group)
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -247,14 +255,16 @@ def get_workspace(group: dist.ProcessGroup | None, num_tokens: int, hidden: int,
         raise RuntimeError(f"symmetric memory handle is rank {handle.rank} of {handle.world_size}, "
                            f"the group says rank {rank} of {world}")
     # The tensor may start inside its segment; the offset is the same on every rank because all
-    # ranks allocate the same sizes in the same order (checked below).
+    # ranks allocate the same sizes in the same order. One collective checks that, and that every
+    # rank asked for the same layout: symmetric layouts of different sizes would make the peer
+    # kernels address the wrong memory.
     shift = storage.data_ptr() - handle.buffer_ptrs[rank]
+    mine = (num_tokens, hidden, top_k, str(dtype), backward, nbytes, shift)
+    layouts: list[Any] = [None] * world
+    dist.all_gather_object(layouts, mine, group=group)
+    _check_layouts(layouts)
     if shift < 0 or shift + nbytes > handle.buffer_size:
         raise RuntimeError(f"workspace tensor lies outside its symmetric segment (offset {shift})")
-    shifts = [None] * world
-    dist.all_gather_object(shifts, shift, group=group)
-    if len(set(shifts)) != 1:
-        raise RuntimeError(f"workspace offsets differ between ranks: {shifts}")
     bases = [p + shift for p in handle.buffer_ptrs]
     storage.zero_()
     torch.cuda.synchronize(device)
@@ -264,8 +274,26 @@ def get_workspace(group: dist.ProcessGroup | None, num_tokens: int, hidden: int,
     return ws
 
 
+_LAYOUT_FIELDS = ("num_tokens", "hidden", "top_k", "dtype", "backward", "nbytes", "shift")
+
+
+def _check_layouts(layouts: list[tuple]) -> None:
+    """Raise ValueError unless every rank's (T, H, K, dtype, backward, nbytes, shift) is rank 0's."""
+    differ = [r for r, v in enumerate(layouts) if v != layouts[0]]
+    if not differ:
+        return
+    lines = "; ".join(f"rank {r}: " + ", ".join(f"{f}={x}" for f, x in zip(_LAYOUT_FIELDS, layouts[r]))
+                      for r in [0, *differ])
+    raise ValueError(f"get_workspace: ranks {differ} asked for a different workspace than rank 0 "
+                     f"(every rank must call it with the same shapes in the same order): {lines}")
+
+
 def clear_workspace_cache() -> None:
-    """Forget every cached workspace (their memory is freed when no tensor refers to it)."""
+    """Forget every cached workspace (their memory is freed when no tensor refers to it).
+
+    Also the way out of a :class:`StallError`: call it on every rank, then the next call builds
+    a fresh workspace (a collective again) with barrier epochs in step.
+    """
     _CACHE.clear()
 
 
@@ -298,18 +326,35 @@ def describe_error(words: list[int]) -> str:
     return (f"rank {words[ERR_RANK]} stalled in {stage} (index {words[ERR_INDEX]}) waiting for "
             f"peer {words[ERR_PEER]}: flag was {words[ERR_SEEN]}, wanted >= {words[ERR_WANTED]}, "
             f"gave up after {words[ERR_BUDGET]} polls. The peer never arrived: it crashed, runs a "
-            f"different launch sequence, or is still far behind (raise the spin budget).")
+            f"different launch sequence, or is still far behind (raise the spin budget). The "
+            f"workspace is unusable: call clear_workspace_cache() on every rank and rebuild it.")
+
+
+def take_stall(ws: Workspace, words: list[int] | None = None,
+               clear: bool = True) -> StallError | None:
+    """The one decoder of the stall record: a :class:`StallError` if ``words`` (the record as
+    read from ``ws.errors``; read now, a host sync, when None) hold a stall, else None.
+
+    With ``clear`` a set record is reset on the device, so that the same stall is not reported
+    twice; that does not make the workspace usable again (see :class:`StallError`).
+    """
+    if words is None:
+        words = ws.errors.tolist()
+    if words[ERR_FLAG] == 0:
+        return None
+    if clear:
+        ws.errors.zero_()
+    return StallError(describe_error(words[:ERROR_WORDS]))
 
 
 def check_errors(ws: Workspace, clear: bool = True) -> None:
-    """Raise :class:`StallError` if a device spin-wait gave up since the last check.
+    """Raise :class:`StallError` if a device spin-wait of this rank gave up since the last check.
 
     Reads the error record (a host sync): call it at check points, not inside a captured graph.
-    With ``clear`` the record is reset so the workspace can be used again.
+    With ``clear`` the record is reset (the stall is reported once). A stall is fatal and is
+    recorded only on the rank that waited: drop the workspace on every rank
+    (``clear_workspace_cache()``) and rebuild it.
     """
-    words = ws.errors.tolist()
-    if words[ERR_FLAG] == 0:
-        return
-    if clear:
-        ws.errors.zero_()
-    raise StallError(describe_error(words))
+    err = take_stall(ws, clear=clear)
+    if err is not None:
+        raise err

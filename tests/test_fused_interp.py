@@ -1,11 +1,14 @@
 """Backend "fused" under the CPU interpreter: the fused forward kernel against the unfused path.
 
-The kernel runs PHASED (one program plays every comm role's pulls, then every compute task in
-ticket order, then every comm role's pushes); its waits still check every counter. W = 1 uses the
-backend's private one-rank workspace; W = 2 is emulated in one process, every rank's protocol
-steps in lockstep (tests/test_triton_ep_interp.py). Checked: outputs and every routed activation
-bitwise equal to backend "triton" for several num_comm and minibatch sizes; the context trains
-with the unfused backward; a missing signal ends in a StallError naming the stage.
+The kernel runs PHASED (one program plays, per minibatch, every comm role's push of the ring
+slot's previous occupant and pull, then the compute tasks whose inputs exist; then the rest); its
+waits still check every counter. W = 1 uses the backend's private one-rank workspace; W = 2 is
+emulated in one process, every rank's protocol steps in lockstep (tests/test_triton_ep_interp.py).
+Checked: y, the shared activations and every gradient bitwise equal to backend "triton" for
+several num_comm, minibatch sizes and ring sizes (a ring smaller than the work: several
+macrobatches, the backward replays the routed forward; a ring holding every row: the routed
+activations are saved and equal too), with and without a shared expert; a missing signal (h
+tile, down tiles, a ring slot never freed) ends in a StallError naming the stage.
 """
 
 from __future__ import annotations
@@ -52,10 +55,13 @@ def _weights(gen, e: int, h: int, i: int, i_s: int) -> ExpertWeights:
                          _rnd(gen, e, h, i, scale=i**-0.5), *shared)
 
 
-def _config(h, i, e, k, i_s, num_comm: int, minibatch_blocks: int):
+def _config(h, i, e, k, i_s, num_comm: int, minibatch_blocks: int,
+            ring_blocks: int | None = None):
+    """ring_blocks None: the ring holds every row (the config default, 16384 rows)."""
     mb = minibatch_blocks * BLOCK_ROWS
-    return make_config(h, i, e, k, i_s, BLOCK_ROWS).replace(
-        comm_programs=num_comm, minibatch_rows=mb, ring_rows=mb)
+    cfg = make_config(h, i, e, k, i_s, BLOCK_ROWS).replace(comm_programs=num_comm,
+                                                           minibatch_rows=mb, ring_rows=mb)
+    return cfg.replace(ring_rows=16384 if ring_blocks is None else ring_blocks * BLOCK_ROWS)
 
 
 def _used_rows(sched) -> int:
@@ -70,16 +76,34 @@ def _assert_same_activations(ctx_a, ctx_b, used: int, what: str) -> None:
 
 # ------------------------------------------------------------------------------ W = 1
 
-# (num_comm, minibatch in row blocks, down lag); (2, 2, *) has 5 used blocks: a partial last
-# minibatch (asserted below, the routing is seeded).
-@pytest.mark.parametrize("num_comm,minibatch_blocks,down_lag", [(1, 1, 0), (2, 2, 1), (3, 1, 9)])
+def _assert_same_shared(ctx_a, ctx_b, what: str) -> None:
+    if ctx_b.shared is None:
+        assert ctx_a.shared is None, what
+        return
+    for name, a, b in zip(("sg", "su", "sh"), ctx_a.shared, ctx_b.shared):
+        assert torch.equal(a, b), f"{what}: shared {name} differs"
+
+
+def _assert_same_grads(g, g_ref, what: str) -> None:
+    for name, a, b in zip(g._fields, g, g_ref):
+        assert (a is None and b is None) or torch.equal(a, b), f"{what}: grad {name} differs"
+
+
+# (num_comm, minibatch in row blocks, ring in row blocks (None: every row), shared I, down lag).
+# The routing is seeded: 5 or 6 used blocks. Ring 1 block: a push before every pull; ring 2 x 2
+# blocks: 2 slots, a partial last minibatch (asserted); lag 9 is capped by the ring.
+SINGLE_CASES = [(1, 1, 1, 32, 0), (2, 2, None, 32, 1), (3, 1, 2, 0, 9), (2, 2, 4, 24, 2),
+                (2, 1, None, 0, 9)]
+
+
+@pytest.mark.parametrize("num_comm,minibatch_blocks,ring_blocks,i_s,down_lag", SINGLE_CASES)
 def test_single_gpu_forward_is_bitwise_unfused(num_comm: int, minibatch_blocks: int,
-                                               down_lag: int,
+                                               ring_blocks: int | None, i_s: int, down_lag: int,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ff, "DEFAULT_DOWN_LAG", down_lag)
     gen = torch.Generator().manual_seed(num_comm * 10 + minibatch_blocks)
-    t, h, i, e, k, i_s = 29, 64, 40, 4, 2, 32  # I = 40: a partial gate/up column tile
-    cfg = _config(h, i, e, k, i_s, num_comm, minibatch_blocks)
+    t, h, i, e, k = 29, 64, 40, 4, 2  # I = 40: a partial gate/up column tile
+    cfg = _config(h, i, e, k, i_s, num_comm, minibatch_blocks, ring_blocks)
     weights = _weights(gen, e, h, i, i_s)
     ids, w = make_routing(t, e, k, kind="zipf", generator=gen)
     x, dy = _rnd(gen, t, h), _rnd(gen, t, h)
@@ -92,24 +116,56 @@ def test_single_gpu_forward_is_bitwise_unfused(num_comm: int, minibatch_blocks: 
         y, ctx = fused_backend.forward(x, ids, w, weights, cfg, None, sched)
         assert torch.equal(y, y_ref)
         used = _used_rows(sched.routed)
-        if minibatch_blocks == 2:
+        if (minibatch_blocks, ring_blocks) == (2, 4):
             assert used // BLOCK_ROWS % 2 == 1, "meant to end in a partial minibatch"
-        _assert_same_activations(ctx, ctx_ref, used, "W=1")
+        if ring_blocks is not None:
+            assert used > cfg.ring_rows, "meant to need several macrobatches"
+            assert ctx.xs is None, "a ring smaller than the rows must not claim the context"
+        else:
+            _assert_same_activations(ctx, ctx_ref, used, "W=1")
+        _assert_same_shared(ctx, ctx_ref, "W=1")
         fused_backend.check(ctx)  # W = 1 has no shared workspace: nothing recorded there
         check_errors(fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device))
         g_ref, g = backend.backward(ctx_ref, dy), fused_backend.backward(ctx, dy)
-    for name, a, b in zip(g._fields, g, g_ref):
-        assert (a is None and b is None) or torch.equal(a, b), f"grad {name} differs"
+    _assert_same_grads(g, g_ref, "W=1")
+
+
+def test_ring_keeps_the_last_occupant_of_each_row() -> None:
+    """The ring's rows are the layout's rows at row % ring (the last minibatch in each slot)."""
+    gen = torch.Generator().manual_seed(5)
+    t, h, i, e, k = 29, 64, 40, 4, 2
+    cfg = _config(h, i, e, k, 0, 2, 1, ring_blocks=2)
+    weights = _weights(gen, e, h, i, 0)
+    ids, _ = make_routing(t, e, k, kind="zipf", generator=gen)
+    x = _rnd(gen, t, h)
+    sched = backend.build_schedule(ids, cfg, None).routed
+    from megamoe.kernels import gemm, rows
+    ref_xs = rows.gather(x, sched)
+    ref_g, ref_u, ref_h = gemm.gate_up(ref_xs, weights.w_gate, weights.w_up, sched)
+    ref_z = gemm.grouped_mm(ref_h, weights.w_down, sched)
+    ws = fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device)
+    ws.x_buffer.copy_(x)
+    out = ff.fused_forward(ws, sched, weights.w_gate, weights.w_up, weights.w_down, num_comm=2,
+                           minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows)
+    check_errors(ws)
+    used, ring = _used_rows(sched), cfg.ring_rows
+    assert not out.full and out.xs.shape[0] == ring and used > 2 * ring
+    last = torch.arange(used - ring, used)  # the last `ring` rows, each at row % ring
+    for name, ours, ref in zip(ACTIVATIONS, (out.xs, out.g, out.u, out.h, out.z),
+                               (ref_xs, ref_g, ref_u, ref_h, ref_z)):
+        assert torch.equal(ours[last % ring], ref[last]), f"ring {name}"
 
 
 @triton.jit
-def _task_list_kernel(out_ptr, num_blocks, n1, n2, LAG: tl.constexpr):
+def _task_list_kernel(out_ptr, start_ptr, num_blocks, n1, n2, LAG: tl.constexpr):
     total = num_blocks * (n1 + n2)
     for t in range(total):
         is_gate_up, block, col = ff.task_of(t, num_blocks, n1, n2, LAG)
         tl.store(out_ptr + 3 * t, is_gate_up.to(tl.int32))
         tl.store(out_ptr + 3 * t + 1, block)
         tl.store(out_ptr + 3 * t + 2, col)
+    for b in range(num_blocks + 1):
+        tl.store(start_ptr + b, ff.gate_up_start(b, num_blocks, n1, n2, LAG))
 
 
 @pytest.mark.parametrize("num_blocks", [0, 1, 2, 5])
@@ -117,8 +173,11 @@ def _task_list_kernel(out_ptr, num_blocks, n1, n2, LAG: tl.constexpr):
 def test_task_list_is_every_tile_once_in_topological_order(num_blocks: int, lag: int) -> None:
     n1, n2 = 3, 2
     out = torch.full((max(1, num_blocks * (n1 + n2)), 3), -1, dtype=torch.int32)
-    _task_list_kernel[(1,)](out, num_blocks, n1, n2, LAG=lag)
+    starts = torch.full((num_blocks + 1,), -1, dtype=torch.int32)
+    _task_list_kernel[(1,)](out, starts, num_blocks, n1, n2, LAG=lag)
     tasks = [tuple(r) for r in out[:num_blocks * (n1 + n2)].tolist()]
+    # gate_up_start: where the PHASED rounds stop (and the list's length past the last block)
+    assert starts.tolist() == [tasks.index((1, b, 0)) for b in range(num_blocks)] + [len(tasks)]
     expected = {(1, b, c) for b in range(num_blocks) for c in range(n1)} | \
         {(0, b, c) for b in range(num_blocks) for c in range(n2)}
     assert len(tasks) == len(expected) and set(tasks) == expected
@@ -127,17 +186,36 @@ def test_task_list_is_every_tile_once_in_topological_order(num_blocks: int, lag:
             assert all(tasks.index((1, block, c)) < pos for c in range(n1))
 
 
+@pytest.mark.parametrize("slots,blocks_per_mb", [(1, 1), (1, 4), (2, 1), (2, 3), (3, 2)])
+def test_routed_lag_puts_a_slots_pushes_before_its_next_pulls(slots: int,
+                                                              blocks_per_mb: int) -> None:
+    """With the capped lag, every down tile of minibatch m - slots precedes the first gate/up
+    tile of minibatch m (the pull of m waits for the pushes of m - slots): no deadlock."""
+    n1, n2, num_blocks = 2, 3, 4 * slots * blocks_per_mb + 1
+    for lag in (0, 2, 9):
+        capped = ff.routed_lag(lag, slots, blocks_per_mb, max_minibatches=10**6)
+        out = torch.full((num_blocks * (n1 + n2), 3), -1, dtype=torch.int32)
+        _task_list_kernel[(1,)](out, torch.empty(num_blocks + 1, dtype=torch.int32), num_blocks,
+                                n1, n2, LAG=capped)
+        tasks = [tuple(r) for r in out.tolist()]
+        for b in range(slots * blocks_per_mb, num_blocks):
+            mb = b // blocks_per_mb
+            first = tasks.index((1, b, 0))
+            for old in range((mb - slots) * blocks_per_mb, (mb - slots + 1) * blocks_per_mb):
+                assert all(tasks.index((0, old, c)) < first for c in range(n2)), (lag, b, old)
+
+
 # ------------------------------------------------------------------------------ W = 2
 
-def _ep_problem(seed: int, routing: str):
-    world, t, h, i, e_local, k, i_s = 2, 13, 64, 32, 2, 2, 32
+def _ep_problem(seed: int, routing: str, i_s: int):
+    world, t, h, i, e_local, k = 2, 13, 64, 32, 2, 2
     gen = torch.Generator().manual_seed(seed)
     weights = _weights(gen, e_local * world, h, i, i_s)
     ranks = []
     for _ in range(world):
         ids, w = make_routing(t, e_local * world, k, kind=routing, world_size=world,
                               target_rank=world - 1, generator=gen)
-        ranks.append((_rnd(gen, t, h), ids, w))
+        ranks.append((_rnd(gen, t, h), ids, w, _rnd(gen, t, h)))
     return (world, t, h, i, e_local, k, i_s), weights, ranks
 
 
@@ -147,38 +225,59 @@ def _local(weights: ExpertWeights, r: int, e_local: int) -> ExpertWeights:
                          weights.s_gate, weights.s_up, weights.s_down)
 
 
-def _ep_forward(cfg, shape, weights, ranks, routed):
+def _ep_step(cfg, shape, weights, ranks, fused: bool):
+    """(y, ctx, grads) per rank: schedule, forward, backward (the fused one replays if needed)."""
     world, t, h, _, e_local, k, _ = shape
     wss = emulated_workspaces(world, t, h, k)
     for ws in wss:  # a slot nobody pushed keeps NaN and shows up in y
         ws.combine_buffer.fill_(float("nan"))
     scheds = lockstep([backend.schedule_steps(ranks[r][1], cfg, wss[r]) for r in range(world)],
                       wss)
-    outs = lockstep([backend.forward_steps(ranks[r][0], ranks[r][2], _local(weights, r, e_local),
-                                           scheds[r], routed) for r in range(world)], wss)
+    forward = fused_backend.forward_steps if fused else backend.forward_steps
+    outs = lockstep([forward(ranks[r][0], ranks[r][2], _local(weights, r, e_local), scheds[r])
+                     for r in range(world)], wss)
+    ctxs = [ctx for _, ctx in outs]
+    if fused and ctxs[0].xs is None:
+        ctxs = lockstep([fused_backend.replay_steps(c) for c in ctxs], wss)
+    grads = lockstep([backend.backward_steps(ctxs[r], ranks[r][3]) for r in range(world)], wss)
     for ws in wss:
         check_errors(ws)
-    return outs, scheds
+    return [(y, ctx, g) for (y, ctx), g in zip(outs, grads)], scheds
 
 
-@pytest.mark.parametrize("routing", ["uniform", "one-rank"])
-@pytest.mark.parametrize("num_comm", [1, 2])
-def test_two_ranks_forward_is_bitwise_unfused(routing: str, num_comm: int) -> None:
-    shape, weights, ranks = _ep_problem(num_comm, routing)
-    _, _, h, i, e_local, k, i_s = shape
-    cfg = _config(h, i, e_local * 2, k, i_s, num_comm, minibatch_blocks=num_comm)
+# (routing, num_comm, ring in row blocks (None: every row), shared I)
+EP_CASES = [("uniform", 1, 1, 32), ("one-rank", 2, None, 32), ("one-rank", 1, 2, 0),
+            ("uniform", 2, None, 0)]
+
+
+@pytest.mark.parametrize("routing,num_comm,ring_blocks,i_s", EP_CASES)
+def test_two_ranks_forward_is_bitwise_unfused(routing: str, num_comm: int,
+                                              ring_blocks: int | None, i_s: int) -> None:
+    shape, weights, ranks = _ep_problem(num_comm, routing, i_s)
+    _, _, h, i, e_local, k, _ = shape
+    cfg = _config(h, i, e_local * 2, k, i_s, num_comm, 1, ring_blocks)
     with poisoned_buffers():
-        ref, _ = _ep_forward(cfg, shape, weights, ranks, backend.routed_unfused)
-        out, scheds = _ep_forward(cfg, shape, weights, ranks, fused_backend.routed_fused)
+        ref, _ = _ep_step(cfg, shape, weights, ranks, fused=False)
+        out, scheds = _ep_step(cfg, shape, weights, ranks, fused=True)
+    several = False
     for r in range(2):
-        assert torch.equal(out[r][0], ref[r][0]), f"rank {r}: y"
-        _assert_same_activations(out[r][1], ref[r][1], _used_rows(scheds[r].routed), f"rank {r}")
+        what = f"rank {r}"
+        assert torch.equal(out[r][0], ref[r][0]), f"{what}: y"
+        used = _used_rows(scheds[r].routed)
+        several |= used > cfg.ring_rows
+        if ring_blocks is None:
+            _assert_same_activations(out[r][1], ref[r][1], used, what)
+        _assert_same_shared(out[r][1], ref[r][1], what)
+        _assert_same_grads(out[r][2], ref[r][2], what)
+    if ring_blocks is not None:
+        assert several, "meant to need several macrobatches on some rank"
 
 
 # ------------------------------------------------------------------------------ watchdog
 
-def _stall(skip_tasks: int) -> str:
-    """Run the kernel with the ticket pre-advanced by ``skip_tasks`` (those tasks never signal)."""
+def _stall(skip_tasks: int, ring_blocks: int | None = None, never_freed: bool = False) -> str:
+    """Run the kernel with the ticket pre-advanced by ``skip_tasks`` (those tasks never signal);
+    ``never_freed``: ring slot 0's free counter starts far behind (its pushes never count)."""
     gen = torch.Generator().manual_seed(7)
     t, h, i, e, k = 11, 64, 32, 2, 2
     cfg = _config(h, i, e, k, 0, num_comm=2, minibatch_blocks=1)
@@ -189,8 +288,14 @@ def _stall(skip_tasks: int) -> str:
     ws.x_buffer.copy_(_rnd(gen, t, h))
     flags = torch.zeros(4096, dtype=torch.int32)
     flags[0] = skip_tasks
+    ring = None if ring_blocks is None else ring_blocks * BLOCK_ROWS
+    if never_freed:
+        max_mb = sched.rows // BLOCK_ROWS
+        layout = ff.flag_layout(max_mb, sched.max_blocks, min(ring_blocks, max_mb), 0)
+        flags[layout.freed] = -(1 << 20)
     ff.fused_forward(ws, sched, weights.w_gate, weights.w_up, weights.w_down, num_comm=2,
-                     minibatch_rows=BLOCK_ROWS, budget=STALL_BUDGET, flags=flags)
+                     minibatch_rows=BLOCK_ROWS, ring_rows=ring, budget=STALL_BUDGET,
+                     flags=flags)
     with pytest.raises(StallError) as info:
         check_errors(ws)
     check_errors(ws)  # the record was cleared
@@ -209,6 +314,12 @@ def test_missing_down_tiles_are_reported_by_the_pushes() -> None:
     assert "flag was 0" in message
 
 
+def test_ring_slot_never_freed_is_reported() -> None:
+    message = _stall(skip_tasks=0, ring_blocks=1, never_freed=True)
+    assert ("stalled in fused forward: ring slot freed by the pushes (index = the minibatch to "
+            "pull into it) (index 1)") in message
+
+
 def test_bad_arguments_are_refused() -> None:
     ws = emulated_workspaces(1, 4, 64, 2)[0]
     ids = torch.zeros(4, 2, dtype=torch.int64)
@@ -219,3 +330,6 @@ def test_bad_arguments_are_refused() -> None:
         ff.fused_forward(ws, sched, w.w_gate, w.w_up, w.w_down, num_comm=0, minibatch_rows=16)
     with pytest.raises(ValueError, match="minibatch_rows"):
         ff.fused_forward(ws, sched, w.w_gate, w.w_up, w.w_down, num_comm=1, minibatch_rows=24)
+    with pytest.raises(ValueError, match="ring_rows"):
+        ff.fused_forward(ws, sched, w.w_gate, w.w_up, w.w_down, num_comm=1, minibatch_rows=32,
+                         ring_rows=48)

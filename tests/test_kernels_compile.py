@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("triton")
 
 SMEM_LIMIT = 227 * 1024
-EXPECTED = {"histogram", "scan", "place", "gather", "route_grad", "combine", "gate_up", "down",
-            "dgrad_swiglu", "dgrad_pair", "wgrad"}
+EXPECTED = {"histogram", "scan", "place", "gather", "route_grad", "combine", "combine_slots",
+            "capacity", "gate_up", "down", "dgrad_swiglu", "dgrad_pair", "wgrad"}
 
 
 @pytest.fixture(scope="module")

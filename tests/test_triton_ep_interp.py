@@ -4,7 +4,8 @@ The backend's EP protocol is written as generators that yield where every rank p
 barrier; here every emulated rank's steps run in lockstep (each rank up to its next barrier, then
 every rank arrives, then every rank waits), over emulated symmetric workspaces. Checked: routed
 outputs and gradients at W > 1 are bitwise equal to W = 1 on the same global batch (same kernels,
-same rows per expert in the same order), the capacity check, and the two new kernel variants.
+same rows per expert in the same order), the capacity check (an overflowed step gives NaN, every
+overflow is counted), the error reports, and the two new kernel variants.
 """
 
 from __future__ import annotations
@@ -127,25 +128,84 @@ def test_expert_parallel_is_bitwise_single_process(case: str) -> None:
             assert (total - ref).norm() <= 2e-2 * ref.norm(), name
 
 
-def test_capacity_overflow_is_reported_on_every_rank_and_recovers() -> None:
+def test_capacity_overflow_gives_nan_is_counted_and_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
     case = "w2_one_rank"  # every token to the last rank: it needs W*T*K rows, capacity 1.25*T*K
+    monkeypatch.delenv(backend.CHECK_ENV, raising=False)  # the default, lagged
     cfg, world, e_local, weights, per_rank = _problem(case, capacity_factor=1.25)
+    (t, h), k = per_rank[0][0].shape, cfg.top_k
+    wss = emulated_workspaces(world, t, h, k)
+    for ws in wss:
+        backend._lagged_check(ws)  # snapshot of the clean records
     with poisoned_buffers():
-        _, _, scheds, wss = _run_ep(cfg, world, e_local, weights, per_rank)
-    t, k = per_rank[0][1].shape
+        for step in range(2):  # two overflowing steps in a row
+            ys, grads, scheds, _ = _run_ep(cfg, world, e_local, weights, per_rank, wss)
+            for r in range(world):
+                routed = scheds[r].routed
+                assert routed.num_blocks.item() == 0  # nothing computed, nothing out of bounds
+                assert routed.rows < max_rows(world * t * k, e_local, BLOCK_ROWS)  # smaller buffers
+                assert scheds[r].ep.invalid.tolist() == [1]
+                # The slots were not written this step: NaN, never stale or zero rows.
+                assert ys[r].isnan().all(), f"step {step} rank {r}: y"
+                assert grads[r].x.isnan().all(), f"step {step} rank {r}: d_x"
+                assert grads[r].topk_weights.isnan().all(), f"step {step} rank {r}: d_topk"
+            if step == 0:
+                for ws in wss:  # raises the clean snapshot (nothing), snapshots step 0's overflow
+                    backend._lagged_check(ws)
+    # The snapshot holds the first overflow only; the report reads the live record: both count.
     for r in range(world):
-        assert scheds[r].routed.num_blocks.item() == 0  # nothing computed, nothing out of bounds
-        assert scheds[r].routed.rows < max_rows(world * t * k, e_local, BLOCK_ROWS)  # smaller buffers
-        with pytest.raises(backend.CapacityError, match=f"rank {world - 1} was routed {world * t * k} rows"):
-            backend.check(scheds[r])
-        backend.check(scheds[r])  # the record was cleared
+        with pytest.raises(backend.CapacityError,
+                           match=f"2 steps overflowed since the last check; the first: rank "
+                                 f"{world - 1} was routed {world * t * k} rows"):
+            backend._lagged_check(wss[r])
+        backend.check(wss[r])  # the records were cleared
+        assert not wss[r].errors.any()
     # The same workspaces then run a step that fits, exactly like a fresh process would.
     cfg_ok, *_ = _problem(case)
     ys, grads, _, _ = _run_ep(cfg_ok, world, e_local, weights, per_rank, wss)
     y1, g1 = _run_single(cfg_ok, weights, per_rank)
     for r in range(world):
-        assert torch.equal(ys[r], y1[r * t:(r + 1) * t])
-        assert torch.equal(grads[r].x, g1.x[r * t:(r + 1) * t])
+        tok = slice(r * t, (r + 1) * t)
+        assert torch.equal(ys[r], y1[tok])
+        assert torch.equal(grads[r].x, g1.x[tok])
+        assert torch.equal(grads[r].topk_weights, g1.topk_weights[tok])
+        backend._lagged_check(wss[r])  # clean snapshot: nothing raised
+        backend.check(wss[r])
+
+
+def test_one_overflow_is_reported_once_by_check() -> None:
+    case = "w2_one_rank"
+    cfg, world, e_local, weights, per_rank = _problem(case, capacity_factor=1.25)
+    t, h = per_rank[0][0].shape
+    wss = emulated_workspaces(world, t, h, cfg.top_k)
+    scheds = lockstep([backend.schedule_steps(per_rank[r][1], cfg, wss[r])
+                       for r in range(world)], wss)
+    for r in range(world):
+        with pytest.raises(backend.CapacityError, match="1 step overflowed"):
+            backend.check(scheds[r])
+        backend.check(scheds[r])
+
+
+def test_stall_is_decoded_once_and_fatal() -> None:
+    from megamoe.workspace import (ERR_FLAG, ERR_PEER, ERR_RANK, ERR_STAGE, StallError,
+                                   check_errors)
+    ws = emulated_workspaces(2, 4, 8, 2)[0]
+    record = {ERR_FLAG: 1, ERR_STAGE: comm.STAGE_BARRIER, ERR_PEER: 1, ERR_RANK: 0}
+    for via in (backend.check, check_errors):  # both go through workspace.take_stall
+        for i, v in record.items():
+            ws.errors[i] = v
+        with pytest.raises(StallError, match=r"rank 0 stalled in barrier .*peer 1.*"
+                                             r"clear_workspace_cache\(\) on every rank"):
+            via(ws)
+        assert not ws.errors.any()
+        via(ws)
+
+
+def test_workspace_layouts_must_agree() -> None:
+    from megamoe.workspace import _check_layouts
+    same = (8, 64, 2, "torch.bfloat16", True, 4096, 0)
+    _check_layouts([same] * 3)
+    with pytest.raises(ValueError, match=r"ranks \[2\] .*rank 0: num_tokens=8.*rank 2: num_tokens=9"):
+        _check_layouts([same, same, (9, *same[1:])])
 
 
 def test_capacity_that_fits_changes_nothing() -> None:
@@ -159,7 +219,9 @@ def test_capacity_that_fits_changes_nothing() -> None:
     ys2, grads2, scheds, _ = _run_ep(cap_cfg, world, e_local, weights, per_rank, wss)
     for r in range(world):
         backend.check(scheds[r])
+        assert scheds[r].ep.invalid.tolist() == [0]  # checked, fits: the same bits as unchecked
         assert torch.equal(ys[r], ys2[r]) and torch.equal(grads[r].x, grads2[r].x)
+        assert torch.equal(grads[r].topk_weights, grads2[r].topk_weights)
 
 
 def test_schedule_twice_in_a_row_adds_a_guard_barrier() -> None:

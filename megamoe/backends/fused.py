@@ -1,18 +1,25 @@
-"""Backend "fused": the forward's pull, expert GEMMs and push run as ONE persistent kernel.
+"""Backend "fused": the forward's shared expert, pull, routed expert GEMMs and push run as ONE
+persistent kernel.
 
-Everything else is backend "triton"'s code, imported, not copied: the schedule, the protocol
-(publish x -> barrier -> [routed part] -> shared expert -> barrier -> k-order combine of the own
-slots), the error checks and the whole backward. Only the routed part between the two barriers is
-:func:`megamoe.kernels.fused_forward.fused_forward` instead of ``dispatch_pull -> gate_up -> down
--> combine_push``; it gives the same bits (same tile functions, tiles and row layout), so
+Everything else is backend "triton"'s code, imported, not copied: the schedule, the barriers, the
+k-order combine of the own slots, the error checks and the whole backward. The forward protocol
+is backend "triton"'s (publish x -> barrier -> [fused kernel] -> barrier -> k-order combine of
+the own slots + shared output); :func:`forward_steps` spells it out here only because the shared
+expert moved into the kernel (backend "triton"'s ``forward_steps`` runs it separately). The kernel
+gives the same bits as the unfused launches (same tile functions, tiles and row layout), so
 ``backend="fused"`` outputs equal ``backend="triton"`` bit for bit and train with its backward.
+
+Ring (``config.ring_rows``): when it holds every row of the schedule (``ring_rows >=
+schedule.routed.rows``) the forward saves the routed activations as backend "triton" does. When
+it is smaller, the routed rows only ever live in the ring (memory bounded by ``ring_rows`` in the
+forward and between forward and backward); the context drops them (``xs = g = u = h = z =
+None``) and :func:`backward` first replays the routed forward with the unfused kernels (publish
+x -> barrier -> pull -> gate/up -> down; the same bits) and then runs backend "triton"'s
+backward. The shared expert's activations are always saved (T rows).
 
 With one GPU there is no symmetric workspace; the forward uses a private one-rank workspace
 (plain device memory, cached per shape) so that W = 1 runs the very same kernel and protocol,
 "pulling" from its own ``x_buffer`` and "pushing" into its own combine slots.
-
-Not yet: the shared expert runs in the unfused launches, the routed rows use the full row buffer
-(no ring), pushes start after every pull (docs/fused.md).
 """
 
 from __future__ import annotations
@@ -25,11 +32,11 @@ import torch.distributed as dist
 from ..config import MoEConfig
 from ..types import ExpertWeights, MoEGrads
 from . import triton as unfused
-from .triton import (EpRouting, TritonContext, TritonSchedule, build_schedule, check,
+from .triton import (EpRouting, Steps, TritonContext, TritonSchedule, build_schedule, check,
                      is_available)
 
-__all__ = ["is_available", "build_schedule", "forward", "backward", "check", "routed_fused",
-           "MAX_WORLD_SIZE"]
+__all__ = ["is_available", "build_schedule", "forward", "backward", "check", "forward_steps",
+           "replay_steps", "MAX_WORLD_SIZE"]
 
 # Any expert-parallel world size, like backend "triton".
 MAX_WORLD_SIZE = None
@@ -38,13 +45,50 @@ MAX_WORLD_SIZE = None
 _LOCAL: dict[tuple, object] = {}
 
 
-def routed_fused(ws, schedule: TritonSchedule, weights: ExpertWeights) -> tuple[torch.Tensor, ...]:
-    """(xs, g, u, h, z) with z pushed to the sources' combine slots: the fused kernel."""
+def _fused(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor):
     from ..kernels.fused_forward import fused_forward
     config = schedule.config
-    out = fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
-                        num_comm=config.comm_programs, minibatch_rows=config.minibatch_rows)
-    return out.xs, out.g, out.u, out.h, out.z
+    shared = ((x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None)
+    return fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
+                         num_comm=config.comm_programs, minibatch_rows=config.minibatch_rows,
+                         ring_rows=config.ring_rows, shared=shared)
+
+
+def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
+                  schedule: TritonSchedule) -> Steps[tuple[torch.Tensor, TritonContext]]:
+    """Backend "triton"'s forward protocol with the fused kernel between the two barriers."""
+    from ..kernels import comm, rows
+    from ..workspace import publish
+    ws = schedule.ep.workspace
+    publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
+    yield from unfused._barrier_point(ws)
+    _, slot_weights = comm.gather_routing(ws)
+    out = _fused(ws, schedule, weights, x)
+    yield from unfused._barrier_point(ws)
+    # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
+    y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, out.shared_out, x.dtype,
+                           invalid=schedule.ep.invalid)
+    routed = (out.xs, out.g, out.u, out.h, out.z) if out.full else (None,) * 5
+    ctx = TritonContext(schedule, x, slot_weights.view(-1), weights, *routed, out.shared)
+    return y, ctx
+
+
+def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
+    """The context with the routed activations the ring dropped recomputed (bitwise the
+    forward's: the unfused pull / gather and GEMMs, which the fused kernel reproduces)."""
+    from ..kernels import comm, rows
+    from ..workspace import publish
+    schedule = ctx.schedule
+    sched = schedule.routed
+    if schedule.ep is None:  # W = 1: the tokens are here
+        xs = rows.gather(ctx.x, sched)
+    else:
+        ws = schedule.ep.workspace
+        publish(ws, x=ctx.x.detach())  # the x_buffer may hold a later forward's tokens
+        yield from unfused._barrier_point(ws)
+        xs = comm.dispatch_pull(ws, sched, "x", programs=schedule.config.comm_programs)
+    g, u, h, z = unfused._experts_forward(xs, ctx.weights, sched)
+    return dataclasses.replace(ctx, xs=xs, g=g, u=u, h=h, z=z)
 
 
 def local_workspace(num_tokens: int, hidden: int, top_k: int, dtype: torch.dtype,
@@ -71,7 +115,8 @@ def _single_rank_schedule(schedule: TritonSchedule, topk_ids: torch.Tensor) -> T
 def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             weights: ExpertWeights, config: MoEConfig, group: dist.ProcessGroup | None,
             schedule: TritonSchedule | None) -> tuple[torch.Tensor, TritonContext]:
-    """y [T, H] bf16 and backend "triton"'s context (its backward runs unchanged)."""
+    """y [T, H] bf16 and backend "triton"'s context (routed activations None when the ring
+    dropped them; :func:`backward` replays them)."""
     unfused._check_supported(x, config)
     if schedule is None:
         schedule = build_schedule(topk_ids, config, group)
@@ -84,7 +129,7 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"x has {x.shape[0]} tokens, the schedule was built for {ws.num_tokens}")
     if schedule.ep is None:  # W > 1 checks in build_schedule; the private workspace here
         unfused._lagged_check(ws)
-    y, ctx = unfused._run(unfused.forward_steps(x, topk_weights, weights, run, routed_fused), ws)
+    y, ctx = unfused._run(forward_steps(x, topk_weights, weights, run), ws)
     unfused._eager_check(ws)
     if schedule.ep is None:  # the backward runs the W = 1 path: router weights in token order
         ctx = dataclasses.replace(ctx, schedule=schedule, slot_weights=topk_weights.view(-1))
@@ -92,5 +137,20 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 
 
 def backward(ctx: TritonContext, grad_y: torch.Tensor) -> MoEGrads:
-    """Backend "triton"'s backward (the fused forward saves the same context)."""
+    """Backend "triton"'s backward, after replaying the routed forward if the ring dropped it."""
+    if ctx.xs is None:
+        ep = ctx.schedule.ep
+        if ep is None:
+            ctx = _drain(replay_steps(ctx))
+        else:
+            ctx = unfused._run(replay_steps(ctx), ep.workspace)
     return unfused.backward(ctx, grad_y)
+
+
+def _drain(steps: Steps[TritonContext]) -> TritonContext:
+    """Run steps that never yield (W = 1 has no barrier)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a W = 1 replay must not pass a barrier")

@@ -8,7 +8,8 @@ One GPU (W = 1):
 
 Expert parallel (W > 1), through the symmetric workspace (docs/comm.md):
   Schedule: publish ids -> barrier -> gather every rank's ids -> row schedule of the local
-            experts (global slot order) -> capacity check on the device.
+            experts (global slot order) -> capacity check on the device (on overflow: empty
+            schedule, and the step's combines write NaN instead of reading stale slots).
   Forward:  publish x, weights -> barrier -> pull x rows from the peers -> the same expert
             GEMMs -> push z rows into the source ranks' combine slots -> barrier -> combine the
             own slots in k order (+ shared).
@@ -64,9 +65,11 @@ EP_CHANNEL = 0
 #   off              never automatically; call `check` yourself
 CHECK_ENV = "MEGAMOE_EP_CHECK"
 CHECK_MODES = ("lagged", "eager", "off")
-# Capacity record words: flag, offending rank, its routed rows, the capacity.
-_CAP_FLAG, _CAP_RANK, _CAP_ROWS, _CAP_LIMIT = range(4)
-_CAP_WORDS = 4
+# Capacity record words (constexprs: the kernel uses them too; lists index with them): flag, then
+# the first overflow's offending rank, its routed rows and the capacity, then the number of
+# overflowed schedules since the record was last cleared.
+_CAP_FLAG, _CAP_RANK, _CAP_ROWS, _CAP_LIMIT, _CAP_COUNT = (tl.constexpr(i) for i in range(5))
+_CAP_WORDS = 5
 # Routing entries per step of the capacity kernel's loop.
 _LOAD_BLOCK = 1024
 
@@ -76,7 +79,12 @@ Steps = Generator[None, None, _T]
 
 
 class CapacityError(RuntimeError):
-    """A rank was routed more rows than ``MoEConfig.capacity_factor`` allows."""
+    """A rank was routed more rows than ``MoEConfig.capacity_factor`` allows.
+
+    Recorded on every rank (each checks all ranks' loads), so every rank raises it at the same
+    check. The overflowed steps computed no routed rows; their y, d_x and d topk_weights are NaN.
+    The workspace stays usable: the next step that fits is exact.
+    """
 
 
 def _interpreting() -> bool:
@@ -116,6 +124,9 @@ class EpRouting:
     workspace: Workspace
     all_ids: torch.Tensor  # [W*T, K] int32, the schedule's input (global slot order)
     capacity: int  # real routed rows one rank may hold
+    # int32 [1], written by the capacity kernel: 1 when this schedule overflowed (then the
+    # combines output NaN), else 0. None when nothing is checked (worst-case capacity).
+    invalid: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -244,22 +255,39 @@ def _state(ws: Workspace) -> _EpState:
     return state
 
 
-def _raise_if_recorded(ws: Workspace, words: list[int]) -> None:
-    """Turn error words (stall record, then capacity record) into an exception; clear the device
-    records first so that the workspace is usable again."""
-    from ..workspace import ERR_FLAG, ERROR_WORDS, StallError, describe_error
-    stall, cap = words[:ERROR_WORDS], words[ERROR_WORDS:]
-    if stall[ERR_FLAG] == 0 and cap[_CAP_FLAG] == 0:
+def _describe_capacity(cap: list[int]) -> str:
+    n = cap[_CAP_COUNT]
+    return (f"expert-parallel capacity exceeded: {n} step{'s' if n != 1 else ''} overflowed since "
+            f"the last check; the first: rank {cap[_CAP_RANK]} was routed {cap[_CAP_ROWS]} rows, "
+            f"its capacity is {cap[_CAP_LIMIT]} (MoEConfig.capacity_factor times T*top_k). No "
+            f"routed rows were computed in an overflowed step on any rank; its y, d_x and d "
+            f"topk_weights are NaN. Raise capacity_factor, or set it to None to allow the worst "
+            f"case (W*T*top_k rows).")
+
+
+def _raise_if_recorded(ws: Workspace, snapshot: list[int] | None = None) -> None:
+    """Raise what the device records (stall record, then capacity record) hold, clearing them.
+
+    ``snapshot``: an earlier copy of the words (the lagged check). Only when it shows an error
+    are the live records read (blocking) and cleared, so an overflow recorded after the
+    snapshot is counted in this report instead of being wiped unseen. None: read them live.
+    A capacity error leaves the workspace usable; a stall does not (see ``StallError``).
+    """
+    from ..workspace import ERR_FLAG, ERROR_WORDS, take_stall
+    if snapshot is not None and snapshot[ERR_FLAG] == 0 and snapshot[ERROR_WORDS + _CAP_FLAG] == 0:
         return
-    ws.errors.zero_()
-    _state(ws).capacity_record.zero_()
-    if stall[ERR_FLAG]:
-        raise StallError(describe_error(stall))
-    raise CapacityError(
-        f"expert-parallel capacity exceeded: rank {cap[_CAP_RANK]} was routed {cap[_CAP_ROWS]} "
-        f"rows, its capacity is {cap[_CAP_LIMIT]} (MoEConfig.capacity_factor times T*top_k). "
-        f"No routed rows were computed in that step on any rank, so its outputs are invalid. "
-        f"Raise capacity_factor, or set it to None to allow the worst case (W*T*top_k rows).")
+    words = _device_words(ws).tolist()  # blocking: everything queued so far has run
+    cap = words[ERROR_WORDS:]
+    stall = take_stall(ws, words[:ERROR_WORDS])  # the one stall decoder; clears a set record
+    if cap[_CAP_FLAG]:
+        _state(ws).capacity_record.zero_()
+    if stall is not None:
+        if cap[_CAP_FLAG]:
+            raise type(stall)(f"{stall} (The capacity record was set too: "
+                              f"{_describe_capacity(cap)})")
+        raise stall
+    if cap[_CAP_FLAG]:
+        raise CapacityError(_describe_capacity(cap))
 
 
 def _device_words(ws: Workspace) -> torch.Tensor:
@@ -273,14 +301,18 @@ def _capturing(ws: Workspace) -> bool:
 def check(target: TritonSchedule | TritonContext | Workspace) -> None:
     """Raise what the device recorded on this schedule's workspace since the last check.
 
-    :class:`CapacityError` when some rank was routed more rows than its capacity (every rank
-    records it: the check runs on all ranks' routing), ``StallError`` when a barrier gave up
-    waiting for a peer. A blocking read (host sync): call it at check points, never inside a
-    captured graph. With W = 1 there is no workspace and nothing to check.
+    :class:`CapacityError` when some rank was routed more rows than its capacity: every rank
+    records it (the check runs on all ranks' routing), so every rank raises at the same check;
+    the message counts the overflowed steps since the last check; the workspace stays usable.
+    ``StallError`` when a barrier of this rank gave up waiting for a peer: recorded only on the
+    rank that waited, so the ranks do not agree, and fatal: drop the workspace on every rank
+    (``megamoe.workspace.clear_workspace_cache()``) and let the next step rebuild it. The records
+    are cleared as they are raised. A blocking read (host sync): call it at check points, never
+    inside a captured graph. With W = 1 there is no workspace and nothing to check.
     """
     ws = _workspace_of(target)
     if ws is not None:
-        _raise_if_recorded(ws, _device_words(ws).tolist())
+        _raise_if_recorded(ws)
 
 
 def _workspace_of(target: TritonSchedule | TritonContext | Workspace) -> Workspace | None:
@@ -302,8 +334,12 @@ def _lagged_check(ws: Workspace) -> None:
     """At a step start: raise what the previous snapshot holds, then snapshot the records again.
 
     The snapshot is an async copy into pinned memory after everything queued so far; waiting for
-    it one step later never stalls the stream (the GPU is still busy with the step in between),
-    and every rank raises at the same call, before any barrier, so no peer is left waiting.
+    it one step later never stalls the stream (the GPU is still busy with the step in between).
+    Only when it shows an error are the live records read (a blocking read, once) before they
+    are cleared, so overflows recorded since are counted, not lost. Capacity errors are recorded
+    on every rank, so every rank raises them at the same call, before any barrier, and no peer
+    is left waiting. A stall is recorded only on the rank that waited: that rank raises alone
+    and its peers stall at their next barrier; it is fatal (see ``StallError``).
     """
     state = _state(ws)
     if _check_mode() == "off" or _capturing(ws):
@@ -312,7 +348,7 @@ def _lagged_check(ws: Workspace) -> None:
         if state.snapshot is not None:
             state.snapshot.synchronize()
         state.snapshot_pending = False
-        _raise_if_recorded(ws, state.host_words.tolist())
+        _raise_if_recorded(ws, snapshot=state.host_words.tolist())
     state.host_words.copy_(_device_words(ws), non_blocking=True)
     if ws.device.type == "cuda":
         state.snapshot = torch.cuda.Event()
@@ -331,13 +367,15 @@ def _eager_check(ws: Workspace) -> None:
 
 @triton.jit
 def _capacity_kernel(ids_ptr, n_entries, experts_per_rank, capacity, cap_rows, rank,
-                     num_blocks_ptr, row_start_ptr, record_ptr, W: tl.constexpr,
+                     num_blocks_ptr, row_start_ptr, record_ptr, invalid_ptr, W: tl.constexpr,
                      W_PAD: tl.constexpr, E: tl.constexpr, E1_PAD: tl.constexpr,
                      BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Count each rank's routed rows; on overflow empty the local schedule and record it.
 
     Emptying (0 used blocks, every expert 0 rows) keeps every later kernel inside its buffers.
     The local padded rows are checked too, which the real-row test already implies.
+    ``invalid_ptr[0]`` (this schedule's word) is always written: 1 on overflow, else 0. The
+    record counts overflows (atomic add) and keeps the first one's (rank, rows, capacity).
     """
     ranks = tl.arange(0, W_PAD)
     loads = tl.zeros([W_PAD], dtype=tl.int32)
@@ -349,35 +387,43 @@ def _capacity_kernel(ids_ptr, n_entries, experts_per_rank, capacity, cap_rows, r
     over = (ranks < W) & (loads > capacity)
     first = tl.min(tl.where(over, ranks, W_PAD), axis=0)
     local_over = tl.load(num_blocks_ptr) * BLOCK_ROWS > cap_rows
-    if (first < W) | local_over:
+    overflow = (first < W) | local_over
+    tl.store(invalid_ptr, overflow.to(tl.int32))
+    if overflow:
         culprit = tl.where(first < W, first, rank)
         tl.store(num_blocks_ptr, 0)
         experts = tl.arange(0, E1_PAD)
         tl.store(row_start_ptr + experts, tl.zeros([E1_PAD], dtype=tl.int32), mask=experts <= E)
-        tl.store(record_ptr + 1, culprit)
-        tl.store(record_ptr + 2, tl.sum(tl.where(ranks == culprit, loads, 0), axis=0))
-        tl.store(record_ptr + 3, capacity)
-        tl.store(record_ptr, 1)
+        earlier = tl.atomic_add(record_ptr + _CAP_COUNT, 1)
+        if earlier == 0:  # the first overflow since the last check keeps its description
+            tl.store(record_ptr + _CAP_RANK, culprit)
+            tl.store(record_ptr + _CAP_ROWS, tl.sum(tl.where(ranks == culprit, loads, 0), axis=0))
+            tl.store(record_ptr + _CAP_LIMIT, capacity)
+        tl.store(record_ptr + _CAP_FLAG, 1)
 
 
 def _limit_capacity(full: RowSchedule, all_ids: torch.Tensor, capacity: int, rank: int,
-                    world: int, record: torch.Tensor) -> RowSchedule:
-    """The schedule with its row buffers sized for ``capacity`` real rows (plus tile padding).
+                    world: int, record: torch.Tensor
+                    ) -> tuple[RowSchedule, torch.Tensor | None]:
+    """The schedule with its row buffers sized for ``capacity`` real rows (plus tile padding),
+    and its ``invalid`` word (int32 [1], set on the device when it overflowed).
 
     The schedule's own int32 tables keep their worst-case size (small); the activation buffers
-    follow ``rows``. Nothing to check when the capacity is the worst case.
+    follow ``rows``. Nothing to check when the capacity is the worst case (no word: None).
     """
+    from ..kernels.runtime import empty
     from ..kernels.schedule import max_rows
     if capacity >= all_ids.numel():
-        return full
+        return full, None
     cap_rows = min(full.rows, max_rows(capacity, full.num_experts, full.block_rows))
     e = full.num_experts
+    invalid = empty(1, torch.int32, all_ids.device)
     _capacity_kernel[(1,)](all_ids, all_ids.numel(), e, capacity, cap_rows, rank,
-                           full.num_blocks, full.row_start, record, W=world,
+                           full.num_blocks, full.row_start, record, invalid, W=world,
                            W_PAD=triton.next_power_of_2(world), E=e,
                            E1_PAD=triton.next_power_of_2(e + 1), BLOCK_ROWS=full.block_rows,
                            BLOCK=_LOAD_BLOCK)
-    return dataclasses.replace(full, rows=cap_rows)
+    return dataclasses.replace(full, rows=cap_rows), invalid
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,9 +463,9 @@ def schedule_steps(topk_ids: torch.Tensor, config: MoEConfig, ws: Workspace) -> 
     full = build_row_schedule(all_ids, e_local, config.block_rows,
                               expert_lo=ws.rank * e_local)
     capacity = config.capacity_rows(ws.num_tokens, ws.world_size)
-    routed = _limit_capacity(full, all_ids, capacity, ws.rank, ws.world_size,
-                             state.capacity_record)
-    return TritonSchedule(routed, config, EpRouting(ws, all_ids, capacity))
+    routed, invalid = _limit_capacity(full, all_ids, capacity, ws.rank, ws.world_size,
+                                      state.capacity_record)
+    return TritonSchedule(routed, config, EpRouting(ws, all_ids, capacity, invalid))
 
 
 def routed_unfused(ws: Workspace, schedule: TritonSchedule,
@@ -453,7 +499,9 @@ def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWe
     xs, g, u, h, z = routed(ws, schedule, weights)
     shared, shared_out = _shared_forward(x, weights, config)
     yield from _barrier_point(ws)
-    y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype)
+    # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
+    y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype,
+                           invalid=schedule.ep.invalid)
     ctx = TritonContext(schedule, x, slot_weights.view(-1), weights, xs, g, u, h, z, shared)
     return y, ctx
 
@@ -473,8 +521,11 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
     comm.push_row_values(ws, dw_rows, sched, programs=programs)
     dx_shared, shared_grads = _shared_backward(dy, ctx)
     yield from _barrier_point(ws)
-    dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype)
-    d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k).clone()
+    invalid = schedule.ep.invalid
+    dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype, invalid=invalid)
+    d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k)
+    d_topk = (d_topk.clone() if invalid is None else  # NaN after an overflow (stale slots)
+              torch.where(invalid != 0, float("nan"), d_topk))
     return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)
 
 

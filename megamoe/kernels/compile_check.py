@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 
+from ..backends import triton as ep
 from . import gemm, rows, schedule
 
 __all__ = ["KernelSpec", "kernel_specs", "compile_spec", "HOPPER", "SMEM_LIMIT"]
@@ -81,11 +82,23 @@ def kernel_specs() -> list[KernelSpec]:
                        dict(dy_ptr="*bf16", z_ptr="*bf16", w_ptr="*fp32", row_src_ptr="*i32",
                             num_blocks_ptr="*i32", dz_ptr="*bf16", dw_ptr="*fp32", H="i32"),
                        {**row_consts, "BY_ROW": False}))
-    specs.append(_spec("combine", rows._combine_kernel,
-                       dict(z_ptr="*bf16", dest_row_ptr="*i32", w_ptr="*fp32", base_ptr="*bf16",
-                            out_ptr="*bf16", T="i32", H="i32"),
-                       dict(TOP_K=8, HAS_WEIGHT=True, HAS_BASE=True, IDENTITY=False,
-                            TOKENS=rows._TOKENS, COLS=rows._COLS, UPCAST=False)))
+    combine_types = dict(z_ptr="*bf16", dest_row_ptr="*i32", w_ptr="*fp32", base_ptr="*bf16",
+                         invalid_ptr="*i32", out_ptr="*bf16", T="i32", H="i32")
+    combine_consts = dict(TOP_K=8, HAS_WEIGHT=True, HAS_BASE=True, TOKENS=rows._TOKENS,
+                          COLS=rows._COLS, UPCAST=False)
+    specs.append(_spec("combine", rows._combine_kernel, combine_types,
+                       {**combine_consts, "IDENTITY": False, "HAS_INVALID": False}))
+    # The expert-parallel epilogue (combine_slots): slot-indexed, NaN when the step overflowed.
+    specs.append(_spec("combine_slots", rows._combine_kernel, combine_types,
+                       {**combine_consts, "IDENTITY": True, "HAS_INVALID": True}))
+    # The EP capacity check (one program; dsv3 at W = 8: 32 local experts).
+    specs.append(_spec("capacity", ep._capacity_kernel,
+                       {**{n: "i32" for n in ("n_entries", "experts_per_rank", "capacity",
+                                              "cap_rows", "rank")},
+                        **{n: "*i32" for n in ("ids_ptr", "num_blocks_ptr", "row_start_ptr",
+                                               "record_ptr", "invalid_ptr")}},
+                       dict(W=8, W_PAD=8, E=e, E1_PAD=2 * e_pad, BLOCK_ROWS=bm,
+                            BLOCK=ep._LOAD_BLOCK)))
     t = gemm.GPU_TILES["gate_up"]
     specs.append(_spec(
         "gate_up", gemm._gate_up_kernel,

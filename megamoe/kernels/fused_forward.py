@@ -1,35 +1,48 @@
-"""Fused forward: pull dispatch, gate/up + SwiGLU, down and push combine in ONE persistent kernel.
+"""Fused forward: shared expert, pull dispatch, gate/up + SwiGLU, down and push combine in ONE
+persistent kernel.
 
-It replaces the unfused sequence ``dispatch_pull -> gate_up -> down -> combine_push`` of backend
-"triton"; the barriers around it and the local k-order combine stay small separate launches.
+It replaces the unfused sequence ``dispatch_pull -> gate_up -> down -> combine_push`` (and the
+shared expert's two GEMMs) of backend "triton"; the barriers around it and the local k-order
+combine stay small separate launches.
 
 Roles (one program per SM, ``launch_cooperative_grid=True`` so every program is resident):
-  * programs ``[0, num_comm)`` communicate. First they pull every minibatch of scheduled rows
-    from the peers' ``x_buffer`` into the local row buffer ``xs`` (``comm.copy_rows``; each comm
-    program takes a strided share of the minibatch's copy tasks) and count themselves into the
-    minibatch's ready counter (release). Then, minibatch by minibatch, they wait until every down
-    tile of the minibatch is stored and push its rows into the source ranks' combine slots
-    (``comm.push_rows``). Pulls never wait, so all of them finish whatever the compute does.
+  * programs ``[0, num_comm)`` communicate, minibatch by minibatch: before pulling minibatch m
+    into its ring slot (``m % slots``) they push the slot's previous occupant, minibatch
+    ``m - slots``, once its down tiles are stored (``comm.push_rows``, each comm program a strided
+    share), count themselves into the slot's ``freed`` counter (release) and wait until every
+    comm program did (acquire); then they pull minibatch m from the peers' ``x_buffer``
+    (``comm.copy_rows``) and count themselves into ``ready[m]``. After the last pull they push
+    the minibatches still in the ring.
   * the other programs compute. They take tasks from an atomic ticket over a task list in
-    topological order: a row block's down tiles come after all its gate/up tiles (``LAG``
-    groups later, :func:`task_of`). A gate/up tile waits for its minibatch's ready counter
-    (acquire), runs ``gemm.gate_up_tile`` and counts itself into ``h_done[b]``; a down tile waits
-    until ``h_done[b]`` counts every gate/up tile of the block, runs ``gemm.mm_acc`` and counts
-    itself into ``z_done[minibatch]``. A task only waits on tasks earlier in the list (already
-    taken by running programs) or on the pulls: no deadlock.
+    topological order: first the shared expert's tiles over the T local tokens (no
+    communication: they hide the first pulls), then the routed tiles. In each part a row block's
+    down tiles come ``LAG`` groups after its gate/up tiles (:func:`task_of`). A routed gate/up
+    tile waits for its minibatch's ``ready`` (acquire), runs ``gemm.gate_up_tile`` and counts
+    itself into ``h_done[b]``; a down tile waits until ``h_done[b]`` counts every gate/up tile
+    of the block, runs ``gemm.mm_acc`` and counts itself into ``z_done[minibatch]``. Shared tiles
+    use ``sh_done[b]`` and write ``shared_out`` for the combine epilogue.
 
-The tiles are the unfused kernels' device functions with the same tile shapes and the same row
-layout, so ``xs, g, u, h, z`` and the pushed slots have the unfused path's bits for every
-``num_comm``. Every spin-wait has a budget (``comm.wait_at_least``): on expiry it records
-(stage, index, peer, rank) in the workspace error record and the program stops; the host raises
-``StallError`` at its next check.
+Deadlock freedom: a task only waits on tasks earlier in the list (already taken by running
+programs) or on the comm programs, whose pulls wait only on pushes of minibatches whose down
+tiles all come earlier in the list: the routed lag is capped at ``(slots - 1) * blocks per
+minibatch`` (:func:`routed_lag`) so that every down tile of minibatch ``m - slots`` precedes the
+first gate/up tile of minibatch m.
 
-``PHASED`` (the CPU interpreter, which runs programs one after another): one program runs every
-comm role's pulls, then every compute task in ticket order, then every comm role's pushes. Same
+The tiles are the unfused kernels' device functions with the same tile shapes; rows sit at
+``row % ring`` of the ring buffers, which changes addresses, not arithmetic. So ``xs, g, u, h,
+z``, the pushed slots and the shared activations have the unfused path's bits for every
+``num_comm``, ``minibatch_rows`` and ``ring_rows``. Every spin-wait has a budget
+(``comm.wait_at_least``): on expiry it records (stage, index, peer, rank) in the workspace error
+record and the program stops; the host raises ``StallError`` at its next check.
+
+``PHASED`` (the CPU interpreter, which runs programs one after another): one program runs, per
+minibatch m, every comm role's push of m - slots, then every comm role's pull of m, then the
+compute tasks in ticket order up to the first gate/up tile of minibatch m + 1; then the remaining tasks and pushes. Same
 source and the same waits (they find their counters already complete).
 
-Not yet (docs/fused.md): the shared expert stays in the unfused launches, the routed rows use the
-full row buffer (no ring), and pushes start only after every pull.
+Not yet (docs/fused.md): with a ring smaller than the rows the forward keeps only the ring, and
+the backward replays the routed forward (backends/fused.py); pushes of minibatches still in the
+ring wait for the next pull that needs their slot.
 """
 
 from __future__ import annotations
@@ -48,16 +61,22 @@ from .schedule import RowSchedule
 from .tiles import cast
 
 __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
-           "STAGE_Z_READY", "FLAG_WORDS", "DEFAULT_DOWN_LAG", "task_of", "fused_grid",
-           "FUSED_WARPS", "FUSED_STAGES"]
+           "STAGE_Z_READY", "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
+           "DEFAULT_DOWN_LAG", "task_of", "gate_up_start", "routed_lag", "fused_grid",
+           "flag_layout", "FlagLayout", "FUSED_WARPS", "FUSED_STAGES"]
 
 # Stage codes of the fused forward's spin-waits in the error record (workspace.STAGE_NAMES).
 STAGE_ROWS_READY = 10
 STAGE_H_READY = 11
 STAGE_Z_READY = 12
+STAGE_RING_FREE = 13
+STAGE_SHARED_H_READY = 14
 register_stage(STAGE_ROWS_READY, "fused forward: pulled rows of a minibatch")
 register_stage(STAGE_H_READY, "fused forward: h tiles of a row block")
 register_stage(STAGE_Z_READY, "fused forward: down tiles of a minibatch")
+register_stage(STAGE_RING_FREE, "fused forward: ring slot freed by the pushes (index = the "
+                                "minibatch to pull into it)")
+register_stage(STAGE_SHARED_H_READY, "fused forward: shared-expert h tiles of a row block")
 
 # One warp count and pipeline depth for every role: the gate/up and down tiles must use the
 # unfused kernels' warp count (8), which fixes the wgmma shapes and hence the bits. Stages only
@@ -66,7 +85,7 @@ FUSED_WARPS = 8
 FUSED_STAGES = 4
 # Task-list groups between a block's gate/up tiles and its down tiles (task_of): ~2 groups of
 # dsv3 tiles (2 x 44) keep the ~108 compute programs mostly off blocks whose h is still running.
-# Not measured yet.
+# Not measured yet. The routed part caps it for the ring (routed_lag).
 DEFAULT_DOWN_LAG = 2
 # Words before the counters in the flag buffer: the compute task ticket.
 FLAG_WORDS = 1
@@ -75,6 +94,8 @@ _FLAG_WORDS = tl.constexpr(FLAG_WORDS)
 _STAGE_ROWS = tl.constexpr(STAGE_ROWS_READY)
 _STAGE_H = tl.constexpr(STAGE_H_READY)
 _STAGE_Z = tl.constexpr(STAGE_Z_READY)
+_STAGE_RING = tl.constexpr(STAGE_RING_FREE)
+_STAGE_SHARED_H = tl.constexpr(STAGE_SHARED_H_READY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,59 +146,92 @@ def wait_count(flag_ptr, wanted, err_ptr, stage, index, rank, budget):
 
 
 # --------------------------------------------------------------------------------------------
-# Roles
+# Comm roles
 
 
 @triton.jit
-def pull_role(x_table, xs_ptr, row_src_ptr, ready_ptr, used_rows, role, T, H,
-              NUM_COMM: tl.constexpr, MB: tl.constexpr, TOP_K: tl.constexpr,
-              ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
-    """Comm role ``role``: its share of every minibatch's pulls, then a release per minibatch."""
-    n_mb = tl.cdiv(used_rows, MB)
-    m = 0
-    while m < n_mb:
+def pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, freed_ptr, used_rows, ring,
+                   slots, role, T, H, rank, budget, err_ptr, NUM_COMM: tl.constexpr,
+                   MB: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+                   COLS: tl.constexpr, UPCAST: tl.constexpr):
+    """Comm role ``role``: wait until ring slot ``m % slots`` is free (every comm program pushed
+    its previous occupant), pull its share of minibatch m into it, count into ``ready[m]``."""
+    alive = True
+    if m >= slots:  # epoch m // slots of the slot: m // slots earlier occupants, all pushed
+        alive = wait_count(freed_ptr + m % slots, NUM_COMM * (m // slots), err_ptr, _STAGE_RING,
+                           m, rank, budget)
+    if alive:
         row_begin = m * MB
         row_end = tl.minimum(row_begin + MB, used_rows)
-        comm.copy_rows(x_table, x_table, xs_ptr + row_begin.to(tl.int64) * H, H, row_src_ptr,
-                       row_begin, row_end, role, NUM_COMM, T, H, TOP_K, False, ROWS, COLS,
-                       UPCAST)
+        comm.copy_rows(x_table, x_table, xs_ptr + (row_begin % ring).to(tl.int64) * H, H,
+                       row_src_ptr, row_begin, row_end, role, NUM_COMM, T, H, TOP_K, False, ROWS,
+                       COLS, UPCAST)
         signal(ready_ptr + m)
-        m += 1
+    return alive
 
 
 @triton.jit
-def push_role(z_ptr, combine_table, row_src_ptr, z_done_ptr, used_rows, role, T, H, rank,
-              budget, err_ptr, tiles_down, NUM_COMM: tl.constexpr, MB: tl.constexpr,
-              BM: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Comm role ``role``: per minibatch, wait for all its down tiles, push its share of rows."""
+def push_minibatch(m, z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows, ring,
+                   slots, role, T, H, rank, budget, err_ptr, tiles_down,
+                   NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+                   TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Comm role ``role``: wait for every down tile of minibatch m, push its share of the rows
+    to the source ranks' combine slots, count into ``freed[m % slots]`` (the slot may be
+    reused once every comm program did)."""
+    row_begin = m * MB
+    row_end = tl.minimum(row_begin + MB, used_rows)
+    blocks = (row_end - row_begin) // BM
+    alive = wait_count(z_done_ptr + m, blocks * tiles_down, err_ptr, _STAGE_Z, m, rank, budget)
+    if alive:
+        comm.push_rows(z_ptr + (row_begin % ring).to(tl.int64) * H, H, combine_table,
+                       row_src_ptr, row_begin, row_end, role, NUM_COMM, T, H, TOP_K, ROWS, COLS)
+        signal(freed_ptr + m % slots)
+    return alive
+
+
+@triton.jit
+def comm_step(m, x_table, xs_ptr, z_ptr, combine_table, row_src_ptr, ready_ptr, z_done_ptr,
+              freed_ptr, used_rows, ring, slots, role, T, H, rank, budget, err_ptr, tiles_down,
+              NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, TOP_K: tl.constexpr,
+              ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+    """Comm role ``role``, minibatch m: push the ring slot's previous occupant, then pull m."""
+    alive = True
+    if m >= slots:
+        alive = push_minibatch(m - slots, z_ptr, combine_table, row_src_ptr, z_done_ptr,
+                               freed_ptr, used_rows, ring, slots, role, T, H, rank, budget,
+                               err_ptr, tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
+    if alive:
+        alive = pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, freed_ptr, used_rows,
+                               ring, slots, role, T, H, rank, budget, err_ptr, NUM_COMM, MB,
+                               TOP_K, ROWS, COLS, UPCAST)
+    return alive
+
+
+@triton.jit
+def push_tail(z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows, ring, slots,
+              role, T, H, rank, budget, err_ptr, tiles_down, NUM_COMM: tl.constexpr,
+              MB: tl.constexpr, BM: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+              COLS: tl.constexpr):
+    """Comm role ``role`` after its last pull: push the minibatches still in the ring."""
     n_mb = tl.cdiv(used_rows, MB)
-    m = 0
+    m = tl.maximum(n_mb - slots, 0)
     alive = True
     while (m < n_mb) & alive:
-        row_begin = m * MB
-        row_end = tl.minimum(row_begin + MB, used_rows)
-        blocks = (row_end - row_begin) // BM
-        alive = wait_count(z_done_ptr + m, blocks * tiles_down, err_ptr, _STAGE_Z, m, rank,
-                           budget)
-        if alive:
-            push_rows_of(z_ptr, combine_table, row_src_ptr, row_begin, row_end, role, T, H,
-                         NUM_COMM, TOP_K, ROWS, COLS)
+        alive = push_minibatch(m, z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr,
+                               used_rows, ring, slots, role, T, H, rank, budget, err_ptr,
+                               tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
         m += 1
 
 
-@triton.jit
-def push_rows_of(z_ptr, combine_table, row_src_ptr, row_begin, row_end, role, T, H,
-                 NUM_COMM: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-                 COLS: tl.constexpr):
-    comm.push_rows(z_ptr + row_begin.to(tl.int64) * H, H, combine_table, row_src_ptr, row_begin,
-                   row_end, role, NUM_COMM, T, H, TOP_K, ROWS, COLS)
+# --------------------------------------------------------------------------------------------
+# Task list
 
 
 @triton.jit
 def task_of(t, num_blocks, n1, n2, LAG: tl.constexpr):
-    """(is gate/up, row block, column tile) of compute task ``t``.
+    """(is gate/up, row block, column tile) of task ``t`` of one part of the list.
 
-    The list is made of groups s = 0, 1, ...: group s holds the gate/up tiles of block s (if it
+    The part is made of groups s = 0, 1, ...: group s holds the gate/up tiles of block s (if it
     exists) followed by the down tiles of block s - LAG (if it exists). A block's down tiles thus
     come LAG groups after its gate/up tiles: topological order (no deadlock), and the programs
     that take them rarely find the block's h tiles still running.
@@ -198,87 +252,235 @@ def task_of(t, num_blocks, n1, n2, LAG: tl.constexpr):
 
 
 @triton.jit
-def compute_role(xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
-                 block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks,
-                 H, I, rank, budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr,
-                 BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
-                 BK2: tl.constexpr, LAG: tl.constexpr, GPU: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """Take tasks from the ticket (list order of :func:`task_of`) until none is left or a wait
-    gave up."""
-    n1 = tl.cdiv(I, BN1)
-    n2 = tl.cdiv(H, BN2)
-    total = num_blocks * (n1 + n2)
-    task = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    alive = True
-    while (task < total) & alive:
-        is_gate_up, b, j = task_of(task, num_blocks, n1, n2, LAG)
-        expert = tl.load(block_expert_ptr + b)
-        row = b * BM
-        mb = row // MB
-        if is_gate_up:
-            alive = wait_count(ready_ptr + mb, NUM_COMM, err_ptr, _STAGE_ROWS, mb, rank, budget)
-            if alive:
-                acquire_for_tma(GPU)
-                gate_up_tile(xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, expert, row,
-                             j * BN1, I, H, BM, BN1, BK1, UPCAST)
-                publish_writes(GPU)
-                signal(h_done_ptr + b)
+def gate_up_start(block, num_blocks, n1, n2, LAG: tl.constexpr):
+    """Position (in :func:`task_of`'s list) of the first gate/up tile of ``block``; the part's
+    length when ``block >= num_blocks``."""
+    pos = tl.where(block < LAG, block * n1, LAG * n1 + (block - LAG) * (n1 + n2))
+    return tl.where(block < num_blocks, pos, num_blocks * (n1 + n2))
+
+
+def routed_lag(lag: int, slots: int, blocks_per_minibatch: int, max_minibatches: int) -> int:
+    """The routed part's down lag: ``lag``, capped so that every down tile of minibatch
+    ``m - slots`` comes before the first gate/up tile of minibatch m (whose pull waits for those
+    rows' pushes). No cap when the ring never wraps."""
+    if slots >= max_minibatches:
+        return lag
+    return min(lag, (slots - 1) * blocks_per_minibatch)
+
+
+# --------------------------------------------------------------------------------------------
+# Compute role
+
+
+@triton.jit
+def take_task(ticket_ptr, limit, PHASED: tl.constexpr):
+    """The next ticket; under PHASED only if it is below ``limit`` (else ``limit``, untaken):
+    the sequential driver runs the list in rounds."""
+    if PHASED:
+        task = tl.atomic_add(ticket_ptr, 0, sem="relaxed", scope="gpu")
+        if task < limit:
+            task = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
         else:
-            alive = wait_count(h_done_ptr + b, n1, err_ptr, _STAGE_H, b, rank, budget)
-            if alive:
-                acquire_for_tma(GPU)
-                col = j * BN2
-                acc = mm_acc(tl.zeros([BM, BN2], dtype=tl.float32), h_in_desc, wd_desc, expert,
-                             row, col, H, I, BK2, BN2, False, UPCAST)
-                z_desc.store([row, col], cast(acc, z_desc.dtype, UPCAST))
-                publish_writes(GPU)
-                signal(z_done_ptr + mb)
+            task = limit
+    else:
         task = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    return task
+
+
+@triton.jit
+def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
+                block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks, ring, H, I,
+                rank, budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr,
+                BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
+                BK2: tl.constexpr, LAG: tl.constexpr, GPU: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """Routed task t (of the routed part); False if its wait gave up."""
+    n1 = tl.cdiv(I, BN1)
+    is_gate_up, b, j = task_of(t, num_blocks, n1, tl.cdiv(H, BN2), LAG)
+    expert = tl.load(block_expert_ptr + b)
+    row = b * BM
+    at = row % ring  # the block's rows in the ring
+    mb = row // MB
+    if is_gate_up:
+        alive = wait_count(ready_ptr + mb, NUM_COMM, err_ptr, _STAGE_ROWS, mb, rank, budget)
+        if alive:
+            acquire_for_tma(GPU)
+            gate_up_tile(xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, expert, at, j * BN1,
+                         I, H, BM, BN1, BK1, UPCAST)
+            publish_writes(GPU)
+            signal(h_done_ptr + b)
+    else:
+        alive = wait_count(h_done_ptr + b, n1, err_ptr, _STAGE_H, b, rank, budget)
+        if alive:
+            acquire_for_tma(GPU)
+            col = j * BN2
+            acc = mm_acc(tl.zeros([BM, BN2], dtype=tl.float32), h_in_desc, wd_desc, expert, at,
+                         col, H, I, BK2, BN2, False, UPCAST)
+            z_desc.store([at, col], cast(acc, z_desc.dtype, UPCAST))
+            publish_writes(GPU)
+            signal(z_done_ptr + mb)
+    return alive
+
+
+@triton.jit
+def shared_task(t, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc, sdw_desc,
+                so_desc, sh_done_ptr, shared_blocks, H, IS, rank, budget, err_ptr,
+                BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
+                BK2: tl.constexpr, LAG: tl.constexpr, GPU: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """Shared-expert task t over the T local tokens (one 'expert', rows in token order, as
+    ``gemm.gate_up`` / ``gemm.grouped_mm`` over ``uniform_schedule``); False if its wait gave
+    up. Its output is read after the kernel (the combine epilogue): no signal."""
+    n1 = tl.cdiv(IS, BN1)
+    is_gate_up, b, j = task_of(t, shared_blocks, n1, tl.cdiv(H, BN2), LAG)
+    row = b * BM
+    alive = True
+    if is_gate_up:
+        gate_up_tile(x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, 0, row, j * BN1, IS,
+                     H, BM, BN1, BK1, UPCAST)
+        publish_writes(GPU)
+        signal(sh_done_ptr + b)
+    else:
+        alive = wait_count(sh_done_ptr + b, n1, err_ptr, _STAGE_SHARED_H, b, rank, budget)
+        if alive:
+            acquire_for_tma(GPU)
+            col = j * BN2
+            acc = mm_acc(tl.zeros([BM, BN2], dtype=tl.float32), sh_in_desc, sdw_desc, 0, row,
+                         col, H, IS, BK2, BN2, False, UPCAST)
+            so_desc.store([row, col], cast(acc, so_desc.dtype, UPCAST))
+    return alive
+
+
+@triton.jit
+def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
+                 z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
+                 sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr,
+                 z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring, H, I, IS, rank,
+                 budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+                 BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
+                 LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
+                 PHASED: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
+    """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
+    (``SHARED``), then the routed part."""
+    if SHARED:
+        shared_total = shared_blocks * (tl.cdiv(IS, BN1) + tl.cdiv(H, BN2))
+    else:
+        shared_total = 0
+    task = take_task(ticket_ptr, limit, PHASED)
+    alive = True
+    while (task < limit) & alive:
+        if SHARED:
+            if task < shared_total:
+                alive = shared_task(task, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                                    sh_in_desc, sdw_desc, so_desc, sh_done_ptr, shared_blocks, H,
+                                    IS, rank, budget, err_ptr, BM, BN1, BK1, BN2, BK2,
+                                    SHARED_LAG, GPU, UPCAST)
+            else:
+                alive = routed_task(task - shared_total, xs_desc, wg_desc, wu_desc, g_desc,
+                                    u_desc, h_desc, h_in_desc, wd_desc, z_desc,
+                                    block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr,
+                                    num_blocks, ring, H, I, rank, budget, err_ptr, NUM_COMM, MB,
+                                    BM, BN1, BK1, BN2, BK2, LAG, GPU, UPCAST)
+        else:
+            alive = routed_task(task, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
+                                h_in_desc, wd_desc, z_desc, block_expert_ptr, ready_ptr,
+                                h_done_ptr, z_done_ptr, num_blocks, ring, H, I, rank, budget,
+                                err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, LAG, GPU, UPCAST)
+        if alive:
+            task = take_task(ticket_ptr, limit, PHASED)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel
 
 
 @triton.jit
 def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr, num_blocks_ptr,
                           xs_ptr, z_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
-                          h_in_desc, wd_desc, z_desc, flags_ptr, err_ptr, T, H, I, rank, budget,
-                          max_mb, max_blocks, NUM_COMM: tl.constexpr, MB: tl.constexpr,
-                          BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
-                          BN2: tl.constexpr, BK2: tl.constexpr, TOP_K: tl.constexpr,
-                          ROWS: tl.constexpr, COLS: tl.constexpr, LAG: tl.constexpr,
-                          PHASED: tl.constexpr,
-                          GPU: tl.constexpr, UPCAST: tl.constexpr):
-    # Flag buffer (zeroed per launch): [ticket | ready[max_mb] | z_done[max_mb] |
-    # h_done[max_blocks]].
+                          h_in_desc, wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc,
+                          su_desc, sh_desc, sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr,
+                          T, H, I, IS, rank, budget, ring, slots, max_mb, max_blocks, slot_words,
+                          NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+                          BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
+                          BK2: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+                          COLS: tl.constexpr, LAG: tl.constexpr, SHARED_LAG: tl.constexpr,
+                          SHARED: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
+                          UPCAST: tl.constexpr):
+    # Flag buffer (zeroed per launch, flag_layout): [ticket | ready[max_mb] | z_done[max_mb] |
+    # h_done[max_blocks] | freed[slot_words] | sh_done[shared blocks]].
     ticket_ptr = flags_ptr
     ready_ptr = flags_ptr + _FLAG_WORDS
     z_done_ptr = ready_ptr + max_mb
     h_done_ptr = z_done_ptr + max_mb
+    freed_ptr = h_done_ptr + max_blocks
+    sh_done_ptr = freed_ptr + slot_words
     num_blocks = tl.load(num_blocks_ptr)
     used_rows = num_blocks * BM
+    n_mb = tl.cdiv(used_rows, MB)
     tiles_down = tl.cdiv(H, BN2)
-    if PHASED:  # the interpreter: one program plays every role, producers first
+    n1 = tl.cdiv(I, BN1)
+    shared_blocks = tl.cdiv(T, BM)
+    if SHARED:
+        shared_total = shared_blocks * (tl.cdiv(IS, BN1) + tiles_down)
+    else:
+        shared_total = 0
+    total = shared_total + num_blocks * (n1 + tiles_down)
+    if PHASED:  # the interpreter: one program plays every role, in rounds of one minibatch
+        m = 0
+        while m < n_mb:
+            # comm_step of every role, split: every role's push before any role's pull (a
+            # pull waits for all roles' pushes of the slot's previous occupant)
+            if m >= slots:
+                for role in range(NUM_COMM):
+                    push_minibatch(m - slots, z_ptr, combine_table, row_src_ptr, z_done_ptr,
+                                   freed_ptr, used_rows, ring, slots, role, T, H, rank, budget,
+                                   err_ptr, tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
+            for role in range(NUM_COMM):
+                pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, freed_ptr, used_rows,
+                               ring, slots, role, T, H, rank, budget, err_ptr, NUM_COMM, MB,
+                               TOP_K, ROWS, COLS, UPCAST)
+            # every task before the first gate/up tile of minibatch m + 1 has its inputs now
+            limit = shared_total + gate_up_start((m + 1) * (MB // BM), num_blocks, n1,
+                                                 tiles_down, LAG)
+            compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
+                         wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                         sh_in_desc, sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr,
+                         h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring,
+                         H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2,
+                         LAG, SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
+            m += 1
+        compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
+                     wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                     sh_in_desc, sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr,
+                     h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring, H, I,
+                     IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, LAG,
+                     SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
         for role in range(NUM_COMM):
-            pull_role(x_table, xs_ptr, row_src_ptr, ready_ptr, used_rows, role, T, H, NUM_COMM,
-                      MB, TOP_K, ROWS, COLS, UPCAST)
-        compute_role(xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
-                     z_desc, block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
-                     num_blocks, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2,
-                     BK2, LAG, GPU, UPCAST)
-        for role in range(NUM_COMM):
-            push_role(z_ptr, combine_table, row_src_ptr, z_done_ptr, used_rows, role, T, H,
-                      rank, budget, err_ptr, tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
+            push_tail(z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows, ring,
+                      slots, role, T, H, rank, budget, err_ptr, tiles_down, NUM_COMM, MB, BM,
+                      TOP_K, ROWS, COLS)
     else:
         pid = tl.program_id(0)
         if pid < NUM_COMM:
-            pull_role(x_table, xs_ptr, row_src_ptr, ready_ptr, used_rows, pid, T, H, NUM_COMM,
-                      MB, TOP_K, ROWS, COLS, UPCAST)
-            push_role(z_ptr, combine_table, row_src_ptr, z_done_ptr, used_rows, pid, T, H, rank,
-                      budget, err_ptr, tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
+            m = 0
+            alive = True
+            while (m < n_mb) & alive:
+                alive = comm_step(m, x_table, xs_ptr, z_ptr, combine_table, row_src_ptr,
+                                  ready_ptr, z_done_ptr, freed_ptr, used_rows, ring, slots, pid,
+                                  T, H, rank, budget, err_ptr, tiles_down, NUM_COMM, MB, BM,
+                                  TOP_K, ROWS, COLS, UPCAST)
+                m += 1
+            if alive:
+                push_tail(z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows,
+                          ring, slots, pid, T, H, rank, budget, err_ptr, tiles_down, NUM_COMM,
+                          MB, BM, TOP_K, ROWS, COLS)
         else:
-            compute_role(xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
-                         z_desc, block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr,
-                         z_done_ptr, num_blocks, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM,
-                         BN1, BK1, BN2, BK2, LAG, GPU, UPCAST)
+            compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
+                         wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                         sh_in_desc, sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr,
+                         h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring,
+                         H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2,
+                         LAG, SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,13 +489,47 @@ def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr,
 
 @dataclass(frozen=True)
 class FusedOutputs:
-    """Routed activations in the schedule's row layout (what the unfused path returns)."""
+    """What one launch leaves behind.
+
+    ``xs, g, u, h, z``: the routed rows in the schedule's row layout when ``full`` (the ring
+    holds every row), else the ring (``ring_rows`` rows; row r of the layout was at r % ring,
+    the last occupant kept): not the whole context. ``shared`` = (sg, su, sh) [T, Is] and
+    ``shared_out`` [T, H] (bf16) when a shared expert ran, else None.
+    """
 
     xs: torch.Tensor
     g: torch.Tensor
     u: torch.Tensor
     h: torch.Tensor
     z: torch.Tensor
+    full: bool
+    ring_rows: int
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    shared_out: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FlagLayout:
+    """Word offsets of the counters in the flag buffer, and its length."""
+
+    ticket: int
+    ready: int
+    z_done: int
+    h_done: int
+    freed: int
+    sh_done: int
+    words: int
+
+
+def flag_layout(max_minibatches: int, max_blocks: int, slot_words: int,
+                shared_blocks: int) -> FlagLayout:
+    """``[ticket | ready | z_done | h_done | freed | sh_done]``, as the kernel addresses them."""
+    ready = FLAG_WORDS
+    z_done = ready + max_minibatches
+    h_done = z_done + max_minibatches
+    freed = h_done + max_blocks
+    sh_done = freed + slot_words
+    return FlagLayout(0, ready, z_done, h_done, freed, sh_done, sh_done + shared_blocks)
 
 
 def fused_grid(num_comm: int, device: torch.device) -> int:
@@ -307,55 +543,96 @@ def fused_grid(num_comm: int, device: torch.device) -> int:
     return programs
 
 
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
 def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up: torch.Tensor,
                   w_down: torch.Tensor, num_comm: int, minibatch_rows: int,
-                  budget: int | None = None, flags: torch.Tensor | None = None,
+                  ring_rows: int | None = None,
+                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+                  = None, budget: int | None = None, flags: torch.Tensor | None = None,
                   down_lag: int | None = None) -> FusedOutputs:
-    """Pull, expert GEMMs and push of this rank's scheduled rows in one launch (no host sync).
+    """Shared expert, pull, routed expert GEMMs and push of this rank in one launch (no host sync).
 
     Call after the barrier that follows every rank's publish of x; the source ranks may read
-    their combine slots after the next barrier. ``flags`` (int32, zeroed) is a test hook: a
-    pre-set counter reproduces a missing signal. ``down_lag``: groups between a row block's
-    gate/up tiles and its down tiles in the task list (:func:`task_of`; speed only; default
-    ``DEFAULT_DOWN_LAG``).
+    their combine slots after the next barrier. ``ring_rows`` (a multiple of ``minibatch_rows``;
+    None: every row) bounds the routed buffers; when it is smaller than the schedule's rows the
+    outputs hold only the ring (``FusedOutputs.full`` is False). ``shared``: (x [T, H] local
+    tokens, s_gate [Is, H], s_up [Is, H], s_down [H, Is]) runs the shared expert as the first
+    tasks. ``flags`` (int32, zeroed, :func:`flag_layout`) is a test hook: a pre-set counter
+    reproduces a missing signal. ``down_lag``: groups between a row block's gate/up tiles and its
+    down tiles in the task list (:func:`task_of`; speed only; default ``DEFAULT_DOWN_LAG``).
     """
     if down_lag is None:
         down_lag = DEFAULT_DOWN_LAG
     comm._check_schedule(ws, sched)
-    if isinstance(num_comm, bool) or not isinstance(num_comm, int) or num_comm < 1:
-        raise ValueError(f"num_comm must be an int >= 1, got {num_comm!r}")
+    _check_int("num_comm", num_comm, 1)
+    _check_int("down_lag", down_lag, 0)
     bm = sched.block_rows
-    if isinstance(down_lag, bool) or not isinstance(down_lag, int) or down_lag < 0:
-        raise ValueError(f"down_lag must be an int >= 0, got {down_lag!r}")
+    _check_int("minibatch_rows", minibatch_rows, bm)
     if minibatch_rows % bm:
         raise ValueError(f"minibatch_rows ({minibatch_rows}) must be a multiple of the block "
                          f"rows ({bm})")
-    dev, dtype = ws.device, ws.dtype
-    h, i = ws.hidden, w_gate.shape[1]
     rows = sched.rows
-    xs, z = (empty((rows, h), dtype, dev) for _ in range(2))
-    g, u, hh = (empty((rows, i), dtype, dev) for _ in range(3))
-    t1, t2 = tiles_for("gate_up"), tiles_for("mm")
     max_mb = triton.cdiv(rows, minibatch_rows)
-    max_blocks = sched.max_blocks
-    n_flags = FLAG_WORDS + 2 * max_mb + max_blocks
+    if ring_rows is None:
+        ring_rows = max_mb * minibatch_rows
+    _check_int("ring_rows", ring_rows, minibatch_rows)
+    if ring_rows % minibatch_rows:
+        raise ValueError(f"ring_rows ({ring_rows}) must be a multiple of minibatch_rows "
+                         f"({minibatch_rows})")
+    dev, dtype = ws.device, ws.dtype
+    h, i, t = ws.hidden, w_gate.shape[1], ws.num_tokens
+    full = ring_rows >= rows
+    buf_rows = rows if full else ring_rows
+    slots = ring_rows // minibatch_rows
+    lag = routed_lag(down_lag, slots, minibatch_rows // bm, max_mb)
+    xs, z = (empty((buf_rows, h), dtype, dev) for _ in range(2))
+    g, u, hh = (empty((buf_rows, i), dtype, dev) for _ in range(3))
+    t1, t2 = tiles_for("gate_up"), tiles_for("mm")
+    xs_desc = descriptor(xs, [bm, t1.bk])
+    wg_desc = descriptor(_weight_2d(w_gate), [t1.bn, t1.bk])
+    wu_desc = descriptor(_weight_2d(w_up), [t1.bn, t1.bk])
+    g_desc, u_desc, h_desc = (descriptor(o, [bm, t1.bn]) for o in (g, u, hh))
+    h_in_desc = descriptor(hh, [bm, t2.bk])
+    wd_desc = descriptor(_weight_2d(w_down), [t2.bn, t2.bk])
+    z_desc = descriptor(z, [bm, t2.bn])
+    if shared is not None:
+        x, s_gate, s_up, s_down = shared
+        i_s = s_gate.shape[0]
+        if x.shape != (t, h) or x.dtype != dtype or not x.is_contiguous():
+            raise ValueError(f"shared x must be a contiguous [{t}, {h}] {dtype} tensor, got "
+                             f"{list(x.shape)} {x.dtype}")
+        sg, su, sh = (empty((t, i_s), dtype, dev) for _ in range(3))
+        shared_out = empty((t, h), dtype, dev)
+        shared_descs = (descriptor(x, [bm, t1.bk]), descriptor(s_gate, [t1.bn, t1.bk]),
+                        descriptor(s_up, [t1.bn, t1.bk]),
+                        *(descriptor(o, [bm, t1.bn]) for o in (sg, su, sh)),
+                        descriptor(sh, [bm, t2.bk]), descriptor(s_down, [t2.bn, t2.bk]),
+                        descriptor(shared_out, [bm, t2.bn]))
+        shared_blocks = triton.cdiv(t, bm)
+    else:  # never read (SHARED=False removes the shared branch)
+        i_s, sg, su, sh, shared_out, shared_blocks = 0, None, None, None, None, 0
+        shared_descs = (xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
+                        z_desc)
+    layout = flag_layout(max_mb, sched.max_blocks, min(slots, max_mb), shared_blocks)
     if flags is None:
-        flags = torch.zeros(n_flags, dtype=torch.int32, device=dev)
-    elif flags.numel() < n_flags or flags.dtype != torch.int32:
-        raise ValueError(f"flags must be int32 with >= {n_flags} words")
+        flags = torch.zeros(layout.words, dtype=torch.int32, device=dev)
+    elif flags.numel() < layout.words or flags.dtype != torch.int32:
+        raise ValueError(f"flags must be int32 with >= {layout.words} words")
     copy_r, copy_c = comm.copy_tile(h, dtype.itemsize, comm.COPY_TILE_BYTES)
     grid = (fused_grid(num_comm, dev),)
     _fused_forward_kernel[grid](
         ws.peers.x, ws.peers.combine, sched.row_src, sched.block_expert, sched.num_blocks, xs, z,
-        descriptor(xs, [bm, t1.bk]), descriptor(_weight_2d(w_gate), [t1.bn, t1.bk]),
-        descriptor(_weight_2d(w_up), [t1.bn, t1.bk]),
-        *(descriptor(o, [bm, t1.bn]) for o in (g, u, hh)),
-        descriptor(hh, [bm, t2.bk]), descriptor(_weight_2d(w_down), [t2.bn, t2.bk]),
-        descriptor(z, [bm, t2.bn]), flags, ws.errors, ws.num_tokens, h, i, ws.rank,
-        comm._budget(budget), max_mb, max_blocks, NUM_COMM=num_comm, MB=minibatch_rows, BM=bm,
-        BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k, ROWS=copy_r, COLS=copy_c,
-        LAG=down_lag,
+        xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
+        *shared_descs, flags, ws.errors, t, h, i, i_s, ws.rank, comm._budget(budget), ring_rows,
+        slots, max_mb, sched.max_blocks, min(slots, max_mb), NUM_COMM=num_comm,
+        MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
+        ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=down_lag, SHARED=shared is not None,
         PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
         launch_cooperative_grid=not interpreting())
-    return FusedOutputs(xs, g, u, hh, z)
+    return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
+                        None if shared is None else (sg, su, sh), shared_out)

@@ -5,7 +5,8 @@
   route_grad  dz[r] = w[t,k] * dy[t];  dw[t,k] = <dy[t], z[r]>   (fp32, fixed order)
 
 Expert-parallel variants (same kernels, a constexpr switch, so W > 1 gives the bits of W = 1):
-  combine_slots    y[t]  = sum_k w[t,k] * slots[t*K+k] + base[t]  (slots pushed by the owners)
+  combine_slots    y[t]  = sum_k w[t,k] * slots[t*K+k] + base[t]  (slots pushed by the owners;
+                   NaN everywhere when the step's invalid flag is set)
   route_grad_rows  dz[r] = w[s] * dy_rows[r];  dw_rows[r] = <dy_rows[r], z[r]>  (dy pulled by row)
 
 Only rows of used row blocks are touched; grids are sized for the worst case so the host
@@ -28,6 +29,8 @@ __all__ = ["gather", "combine", "combine_slots", "route_grad", "route_grad_rows"
 _ROWS = 16
 _COLS = 512
 _TOKENS = 16
+# What combine_slots writes when its step is invalid (a bad step must show as a NaN loss).
+_NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -44,9 +47,10 @@ def _gather_kernel(x_ptr, out_ptr, row_src_ptr, num_blocks_ptr, H, TOP_K: tl.con
 
 
 @triton.jit
-def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, out_ptr, T, H, TOP_K: tl.constexpr,
-                    HAS_WEIGHT: tl.constexpr, HAS_BASE: tl.constexpr, IDENTITY: tl.constexpr,
-                    TOKENS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, invalid_ptr, out_ptr, T, H,
+                    TOP_K: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BASE: tl.constexpr,
+                    IDENTITY: tl.constexpr, HAS_INVALID: tl.constexpr, TOKENS: tl.constexpr,
+                    COLS: tl.constexpr, UPCAST: tl.constexpr):
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     tok_mask = tokens < T
@@ -64,6 +68,8 @@ def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, out_ptr, T, H, TOP_K: 
         acc += val
     if HAS_BASE:
         acc += load_rows(base_ptr, tokens, cols, H, tok_mask, col_mask)
+    if HAS_INVALID:  # int32 word != 0: the inputs are stale (EP capacity overflow), output NaN
+        acc = tl.where(tl.load(invalid_ptr) != 0, _NAN, acc)
     store_rows(out_ptr, tokens, cols, H, acc, tok_mask, col_mask, UPCAST)
 
 
@@ -110,29 +116,40 @@ def combine(z: torch.Tensor, sched: RowSchedule, weights: torch.Tensor | None,
     out = empty((t, h), out_dtype, z.device)
     grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
     _combine_kernel[grid](z, sched.dest_row, weights if weights is not None else z,
-                          base if base is not None else z, out, t, h, TOP_K=sched.top_k,
+                          base if base is not None else z, z, out, t, h, TOP_K=sched.top_k,
                           HAS_WEIGHT=weights is not None, HAS_BASE=base is not None,
-                          IDENTITY=False, TOKENS=_TOKENS, COLS=_COLS, UPCAST=interpreting())
+                          IDENTITY=False, HAS_INVALID=False, TOKENS=_TOKENS, COLS=_COLS,
+                          UPCAST=interpreting())
     return out
 
 
 def combine_slots(slots: torch.Tensor, top_k: int, weights: torch.Tensor | None,
-                  base: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                  base: torch.Tensor | None, out_dtype: torch.dtype,
+                  invalid: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`combine` over one row per (token, k): ``slots [T*K, H]``, row ``t*K+k``.
 
     The expert-parallel epilogue: the experts' owners pushed their rows into these slots. The
     arithmetic is :func:`combine`'s (same kernel), so the result has the same bits.
+
+    ``invalid`` (int32 device word, read by the kernel: no host sync): when it is nonzero the
+    slots were not written this step (capacity overflow) and every output element is NaN; when
+    it is zero the result is bit-identical to a call without it.
     """
     n, h = slots.shape
     if n % top_k:
         raise ValueError(f"slots must have T*top_k rows, got {n} rows with top_k={top_k}")
+    if invalid is not None and (invalid.dtype != torch.int32 or invalid.numel() < 1):
+        raise ValueError(f"invalid must be an int32 tensor with >= 1 element, got "
+                         f"{invalid.dtype} with {invalid.numel()} elements")
     t = n // top_k
     out = empty((t, h), out_dtype, slots.device)
     grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
     _combine_kernel[grid](slots, slots, weights if weights is not None else slots,
-                          base if base is not None else slots, out, t, h, TOP_K=top_k,
+                          base if base is not None else slots,
+                          invalid if invalid is not None else slots, out, t, h, TOP_K=top_k,
                           HAS_WEIGHT=weights is not None, HAS_BASE=base is not None,
-                          IDENTITY=True, TOKENS=_TOKENS, COLS=_COLS, UPCAST=interpreting())
+                          IDENTITY=True, HAS_INVALID=invalid is not None, TOKENS=_TOKENS,
+                          COLS=_COLS, UPCAST=interpreting())
     return out
 
 

@@ -4,9 +4,12 @@
     torchrun --nproc-per-node=2 -m pytest -q tests/gpu/test_fused.py      # W = 2 (+ W = 1)
 
 Checked: outputs and every gradient (the fused forward's context through backend "triton"'s
-backward) bitwise equal to backend "triton" for comm programs 4/16/32 and several minibatch
-sizes; against the float64 reference (one GPU: presets and odd shapes; W = 2: via ep_vs_single);
-the watchdog turns a missing signal into a StallError instead of a hang.
+backward; with a ring smaller than the rows the fused backward replays the routed forward first)
+bitwise equal to backend "triton" for comm programs 4/16/32, minibatch sizes and ring sizes
+(smaller than the work: several macrobatches; holding every row); against the float64 reference
+(one GPU: presets and odd shapes; W = 2: via ep_vs_single); the watchdog turns a missing signal
+into a StallError instead of a hang. Parametrizations are few on purpose: every distinct
+(num_comm, minibatch, lag, shared) compiles the kernel again.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from megamoe.workspace import StallError, check_errors  # noqa: E402
 from moe_cases import compare, make_config, make_problem, reference_grads, run_backend  # noqa: E402
 
 DEV = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-NUM_COMM = (4, 16, 32)
 BF16_RTOL = 2e-2
 PRESET_TOKENS = {"dsv3": 768, "qwen3-30b": 1024, "mok-v4": 512}
 # (tokens, hidden, intermediate, experts, top_k, shared, routing)
@@ -47,8 +49,12 @@ ODD = {
     "empty_experts": (333, 512, 384, 16, 2, 0, "empty_experts"),
     "one_expert_all_rows": (517, 768, 512, 8, 3, 256, "one_expert"),
     "sizes_not_tile_multiples": (300, 520, 200, 6, 2, 136, "uniform"),
-    "single_token": (1, 512, 256, 8, 2, 256, "uniform"),
 }
+# Rows the ring holds when a test does not pick: every row of these problems (the saved path).
+LARGE_RING = 1 << 17
+# (num_comm, minibatch rows, ring rows): ring smaller than qwen3-30b's ~8-16K rows at 1024 tokens
+# per rank (several macrobatches, backward replay) and ring holding every row.
+TUNABLES = [(4, 128, 1024), (16, 512, LARGE_RING), (32, 2048, 2048), (16, 256, 256)]
 STALL_BUDGET = 1 << 12
 
 
@@ -78,7 +84,8 @@ def _differences(a, b) -> list[str]:
 
 # ------------------------------------------------------------------------------ one GPU
 
-def _single_problem(name: str, num_comm: int, minibatch_rows: int = 256):
+def _single_problem(name: str, num_comm: int, minibatch_rows: int = 256,
+                    ring_rows: int = LARGE_RING):
     if name in PRESET_TOKENS:
         p = get_preset(name)
         cfg = make_config(p.hidden_size, p.intermediate_size, p.local_experts, p.top_k,
@@ -88,7 +95,7 @@ def _single_problem(name: str, num_comm: int, minibatch_rows: int = 256):
         tokens, h, i, e, k, i_s, routing = ODD[name]
         cfg = make_config(h, i, e, k, i_s, 128)
     cfg = cfg.replace(comm_programs=num_comm, minibatch_rows=minibatch_rows,
-                      ring_rows=max(minibatch_rows, cfg.ring_rows))
+                      ring_rows=ring_rows)
     return make_problem(cfg, tokens, routing, seed=3, device=DEV)
 
 
@@ -108,12 +115,19 @@ def test_single_gpu_matches_reference_and_triton_bits(name: str) -> None:
     assert not _differences(ours, run_backend(p)), "not bitwise equal to backend triton"
 
 
-@pytest.mark.parametrize("num_comm", NUM_COMM)
-@pytest.mark.parametrize("minibatch_rows", [128, 512, 2048])
-def test_single_gpu_bits_do_not_depend_on_tunables(num_comm: int, minibatch_rows: int) -> None:
-    p = _single_problem("qwen3-30b", num_comm, minibatch_rows)
+@pytest.mark.parametrize("num_comm,minibatch_rows,ring_rows", TUNABLES)
+def test_single_gpu_bits_do_not_depend_on_tunables(num_comm: int, minibatch_rows: int,
+                                                   ring_rows: int) -> None:
+    p = _single_problem("qwen3-30b", num_comm, minibatch_rows, ring_rows)
     bad = _differences(_run_fused(p), run_backend(p))
-    assert not bad, f"num_comm={num_comm} minibatch={minibatch_rows}: {bad} differ from triton"
+    assert not bad, (f"num_comm={num_comm} minibatch={minibatch_rows} ring={ring_rows}: {bad} "
+                     f"differ from triton")
+
+
+def test_single_gpu_shared_expert_and_ring_bits() -> None:
+    """dsv3 (shared expert as the first tasks) with a ring smaller than the rows."""
+    p = _single_problem("dsv3", num_comm=16, minibatch_rows=256, ring_rows=2048)
+    assert not _differences(_run_fused(p), run_backend(p))
 
 
 @pytest.mark.parametrize("skip_tasks,stage", [(1, "fused forward"),
@@ -180,13 +194,11 @@ def test_ep_bits_equal_triton_for_every_num_comm(ep, routing: str) -> None:
                                 routing=routing, device=device)
     expected = _triton_step(x, ids, w, weights, base, group, dy)
     problems = []
-    for num_comm in NUM_COMM:
-        for minibatch in (256, 2048):
-            cfg = base.replace(comm_programs=num_comm, minibatch_rows=minibatch,
-                               ring_rows=max(minibatch, base.ring_rows))
-            out = _fused_step(x, ids, w, weights, cfg, group, dy)
-            triton_backend.check(out[2])
-            bad = _differences(out, expected)
-            if bad:
-                problems.append(f"num_comm={num_comm} minibatch={minibatch}: {bad}")
+    for num_comm, minibatch, ring in TUNABLES[:3]:
+        cfg = base.replace(comm_programs=num_comm, minibatch_rows=minibatch, ring_rows=ring)
+        out = _fused_step(x, ids, w, weights, cfg, group, dy)
+        triton_backend.check(out[2])
+        bad = _differences(out, expected)
+        if bad:
+            problems.append(f"num_comm={num_comm} minibatch={minibatch} ring={ring}: {bad}")
     agree(not problems, "; ".join(problems))
