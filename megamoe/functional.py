@@ -64,7 +64,7 @@ def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
     backend; anything else is refused.
     """
     world_size = group_size_rank(group)[0]
-    name = resolve_backend(backend, topk_ids.device, world_size)
+    name = resolve_backend(backend, topk_ids.device, world_size, config)
     inner = get_backend(name).build_schedule(topk_ids, config, group)
     return Schedule(name, config, world_size, _ids_key(topk_ids), inner)
 
@@ -98,7 +98,7 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     """
     validate_inputs(x, topk_ids, topk_weights, weights, config, group, check_values=check_values)
     world_size = group_size_rank(group)[0]
-    name = resolve_backend(backend, x.device, world_size)
+    name = resolve_backend(backend, x.device, world_size, config, x.dtype)
     impl = get_backend(name)
     if schedule is None:
         inner = impl.build_schedule(topk_ids, config, group)

@@ -196,3 +196,22 @@ def test_unseeded_expert_parallel_ranks_get_different_experts():
     torch.manual_seed(0)
     full = MoE(CFG).w_gate.detach()  # one process holding all 4 experts, same global seed
     assert torch.equal(torch.cat(weights), full)
+
+
+def test_auto_falls_back_when_the_kernels_do_not_support_the_call(monkeypatch):
+    from megamoe.backends import resolve_backend
+    from megamoe.backends import triton as triton_backend
+
+    # Pretend a Hopper GPU is present, so only supports() decides.
+    monkeypatch.setattr(triton_backend, "is_available", lambda device=None: (True, "pretend"))
+    from megamoe.backends import fused as fused_backend
+    monkeypatch.setattr(fused_backend, "is_available", lambda device=None: (True, "pretend"))
+    dev = torch.device("cpu")
+    good = MoEConfig(128, 64, 4, 2)
+    assert resolve_backend("auto", dev, 1, good, torch.bfloat16) == "triton"
+    assert resolve_backend("auto", dev, 1, good, torch.float32) == "reference"
+    assert resolve_backend("auto", dev, 1, MoEConfig(100, 64, 4, 2), torch.bfloat16) == "reference"
+    with pytest.raises(RuntimeError, match="hidden_size must be a multiple of 8 .* got 100"):
+        resolve_backend("triton", dev, 1, MoEConfig(100, 64, 4, 2), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x must be bfloat16 for the Triton kernels"):
+        resolve_backend("triton", dev, 1, good, torch.float32)

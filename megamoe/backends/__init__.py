@@ -6,7 +6,8 @@ A backend is a module with three functions, the split of DESIGN.md::
     forward(x, topk_ids, topk_weights, weights, config, group, schedule) -> (y, ctx)
     backward(ctx, grad_y) -> MoEGrads
 
-plus ``is_available(device) -> (bool, reason)`` and ``MAX_WORLD_SIZE`` (None: any). ``ctx`` is whatever the backend needs for its
+plus ``is_available(device) -> (bool, reason)``, ``MAX_WORLD_SIZE`` (None: any) and optionally
+``supports(config, dtype) -> (bool, reason)`` for shapes or dtypes its kernels do not handle. ``ctx`` is whatever the backend needs for its
 backward; the functional API treats it as opaque. Backends are imported lazily so that the
 package imports on machines without Triton or a GPU.
 """
@@ -17,6 +18,8 @@ import importlib
 from types import ModuleType
 
 import torch
+
+from ..config import MoEConfig
 
 __all__ = ["BACKENDS", "get_backend", "available_backends", "resolve_backend"]
 
@@ -35,7 +38,9 @@ def get_backend(name: str) -> ModuleType:
     return importlib.import_module(BACKENDS[name])
 
 
-def _availability(name: str, device: torch.device | None, world_size: int) -> tuple[bool, str]:
+def _availability(name: str, device: torch.device | None, world_size: int,
+                  config: MoEConfig | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[bool, str]:
     try:
         module = get_backend(name)
     except ImportError as exc:  # e.g. triton missing
@@ -43,25 +48,31 @@ def _availability(name: str, device: torch.device | None, world_size: int) -> tu
     limit = getattr(module, "MAX_WORLD_SIZE", None)
     if limit is not None and world_size > limit:
         return False, f"supports expert-parallel world sizes up to {limit}, got {world_size}"
-    return module.is_available(device)
+    ok, reason = module.is_available(device)
+    if ok and config is not None and hasattr(module, "supports"):
+        ok, reason = module.supports(config, dtype)
+    return ok, reason
 
 
-def available_backends(device: torch.device | None = None,
-                       world_size: int = 1) -> dict[str, tuple[bool, str]]:
-    """name -> (available, reason) for ``device`` (default: CUDA if present, else CPU)."""
-    return {name: _availability(name, device, world_size) for name in BACKENDS}
+def available_backends(device: torch.device | None = None, world_size: int = 1,
+                       config: MoEConfig | None = None,
+                       dtype: torch.dtype | None = None) -> dict[str, tuple[bool, str]]:
+    """name -> (available, reason) for ``device`` (default: CUDA if present, else CPU), and for
+    ``config``/``dtype`` when given."""
+    return {name: _availability(name, device, world_size, config, dtype) for name in BACKENDS}
 
 
-def resolve_backend(name: str, device: torch.device, world_size: int = 1) -> str:
-    """Map "auto" to the best backend available on ``device`` at this expert-parallel size;
-    check an explicit name."""
+def resolve_backend(name: str, device: torch.device, world_size: int = 1,
+                    config: MoEConfig | None = None, dtype: torch.dtype | None = None) -> str:
+    """Map "auto" to the best backend available on ``device`` at this expert-parallel size (and
+    for this config and dtype when given); check an explicit name."""
     if name == "auto":
-        for candidate, (ok, _) in available_backends(device, world_size).items():
+        for candidate, (ok, _) in available_backends(device, world_size, config, dtype).items():
             if ok:
                 return candidate
         raise RuntimeError("no megamoe backend is available")  # reference is always available
     get_backend(name)  # raises for an unknown name
-    ok, reason = _availability(name, device, world_size)
+    ok, reason = _availability(name, device, world_size, config, dtype)
     if not ok:
         raise RuntimeError(f"backend {name!r} is not available on {device}: {reason}")
     return name

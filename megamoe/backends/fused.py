@@ -33,9 +33,9 @@ from ..config import MoEConfig
 from ..types import ExpertWeights, MoEGrads
 from . import triton as unfused
 from .triton import (EpRouting, Steps, TritonContext, TritonSchedule, build_schedule, check,
-                     is_available)
+                     is_available, supports)
 
-__all__ = ["is_available", "build_schedule", "forward", "backward", "check", "forward_steps",
+__all__ = ["is_available", "supports", "build_schedule", "forward", "backward", "check", "forward_steps",
            "replay_steps", "MAX_WORLD_SIZE"]
 
 # Any expert-parallel world size, like backend "triton".

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ..kernels.schedule import RowSchedule
     from ..workspace import Workspace
 
-__all__ = ["is_available", "build_schedule", "forward", "backward", "check", "CapacityError",
+__all__ = ["is_available", "supports", "build_schedule", "forward", "backward", "check", "CapacityError",
            "TritonSchedule", "TritonContext", "EpRouting", "schedule_steps", "forward_steps",
            "backward_steps", "routed_unfused", "CHECK_ENV"]
 
@@ -158,14 +158,22 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _check_supported(x: torch.Tensor, config: MoEConfig) -> None:
-    if x.dtype != KERNEL_DTYPE:
-        raise TypeError(f"x must be bfloat16 for backend 'triton', got {x.dtype}")
+def supports(config: MoEConfig, dtype: torch.dtype | None) -> tuple[bool, str]:
+    """Whether the kernels handle this shape and dtype (``backend="auto"`` falls back if not)."""
+    if dtype is not None and dtype != KERNEL_DTYPE:
+        return False, f"x must be bfloat16 for the Triton kernels, got {dtype}"
     for name in ("hidden_size", "intermediate_size", "shared_intermediate_size"):
         value = getattr(config, name)
         if value % SIZE_MULTIPLE:
-            raise ValueError(f"{name} must be a multiple of {SIZE_MULTIPLE} for backend 'triton' "
-                             f"(TMA row alignment), got {value}")
+            return False, (f"{name} must be a multiple of {SIZE_MULTIPLE} for the Triton kernels "
+                           f"(TMA row alignment), got {value}")
+    return True, "supported"
+
+
+def _check_supported(x: torch.Tensor, config: MoEConfig) -> None:
+    ok, reason = supports(config, x.dtype)
+    if not ok:
+        raise (TypeError if x.dtype != KERNEL_DTYPE else ValueError)(reason)
 
 
 def _contiguous(weights: ExpertWeights) -> ExpertWeights:
