@@ -6,7 +6,8 @@
 #   tests    python -m pytest tests/gpu/test_triton_backend.py   (one GPU)
 #            torchrun --nproc-per-node=$NGPU -m pytest tests/gpu/test_ep_reference.py
 #                tests/gpu/test_triton_ep.py                         (>= 2 GPUs)
-#                tests/gpu/test_comm.py (one NCCL group for the session: tests/gpu/conftest.py)
+#                tests/gpu/test_comm.py tests/gpu/test_fused.py (one NCCL group for the session:
+#                tests/gpu/conftest.py)
 #   comm     torchrun: the dispatch/combine bandwidth sweep (>= 2 GPUs)
 #   bench    megamoe bench on $MEGAMOE_PRESETS at W=1, and under torchrun at W=$NGPU (>= 2 GPUs)
 #   kernels  adds --kernels (grouped-GEMM kernel records) to the W=1 bench
@@ -91,7 +92,7 @@ if want tests; then
     if [ "$NGPU" -ge 2 ]; then
         step "EP tests, $NGPU GPUs" "$OUT/tests_ep.log" \
             "${TORCHRUN[@]}" -m pytest -q -p no:cacheprovider tests/gpu/test_ep_reference.py \
-            tests/gpu/test_triton_ep.py tests/gpu/test_comm.py
+            tests/gpu/test_triton_ep.py tests/gpu/test_comm.py tests/gpu/test_fused.py
     else
         echo "EP tests: skipped (1 GPU)" | tee -a "$SUMMARY"
     fi
