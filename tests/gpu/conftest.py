@@ -29,3 +29,16 @@ def nccl_world():
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ep(nccl_world):
+    """(group, device) for one expert-parallel test module (>= 2 ranks); frees the module's
+    symmetric workspaces at its end."""
+    from ep_support import release_workspaces
+
+    world = dist.get_world_size()
+    if world < 2:
+        pytest.skip(f"needs at least 2 ranks, got WORLD_SIZE={world}")
+    yield nccl_world
+    release_workspaces()

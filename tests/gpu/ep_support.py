@@ -25,3 +25,10 @@ def agree(ok: bool, what: str = "") -> None:
     dist.all_gather_object(verdicts, (bool(ok), what))
     bad = [f"rank {r}: {w}" for r, (o, w) in enumerate(verdicts) if not o]
     assert not bad, "; ".join(bad)
+
+
+def shared_seed(device: torch.device) -> int:
+    """A fresh seed drawn on rank 0 and broadcast: every rank must build the same problem."""
+    seed = torch.randint(0, 2**31 - 1, (1,), device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())

@@ -10,9 +10,9 @@ Skipped unless started by torchrun (WORLD_SIZE set) with a GPU per rank.
 
 import functools
 
-import pytest
 import torch
 import torch.distributed as dist
+from ep_support import shared_seed
 
 from megamoe import MoEConfig, functional
 from megamoe.baselines import torch_a2a_moe
@@ -46,31 +46,12 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ep(nccl_world):
-    """The NCCL group of all torchrun ranks, one GPU each."""
-    world = dist.get_world_size()
-    if world < 2:
-        pytest.skip(f"needs at least 2 ranks, got WORLD_SIZE={world}")
-    yield nccl_world
-
-
-def _shared_seed(device: torch.device) -> int:
-    """A fresh seed drawn on rank 0 and broadcast: every rank must build the same model."""
-    seed = torch.randint(0, 2**31 - 1, (1,), device=device)
-    dist.broadcast(seed, src=0)
-    return int(seed.item())
-
-
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "one-rank"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_expert_parallel_matches_single_process(ep, case, shape, routing):
     group, device = ep
     _, fn_ep, fn_single, dtype, tol = case
     h, i, e_local, k, i_s, tokens = shape
     world = dist.get_world_size(group)
     cfg = MoEConfig(h, i, e_local * world, k, shared_intermediate_size=i_s)
-    errs = ep_vs_single(fn_ep, fn_single, cfg, tokens, group, seed=_shared_seed(device),
+    errs = ep_vs_single(fn_ep, fn_single, cfg, tokens, group, seed=shared_seed(device),
                         routing=routing, device=device, dtype=dtype)
     assert max(errs.values()) < tol, errs  # the worst over ranks: every rank agrees

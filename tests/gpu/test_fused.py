@@ -28,7 +28,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
 
 import torch.distributed as dist  # noqa: E402
-from ep_support import agree, release_workspaces  # noqa: E402
+from ep_support import agree, shared_seed  # noqa: E402
 
 from megamoe import MoEConfig, functional  # noqa: E402
 from megamoe.backends import fused as fused_backend  # noqa: E402
@@ -152,20 +152,6 @@ def test_watchdog_turns_a_missing_signal_into_an_error(skip_tasks: int, stage: s
 
 # ------------------------------------------------------------------------------ W ranks
 
-@pytest.fixture(scope="module")
-def ep(request):
-    if "WORLD_SIZE" not in os.environ:
-        pytest.skip("run under torchrun (WORLD_SIZE is not set)")
-    group, device = request.getfixturevalue("nccl_world")
-    yield group, device
-    release_workspaces()
-
-
-def _seed(device: torch.device) -> int:
-    seed = torch.randint(0, 2**31 - 1, (1,), device=device)
-    dist.broadcast(seed, src=0)
-    return int(seed.item())
-
 
 def fused_moe(x, topk_ids, topk_weights, weights, config, group):
     return functional.moe(x, topk_ids, topk_weights, weights, config, group=group,
@@ -177,7 +163,7 @@ def test_ep_matches_reference(ep, routing: str) -> None:
     group, device = ep
     cfg = MoEConfig(1024, 512, 8 * dist.get_world_size(group), 4, shared_intermediate_size=256)
     reference64 = functools.partial(moe_reference, compute_dtype=torch.float64)
-    errs = ep_vs_single(fused_moe, reference64, cfg, 384, group, seed=_seed(device),
+    errs = ep_vs_single(fused_moe, reference64, cfg, 384, group, seed=shared_seed(device),
                         routing=routing, device=device)
     print(" ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     agree(max(errs.values()) < BF16_RTOL, str(errs))
@@ -187,7 +173,7 @@ def test_ep_matches_reference(ep, routing: str) -> None:
 def test_ep_bits_equal_triton_for_every_num_comm(ep, routing: str) -> None:
     group, device = ep
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    seed = _seed(device)
+    seed = shared_seed(device)
     base = get_preset("qwen3-30b").config(world).replace(num_experts=16 * world)
     weights = slice_weights(global_weights(base, seed=seed, device=device), rank, world)
     x, ids, w, dy = make_inputs(base, 1024, seed=seed + 1, rank=rank, world_size=world,

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ep_support import agree, release_workspaces
+from ep_support import agree, shared_seed
 
 from megamoe import MoEConfig, functional
 from megamoe.backends import triton as backend
@@ -45,25 +45,13 @@ ODD = {
 }
 
 
-@pytest.fixture(scope="module")
-def ep(nccl_world):
-    yield nccl_world
-    release_workspaces()
-
-
-def _seed(device: torch.device) -> int:
-    seed = torch.randint(0, 2**31 - 1, (1,), device=device)
-    dist.broadcast(seed, src=0)
-    return int(seed.item())
-
-
 def triton_moe(x, topk_ids, topk_weights, weights, config, group):
     return functional.moe(x, topk_ids, topk_weights, weights, config, group=group,
                           backend="triton", check_values=False)
 
 
 def _check_vs_reference(group, device, cfg: MoEConfig, tokens: int, routing: str) -> None:
-    errs = ep_vs_single(triton_moe, reference64, cfg, tokens, group, seed=_seed(device),
+    errs = ep_vs_single(triton_moe, reference64, cfg, tokens, group, seed=shared_seed(device),
                         routing=routing, device=device)
     print(" ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     agree(max(errs.values()) < BF16_RTOL, str(errs))
@@ -141,7 +129,7 @@ def test_routed_results_are_bitwise_those_of_one_process(ep, routing: str) -> No
     world = dist.get_world_size(group)
     e_local, tokens = 8, 384
     cfg = MoEConfig(1024, 512, e_local * world, 4, shared_intermediate_size=512)
-    weights, inputs = _problem(group, device, cfg, tokens, routing, _seed(device))
+    weights, inputs = _problem(group, device, cfg, tokens, routing, shared_seed(device))
     out = _step(inputs, slice_weights(weights, dist.get_rank(group), world), cfg, group)
     single_inputs = tuple(_gather(t, group) for t in inputs)
     single = _step(single_inputs, weights, cfg, None)
@@ -153,7 +141,7 @@ def test_two_runs_are_bitwise_equal(ep) -> None:
     group, device = ep
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = _preset_config("qwen3-30b", world)
-    weights, inputs = _problem(group, device, cfg, 1024, "zipf", _seed(device))
+    weights, inputs = _problem(group, device, cfg, 1024, "zipf", shared_seed(device))
     local = slice_weights(weights, rank, world)
     y1, g1, _ = _step(inputs, local, cfg, group)
     y2, g2, _ = _step(inputs, local, cfg, group)
@@ -170,7 +158,7 @@ def test_capacity_overflow_raises_on_every_rank_and_recovers(ep, monkeypatch) ->
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     tokens, e_local = 200, 4  # a shape no other test uses: a fresh workspace and check state
     cfg = MoEConfig(512, 256, e_local * world, 2, capacity_factor=1.0)
-    weights, inputs = _problem(group, device, cfg, tokens, "one-rank", _seed(device))
+    weights, inputs = _problem(group, device, cfg, tokens, "one-rank", shared_seed(device))
     local = slice_weights(weights, rank, world)
     problems = []
     _, _, sched = _step(inputs, local, cfg, group)
@@ -201,7 +189,7 @@ def test_cuda_graph_of_a_whole_step_replays_to_the_same_bits(ep) -> None:
     group, device = ep
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = _preset_config("dsv3", world)
-    weights, inputs = _problem(group, device, cfg, 512, "uniform", _seed(device))
+    weights, inputs = _problem(group, device, cfg, 512, "uniform", shared_seed(device))
     local = slice_weights(weights, rank, world)
     x, ids, w, dy = (t.clone() for t in inputs)
     static_in = (x, ids, w, dy)
@@ -213,7 +201,7 @@ def test_cuda_graph_of_a_whole_step_replays_to_the_same_bits(ep) -> None:
     problems = []
     for label in ("replay", "new routing"):
         if label == "new routing":
-            _, fresh_in = _problem(group, device, cfg, 512, "zipf", _seed(device) + 1)
+            _, fresh_in = _problem(group, device, cfg, 512, "zipf", shared_seed(device) + 1)
             for dst, src in zip(static_in, fresh_in):
                 dst.copy_(src)
         graph.replay()
