@@ -22,7 +22,7 @@ from .config import MoEConfig
 from .types import ExpertWeights, MoEGrads
 from .validation import group_size_rank, validate_inputs
 
-__all__ = ["MoEContext", "Schedule", "build_schedule", "forward", "backward", "moe"]
+__all__ = ["MoEContext", "Schedule", "build_schedule", "forward", "backward", "moe", "check"]
 
 
 @dataclass
@@ -154,3 +154,21 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     options = dict(config=config, group=group, backend=backend, schedule=schedule,
                    check_values=check_values)
     return _MoEFunction.apply(options, x, topk_ids, topk_weights, *weights)
+
+
+def check(group: dist.ProcessGroup | None = None) -> None:
+    """Raise what the device recorded on ``group``'s expert-parallel workspaces since the last
+    check: ``CapacityError`` (a step routed more rows than a rank's capacity; every rank raises)
+    or ``StallError`` (a device wait gave up; fatal, see megamoe.workspace.StallError).
+
+    The Triton backends check on their own at the next ``build_schedule``; call this where no
+    schedule is built by the library, e.g. after replaying a captured CUDA graph. A host sync.
+    """
+    from .workspace import cached_workspaces
+
+    workspaces = cached_workspaces(group)
+    if workspaces:
+        from .backends import triton as triton_backend
+
+        for ws in workspaces:
+            triton_backend.check(ws)

@@ -101,6 +101,12 @@ class MoE(nn.Module):
                               group=self.group, backend=self.backend,
                               check_values=self.check_values)
 
+    def check(self) -> None:
+        """Raise device-recorded errors of this layer's expert-parallel step (capacity overflow,
+        stalled waits); see :func:`megamoe.functional.check`. Call it after CUDA-graph replays."""
+        if self.world_size > 1:
+            functional.check(self.group)
+
     def extra_repr(self) -> str:
         c = self.config
         shared = f"shared={c.shared_intermediate_size}" if c.has_shared_expert else "shared=none"

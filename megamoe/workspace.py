@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Workspace", "PeerTables", "StallError", "get_workspace", "clear_workspace_cache",
-    "emulated_workspaces", "check_errors", "publish", "BARRIER_CHANNELS", "ERROR_WORDS",
+    "emulated_workspaces", "cached_workspaces", "check_errors", "publish", "BARRIER_CHANNELS", "ERROR_WORDS",
     "STAGE_NAMES", "register_stage", "workspace_bytes", "describe_error", "take_stall",
 ]
 
@@ -286,6 +286,14 @@ def _check_layouts(layouts: list[tuple]) -> None:
                       for r in [0, *differ])
     raise ValueError(f"get_workspace: ranks {differ} asked for a different workspace than rank 0 "
                      f"(every rank must call it with the same shapes in the same order): {lines}")
+
+
+def cached_workspaces(group: dist.ProcessGroup | None = None) -> list[Workspace]:
+    """The cached workspaces of ``group`` (default: the world), in creation order."""
+    if not dist.is_initialized():
+        return []
+    _, name = _group_name(group)
+    return [ws for ws in _CACHE.values() if ws.group_name == name]
 
 
 def clear_workspace_cache() -> None:
