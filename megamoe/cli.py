@@ -171,6 +171,12 @@ def cmd_table(args: argparse.Namespace) -> int:
     return report_main([*args.results] + (["--markdown"] if args.markdown else []))
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import main as plot_main
+
+    return plot_main([*args.results, "--out", args.out])
+
+
 # --------------------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_table.add_argument("results", nargs="+")
     p_table.add_argument("--markdown", action="store_true")
     p_table.set_defaults(func=cmd_table)
+
+    p_plot = sub.add_parser("plot", help="bar chart (PNG) of JSON records written by `bench --out`")
+    p_plot.add_argument("results", nargs="+")
+    p_plot.add_argument("--out", required=True, help="PNG file to write")
+    p_plot.set_defaults(func=cmd_plot)
     return parser
 
 

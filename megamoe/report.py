@@ -205,15 +205,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", help="JSON files written by `megamoe bench --out`")
     parser.add_argument("--markdown", action="store_true", help="Markdown (for BENCHMARKS.md)")
     args = parser.parse_args(argv)
+    try:
+        records = load_records(args.results)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(format_table(records, markdown=args.markdown))
+    return 0
+
+
+def load_records(paths: Sequence[str]) -> list[dict]:
+    """The records of JSON files written by ``megamoe bench --out``, concatenated."""
     records: list[dict] = []
-    for path in args.results:
+    for path in paths:
         with open(path) as f:
             data = json.load(f)
         if not isinstance(data, list):
-            parser.error(f"{path} must hold a JSON list of records, got {type(data).__name__}")
+            raise ValueError(f"{path} must hold a JSON list of records, got {type(data).__name__}")
         records += data
-    print(format_table(records, markdown=args.markdown))
-    return 0
+    return records
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""Bar charts of layer benchmark records: TFLOP/s per backend for each (preset, world size).
+
+``megamoe plot results.json ... --out layer.png``. matplotlib is optional (``pip install
+megamoe[plot]``); it is imported only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .report import load_records
+
+__all__ = ["plot_layer", "main"]
+
+# Fixed colours so that a backend looks the same in every plot.
+BACKEND_COLORS = {"fused": "#d62728", "triton": "#1f77b4", "torch-a2a": "#7f7f7f",
+                  "reference": "#bcbd22"}
+METRICS = (("fwd_tflops", "forward"), ("fwdbwd_tflops", "forward + backward"))
+
+
+def _layer_ok(records: Sequence[dict]) -> list[dict]:
+    return [r for r in records
+            if "preset" in r and r.get("fwdbwd_tflops") is not None and r.get("status", "ok") == "ok"]
+
+
+def plot_layer(records: Sequence[dict], path: str) -> None:
+    """Write a PNG with one panel per metric; groups = (preset, W), bars = backends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = _layer_ok(records)
+    if not recs:
+        raise ValueError("records must hold at least one layer record with a status of ok")
+    groups = list(dict.fromkeys((r["preset"], r["world_size"]) for r in recs))
+    backends = list(dict.fromkeys(r["backend"] for r in recs))
+    by_key = {(r["preset"], r["world_size"], r["backend"]): r for r in recs}
+    width = 0.8 / len(backends)
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4), sharey=True)
+    for ax, (field, title) in zip(axes, METRICS):
+        for j, backend in enumerate(backends):
+            xs, ys = [], []
+            for g, (preset, world) in enumerate(groups):
+                rec = by_key.get((preset, world, backend))
+                if rec is not None:
+                    xs.append(g + (j - (len(backends) - 1) / 2) * width)
+                    ys.append(rec[field])
+            ax.bar(xs, ys, width, label=backend, color=BACKEND_COLORS.get(backend))
+        peaks = [r["gemm_peak_tflops"] for r in recs if r.get("gemm_peak_tflops")]
+        if peaks:
+            ax.axhline(max(peaks), color="black", linestyle="--", linewidth=0.8,
+                       label="dense bf16 GEMM")
+        ax.set_xticks(range(len(groups)), [f"{p}\nW={w}" for p, w in groups])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s per GPU")
+    axes[-1].legend(loc="upper right", fontsize=8)
+    first = recs[0]
+    fig.suptitle(f"megamoe layer, {first.get('gpu', '?')}, commit {first.get('commit', '?')}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="megamoe plot", description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="JSON files written by `megamoe bench --out`")
+    parser.add_argument("--out", required=True, help="PNG file to write")
+    args = parser.parse_args(argv)
+    try:
+        plot_layer(load_records(args.results), args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

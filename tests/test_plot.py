@@ -1,0 +1,45 @@
+"""`megamoe plot`: a PNG bar chart of layer records; clear errors without layer records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from megamoe.plot import plot_layer  # noqa: E402
+
+
+def _record(preset: str, world: int, backend: str, tflops: float) -> dict:
+    return dict(preset=preset, world_size=world, backend=backend, status="ok", gpu="H200",
+                commit="abc1234", fwd_tflops=tflops, fwdbwd_tflops=tflops * 0.9,
+                fwdbwd_ms=1.0, gemm_peak_tflops=790.0)
+
+
+def test_plot_writes_a_png(tmp_path):
+    records = [_record("dsv3", w, b, t) for w in (1, 2)
+               for b, t in (("triton", 500.0), ("torch-a2a", 300.0))]
+    records.append(dict(_record("dsv3", 2, "fused", 0.0), status="skipped"))  # not drawn
+    out = tmp_path / "layer.png"
+    plot_layer(records, str(out))
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_cli_plot_and_its_error(tmp_path):
+    good = tmp_path / "r.json"
+    good.write_text(json.dumps([_record("qwen3-30b", 1, "triton", 400.0)]))
+    png = tmp_path / "p.png"
+    run = subprocess.run([sys.executable, "-m", "megamoe", "plot", str(good), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert png.exists() and f"wrote {png}" in run.stdout
+    bad = tmp_path / "kernels.json"
+    bad.write_text(json.dumps([{"shape": "dsv3 down", "tflops": 600.0}]))
+    run = subprocess.run([sys.executable, "-m", "megamoe", "plot", str(bad), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "records must hold at least one layer record" in run.stderr
