@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from typing import Callable
 
@@ -67,3 +69,13 @@ def run_gloo(world_size: int, fn: Callable, *args) -> None:
     os.close(fd)
     os.unlink(init_file)
     mp.spawn(_worker, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
+
+
+def run_without_interpreter(args: list[str], timeout: int = 300) -> str:
+    """Run ``python <args>`` with TRITON_INTERPRET=0 (the interpreter replaces ``triton.jit``,
+    so kernels defined under it cannot be compiled for sm_90a); return its stdout."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout

@@ -7,12 +7,11 @@ way a launch on an H200 would specialize them: 16-byte aligned pointers, H divis
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_without_interpreter
 
 _SCRIPT = r"""
 import json, sys
@@ -65,10 +64,7 @@ json.dump(out, open(sys.argv[1], "w"))
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("sm90") / "ptx.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_without_interpreter(["-c", _SCRIPT, str(path)])
     return json.loads(path.read_text())
 
 

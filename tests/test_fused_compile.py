@@ -11,12 +11,11 @@ of the flags, the TMA-store completion + proxy fences, shared memory <= 227 KB, 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_without_interpreter
 
 pytest.importorskip("triton")
 
@@ -75,10 +74,7 @@ json.dump({"ptx": ptx, "shared": k.metadata.shared, "ptxas": info,
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("fused_sm90") / "out.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_without_interpreter(["-c", _SCRIPT, str(path)])
     return json.loads(path.read_text())
 
 

@@ -7,11 +7,10 @@ defined under ``TRITON_INTERPRET=1`` cannot be compiled). No GPU is needed: Trit
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_without_interpreter
 
 pytest.importorskip("triton")
 
@@ -22,11 +21,8 @@ EXPECTED = {"histogram", "scan", "place", "gather", "route_grad", "combine", "co
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "megamoe.kernels.compile_check", "--json"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    out = run_without_interpreter(["-m", "megamoe.kernels.compile_check", "--json"], timeout=600)
+    return {r["name"]: r for r in json.loads(out.strip().splitlines()[-1])}
 
 
 def test_every_kernel_is_compiled(compiled: dict[str, dict]) -> None:
