@@ -44,3 +44,21 @@ def test_gemms_use_wgmma_and_tma(compiled: dict[str, dict], name: str) -> None:
     assert r["is_gemm"]
     assert r["wgmma"], f"{name}: no wgmma.mma_async in the PTX"
     assert r["tma"], f"{name}: no cp.async.bulk.tensor (TMA) in the PTX"
+
+
+def test_kernel_globals_equal_themselves() -> None:
+    """Triton's launcher compares each global a kernel read with its value at compile time and
+    raises when they differ; a NaN constexpr never equals itself, so every launch after the first
+    failed on GPUs (never under the interpreter)."""
+    import importlib
+    import pkgutil
+
+    import triton.language as tl
+
+    import megamoe.kernels as kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"megamoe.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, tl.constexpr):
+                assert value.value == value.value, f"{info.name}.{name} = {value.value!r}"

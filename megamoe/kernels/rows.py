@@ -29,8 +29,10 @@ __all__ = ["gather", "combine", "combine_slots", "route_grad", "route_grad_rows"
 _ROWS = 16
 _COLS = 512
 _TOKENS = 16
-# What combine_slots writes when its step is invalid (a bad step must show as a NaN loss).
-_NAN = tl.constexpr(float("nan"))
+# What combine_slots writes when its step is invalid (a bad step must show as a NaN loss): the
+# bits of a float32 quiet NaN (a NaN constexpr global would never equal itself, which Triton's
+# launcher reads as "changed since compiled").
+_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -69,7 +71,8 @@ def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, invalid_ptr, out_ptr, 
     if HAS_BASE:
         acc += load_rows(base_ptr, tokens, cols, H, tok_mask, col_mask)
     if HAS_INVALID:  # int32 word != 0: the inputs are stale (EP capacity overflow), output NaN
-        acc = tl.where(tl.load(invalid_ptr) != 0, _NAN, acc)
+        nan = tl.full([1, 1], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+        acc = tl.where(tl.load(invalid_ptr) != 0, nan, acc)
     store_rows(out_ptr, tokens, cols, H, acc, tok_mask, col_mask, UPCAST)
 
 

@@ -10,6 +10,7 @@ Skipped unless started by torchrun (WORLD_SIZE set) with a GPU per rank.
 
 import functools
 
+import pytest
 import torch
 import torch.distributed as dist
 from ep_support import shared_seed
@@ -46,6 +47,9 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "one-rank"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_expert_parallel_matches_single_process(ep, case, shape, routing):
     group, device = ep
     _, fn_ep, fn_single, dtype, tol = case
