@@ -17,8 +17,10 @@ Every rank calls :func:`run_bench` (it uses collectives); rank 0 reports.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import functools
+import itertools
 import os
 import platform
 import statistics
@@ -51,6 +53,9 @@ __all__ = [
     "measure_gemm_peak",
     "measures_comm",
     "tunable_fields",
+    "reads_tunables",
+    "parse_tune",
+    "tuning_variants",
     "run_bench",
     "git_commit",
 ]
@@ -77,13 +82,16 @@ GEMM_PEAK_WARMUP, GEMM_PEAK_ITERS = 3, 10
 # Backward FLOPs are twice the forward's (dgrad + wgrad), so fwd+bwd = 3x forward.
 FWDBWD_FLOP_FACTOR = 3
 _RANK_SEED_STRIDE = 7919
-# Config tunables each backend reads at W > 1, recorded with its results (DESIGN.md: "where they
-# apply"). The unfused "triton" backend moves rows with comm_programs programs; minibatch_rows and
-# ring_rows are tunables of the fused kernel (MoEConfig's docstring).
+# Config tunables each backend reads, recorded with its results (DESIGN.md: "where they apply")
+# and swept by ``--tune``. The unfused "triton" backend moves rows with comm_programs programs
+# at W > 1 (nothing moves at W = 1); the fused kernel reads all three at any W (MoEConfig).
+TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows")
 BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
     "triton": ("comm_programs",),
-    "fused": ("comm_programs", "minibatch_rows", "ring_rows"),
+    "fused": TUNABLES,
 }
+# Backends whose tunables matter at W = 1 too.
+_TUNED_AT_W1 = ("fused",)
 
 
 @dataclass(frozen=True)
@@ -106,10 +114,11 @@ class BenchOptions:
     backends: list[str]
     iters: int = 20
     warmup: int = 3
-    tokens: int | None = None
+    tokens: list[int] | None = None  # tokens per rank, one case each (None: the preset's)
     routing: str = "uniform"
     check: bool = True
     seed: int = DEFAULT_SEED
+    tune: dict[str, list[int]] = field(default_factory=dict)  # tunable -> values to sweep
 
     def __post_init__(self) -> None:
         for p in self.presets:
@@ -124,8 +133,19 @@ class BenchOptions:
             raise ValueError(f"iters must be >= 1, got {self.iters}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.tokens is not None and self.tokens < 1:
-            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+        if isinstance(self.tokens, int):
+            self.tokens = [self.tokens]
+        for t in self.tokens or ():
+            if t < 1:
+                raise ValueError(f"tokens must be >= 1, got {t}")
+        for name, values in self.tune.items():
+            if name not in TUNABLES:
+                raise ValueError(f"tune: the tunable must be one of {list(TUNABLES)}, got {name!r}")
+            if not values:
+                raise ValueError(f"tune: {name} needs at least one value")
+        for p in self.presets:  # every swept combination must be a valid config
+            for combo in _combinations(self.tune):
+                get_preset(p).config(1, **combo)
 
 
 # ------------------------------------------------------------------------------------ defaults
@@ -264,11 +284,13 @@ class Case:
         return [self.x, self.topk_weights, *(w for w in self.weights if w is not None)]
 
 
-def make_case(preset_name: str, opts: BenchOptions, env: DistEnv) -> Case:
-    """Random inputs and weights of this rank (drawn on the device: dsv3 weights are GBs)."""
+def make_case(preset_name: str, opts: BenchOptions, env: DistEnv,
+              tokens: int | None = None) -> Case:
+    """Random inputs and weights of this rank (drawn on the device: dsv3 weights are GBs);
+    ``tokens`` per rank, else the first of ``opts.tokens``, else the preset's."""
     preset = get_preset(preset_name)
     config = preset.config(env.world_size)
-    tokens = opts.tokens or preset.tokens_per_rank
+    tokens = tokens or (opts.tokens[0] if opts.tokens else preset.tokens_per_rank)
     seed = opts.seed + _RANK_SEED_STRIDE * env.rank
     gen = torch.Generator(device=env.device).manual_seed(seed)
     kw: dict[str, Any] = dict(generator=gen, device=env.device)
@@ -356,11 +378,43 @@ def time_backend(fn: MoEFn, case: Case, opts: BenchOptions, env: DistEnv,
 
 # ------------------------------------------------------------------------------ communication
 
+def reads_tunables(backend: str, world_size: int) -> tuple[str, ...]:
+    """The config tunables ``backend`` reads at this world size ("triton" none at W = 1)."""
+    if world_size == 1 and backend not in _TUNED_AT_W1:
+        return ()
+    return BACKEND_TUNABLES.get(backend, ())
+
+
 def tunable_fields(backend: str, config: MoEConfig, world_size: int) -> dict[str, int]:
-    """The config tunables ``backend`` reads at this world size (none at W = 1: nothing moves)."""
-    if world_size == 1:
-        return {}
-    return {name: getattr(config, name) for name in BACKEND_TUNABLES.get(backend, ())}
+    """The record fields of the tunables ``backend`` reads at this world size."""
+    return {name: getattr(config, name) for name in reads_tunables(backend, world_size)}
+
+
+def parse_tune(specs: list[str] | None) -> dict[str, list[int]]:
+    """``["comm_programs=8,16", "minibatch_rows=256"]`` -> {name: [values]} (``--tune``)."""
+    tune: dict[str, list[int]] = {}
+    for spec in specs or ():
+        name, sep, values = spec.partition("=")
+        if not sep or not values:
+            raise ValueError(f"tune must look like NAME=V1,V2,..., got {spec!r}")
+        try:
+            tune[name.strip()] = [int(v) for v in values.split(",")]
+        except ValueError:
+            raise ValueError(f"tune: {name} values must be integers, got {values!r}") from None
+    return tune
+
+
+def _combinations(tune: dict[str, list[int]]) -> list[dict[str, int]]:
+    names = list(tune)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(tune[n] for n in names))]
+
+
+def tuning_variants(backend: str, world_size: int,
+                    tune: dict[str, list[int]]) -> list[dict[str, int]]:
+    """Config overrides to run ``backend`` with: every combination of the swept tunables it
+    reads; one run with the defaults ([{}]) when it reads none of them."""
+    read = reads_tunables(backend, world_size)
+    return _combinations({n: v for n, v in tune.items() if n in read})
 
 
 def measures_comm(backend: str, env: DistEnv) -> bool:
@@ -408,11 +462,11 @@ def add_rates(rec: dict[str, Any], config: MoEConfig, tokens: int) -> None:
 
 
 def add_speedups(records: list[dict[str, Any]]) -> None:
-    """speedup_vs_torch_a2a = baseline fwd+bwd time / this fwd+bwd time (same preset, W)."""
-    base = {(r["preset"], r["world_size"]): r for r in records
+    """speedup_vs_torch_a2a = baseline fwd+bwd time / this fwd+bwd time (same preset, W, tokens)."""
+    base = {(r["preset"], r["world_size"], r["tokens_per_rank"]): r for r in records
             if r["backend"] == BASELINE and r["status"] == "ok"}
     for r in records:
-        b = base.get((r["preset"], r["world_size"]))
+        b = base.get((r["preset"], r["world_size"], r["tokens_per_rank"]))
         if b is None or r["status"] != "ok":
             continue
         r["speedup_vs_torch_a2a"] = b["fwdbwd_ms"] / r["fwdbwd_ms"]
@@ -421,11 +475,12 @@ def add_speedups(records: list[dict[str, Any]]) -> None:
 
 # ---------------------------------------------------------------------------------------- run
 
-def total_steps(opts: BenchOptions) -> int:
+def total_steps(opts: BenchOptions, world_size: int = 1) -> int:
     """Progress steps of :func:`run_bench`: GEMM peak, float64 references, checks, iterations."""
-    per_backend = (1 if opts.check else 0) + opts.warmup + opts.iters
-    per_preset = (1 if opts.check else 0) + per_backend * len(opts.backends)
-    return 1 + per_preset * len(opts.presets)
+    per_run = (1 if opts.check else 0) + opts.warmup + opts.iters
+    runs = sum(len(tuning_variants(b, world_size, opts.tune)) for b in opts.backends)
+    per_case = (1 if opts.check else 0) + per_run * runs
+    return 1 + per_case * len(opts.presets) * len(opts.tokens or [None])
 
 
 def _free_memory(device: torch.device) -> None:
@@ -441,16 +496,18 @@ def run_bench(opts: BenchOptions, env: DistEnv, *, progress: ProgressBar | None 
     bar.step()
     facts = {"gpu": device_name(env.device), "commit": git_commit(), "date": _utc_now()}
     records: list[dict] = []
-    for preset_name in opts.presets:
+    for preset_name, tokens in itertools.product(opts.presets, opts.tokens or [None]):
         bar.update(f"{preset_name}: inputs")
-        case = make_case(preset_name, opts, env)
+        case = make_case(preset_name, opts, env, tokens)
         expected = None
         if opts.check:
             bar.update(f"{preset_name}: float64 reference")
             expected = float64_result(case, env)
             bar.step()
         for backend in opts.backends:
-            records.append(_run_one(case, backend, expected, opts, env, peak, facts, bar))
+            for variant in tuning_variants(backend, env.world_size, opts.tune):
+                run = dataclasses.replace(case, config=case.config.replace(**variant))
+                records.append(_run_one(run, backend, expected, opts, env, peak, facts, bar))
         del case, expected
         _free_memory(env.device)
     add_speedups(records)

@@ -29,6 +29,7 @@ from .bench import (
     expand_backends,
     run_bench,
     run_failed,
+    parse_tune,
     total_steps,
 )
 from .config import PRESETS
@@ -118,7 +119,7 @@ def _options(args: argparse.Namespace, device: torch.device) -> BenchOptions:
         presets=args.preset or default_presets(device),
         backends=expand_backends(args.backend or default_backends(device), device),
         iters=args.iters, warmup=args.warmup, tokens=args.tokens, routing=args.routing,
-        check=not args.no_check, seed=args.seed,
+        check=not args.no_check, seed=args.seed, tune=parse_tune(args.tune),
     )
 
 
@@ -140,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     env = init_distributed()
     try:
         opts = _options(args, env.device)
-        bar = ProgressBar(total_steps(opts), enabled=env.is_main)
+        bar = ProgressBar(total_steps(opts, env.world_size), enabled=env.is_main)
         records = run_bench(opts, env, progress=bar)
         bar.close()
         kernel_records = []
@@ -174,7 +175,7 @@ def cmd_table(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from .plot import main as plot_main
 
-    return plot_main([*args.results, "--out", args.out])
+    return plot_main([*args.results, "--out", args.out, "--x", args.x])
 
 
 # --------------------------------------------------------------------------------------- parser
@@ -193,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"backends, 'auto' or {BASELINE!r} (default: every available one + {BASELINE})")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
-    p.add_argument("--tokens", type=int, help="tokens per rank (default: the preset's)")
+    p.add_argument("--tokens", type=int, nargs="+",
+                   help="tokens per rank, one case per value (default: the preset's)")
+    p.add_argument("--tune", action="append", metavar="NAME=V1,V2,...",
+                   help="sweep a config tunable (comm_programs, minibatch_rows, ring_rows) for "
+                        "the backends that read it; repeat for a grid (default: config values)")
     p.add_argument("--routing", choices=ROUTING_KINDS, default="uniform")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write the records as a JSON list here (rank 0)")
@@ -207,9 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_table.add_argument("--markdown", action="store_true")
     p_table.set_defaults(func=cmd_table)
 
-    p_plot = sub.add_parser("plot", help="bar chart (PNG) of JSON records written by `bench --out`")
+    p_plot = sub.add_parser("plot", help="plot (PNG) JSON records written by `bench --out`")
     p_plot.add_argument("results", nargs="+")
     p_plot.add_argument("--out", required=True, help="PNG file to write")
+    p_plot.add_argument("--x", choices=("backend", "tokens"), default="backend",
+                        help="bars per backend (default) or time against tokens per rank")
     p_plot.set_defaults(func=cmd_plot)
     return parser
 

@@ -1,7 +1,9 @@
-"""Bar charts of layer benchmark records: TFLOP/s per backend for each (preset, world size).
+"""Plots of layer benchmark records.
 
-``megamoe plot results.json ... --out layer.png``. matplotlib is optional (``pip install
-megamoe[plot]``); it is imported only here.
+``megamoe plot results.json ... --out layer.png``: bars of TFLOP/s per backend for each (preset,
+world size). ``--x tokens``: forward and fwd+bwd time against tokens per rank, one line per
+(preset, W, backend) (records of ``megamoe bench --tokens N1 N2 ...``). matplotlib is optional
+(``pip install megamoe[plot]``); it is imported only here.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from collections.abc import Sequence
 
 from .report import load_records
 
-__all__ = ["plot_layer", "main"]
+__all__ = ["plot_layer", "plot_tokens", "main"]
 
 # Fixed colours so that a backend looks the same in every plot.
 BACKEND_COLORS = {"fused": "#d62728", "triton": "#1f77b4", "torch-a2a": "#7f7f7f",
                   "reference": "#bcbd22"}
 METRICS = (("fwd_tflops", "forward"), ("fwdbwd_tflops", "forward + backward"))
+TIME_METRICS = (("fwd_ms", "forward"), ("fwdbwd_ms", "forward + backward"))
+LINE_STYLES = ("-", "--", ":", "-.")
 
 
 def _layer_ok(records: Sequence[dict]) -> list[dict]:
@@ -23,16 +27,59 @@ def _layer_ok(records: Sequence[dict]) -> list[dict]:
             if "preset" in r and r.get("fwdbwd_tflops") is not None and r.get("status", "ok") == "ok"]
 
 
-def plot_layer(records: Sequence[dict], path: str) -> None:
-    """Write a PNG with one panel per metric; groups = (preset, W), bars = backends."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _ok_records(records: Sequence[dict]) -> list[dict]:
     recs = _layer_ok(records)
     if not recs:
         raise ValueError("records must hold at least one layer record with a status of ok")
+    return recs
+
+
+def _title(fig, recs: Sequence[dict]) -> None:
+    first = recs[0]
+    fig.suptitle(f"megamoe layer, {first.get('gpu', '?')}, commit {first.get('commit', '?')}",
+                 fontsize=10)
+
+
+def plot_tokens(records: Sequence[dict], path: str) -> None:
+    """Write a PNG of time (ms) against tokens per rank, one line per (preset, W, backend)."""
+    plt = _pyplot()
+    recs = _ok_records(records)
+    lines: dict[tuple, list[dict]] = {}
+    for r in recs:
+        lines.setdefault((r["preset"], r["world_size"], r["backend"]), []).append(r)
+    worlds = sorted({w for _, w, _ in lines})
+    fig, axes = plt.subplots(1, len(TIME_METRICS), figsize=(6 * len(TIME_METRICS), 4))
+    for ax, (field, title) in zip(axes, TIME_METRICS):
+        for (preset, world, backend), rs in lines.items():
+            rs = sorted(rs, key=lambda r: r["tokens_per_rank"])
+            ax.plot([r["tokens_per_rank"] for r in rs], [r[field] for r in rs], marker="o",
+                    color=BACKEND_COLORS.get(backend),
+                    linestyle=LINE_STYLES[worlds.index(world) % len(LINE_STYLES)],
+                    label=f"{preset} W={world} {backend}")
+        ax.set_xlabel("tokens per rank")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("ms (median, max over ranks)")
+    axes[-1].legend(loc="upper left", fontsize=8)
+    _title(fig, recs)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_layer(records: Sequence[dict], path: str) -> None:
+    """Write a PNG with one panel per metric; groups = (preset, W), bars = backends."""
+    plt = _pyplot()
+    recs = _ok_records(records)
     groups = list(dict.fromkeys((r["preset"], r["world_size"]) for r in recs))
     backends = list(dict.fromkeys(r["backend"] for r in recs))
     by_key = {(r["preset"], r["world_size"], r["backend"]): r for r in recs}
@@ -56,9 +103,7 @@ def plot_layer(records: Sequence[dict], path: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("TFLOP/s per GPU")
     axes[-1].legend(loc="upper right", fontsize=8)
-    first = recs[0]
-    fig.suptitle(f"megamoe layer, {first.get('gpu', '?')}, commit {first.get('commit', '?')}",
-                 fontsize=10)
+    _title(fig, recs)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -70,9 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megamoe plot", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="JSON files written by `megamoe bench --out`")
     parser.add_argument("--out", required=True, help="PNG file to write")
+    parser.add_argument("--x", choices=("backend", "tokens"), default="backend",
+                        help="bars per backend (default) or time against tokens per rank")
     args = parser.parse_args(argv)
+    plot = plot_tokens if args.x == "tokens" else plot_layer
     try:
-        plot_layer(load_records(args.results), args.out)
+        plot(load_records(args.results), args.out)
     except ValueError as exc:
         parser.error(str(exc))
     print(f"wrote {args.out}")

@@ -108,13 +108,15 @@ _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
      else f"{r['speedup_vs_torch_a2a']:.2f}x"),
 )
 _CHECK_COLUMN = ("check (rel err)", _check_cell)
-# Shown only when some record has the field (expert-parallel Triton runs): (header, field).
+# Shown only when some record has the field (NVLink copies, tunables): (header, field).
 _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
     ("dispatch GB/s", "dispatch_gbps"),
     ("combine GB/s", "combine_gbps"),
     ("dy pull GB/s", "dispatch_bwd_gbps"),
     ("dx push GB/s", "combine_bwd_gbps"),
     ("comm programs", "comm_programs"),
+    ("minibatch rows", "minibatch_rows"),
+    ("ring rows", "ring_rows"),
 )
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
-#   scripts/gpu_check.sh [tests] [comm] [bench] [kernels] [all]  (default: all = every part)
+#   scripts/gpu_check.sh [tests] [comm] [bench] [kernels] [sweep] [all]  (default: all)
 #
 #   tests    python -m pytest tests/gpu/test_triton_backend.py   (one GPU)
 #            torchrun --nproc-per-node=$NGPU -m pytest tests/gpu/test_ep_reference.py
@@ -11,6 +11,9 @@
 #   comm     torchrun: the dispatch/combine bandwidth sweep (>= 2 GPUs)
 #   bench    megamoe bench on $MEGAMOE_PRESETS at W=1, and under torchrun at W=$NGPU (>= 2 GPUs)
 #   kernels  adds --kernels (grouped-GEMM kernel records) to the W=1 bench
+#   sweep    (not part of all) W=$NGPU on $MEGAMOE_SWEEP_PRESET: backend fused over the tunable
+#            grid $MEGAMOE_SWEEP_TUNE next to triton and torch-a2a, then every backend over
+#            $MEGAMOE_SWEEP_TOKENS tokens per rank (the time-vs-tokens plot)
 #
 # Environment (all optional):
 #   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); at most 8 files
@@ -20,6 +23,9 @@
 #   MEGAMOE_BENCH_ARGS   extra arguments for every bench run (e.g. "--routing zipf")
 #   MEGAMOE_COMMIT       recorded as the commit when the tree has no git metadata
 #   STEP_TIMEOUT_S       wall-clock limit of each step (default 900)
+#   MEGAMOE_SWEEP_PRESET default dsv3
+#   MEGAMOE_SWEEP_TUNE   default "comm_programs=8,16,32 minibatch_rows=256,1024" (--tune each)
+#   MEGAMOE_SWEEP_TOKENS default "1024 2048 4096 8192"
 #
 # The package is used from this checkout through PYTHONPATH (no install: the GPU machine may have
 # no network for build dependencies). Exit status: the number of failed steps (0 = all passed).
@@ -49,9 +55,10 @@ want() {  # want PART: was PART (or all) asked for?
     local p
     for p in "${parts[@]}"; do
         case "$p" in
-            "$1" | all) return 0 ;;
-            tests | comm | bench | kernels) ;;
-            *) echo "gpu_check.sh: unknown part '$p' (expected tests, comm, bench, kernels or all)" >&2; exit 2 ;;
+            "$1") return 0 ;;
+            all) [ "$1" != sweep ] && return 0 ;;
+            tests | comm | bench | kernels | sweep) ;;
+            *) echo "gpu_check.sh: unknown part '$p' (expected tests, comm, bench, kernels, sweep or all)" >&2; exit 2 ;;
         esac
     done
     return 1
@@ -123,6 +130,29 @@ fi
 if want bench && [ "$NGPU" -ge 2 ]; then
     step "bench W=$NGPU" "$OUT/bench_w$NGPU.log" \
         "${TORCHRUN[@]}" -m megamoe "${bench_args[@]}" --out "$OUT/bench_w$NGPU.json"
+fi
+
+if want sweep; then
+    if [ "$NGPU" -ge 2 ]; then
+        sweep_preset="${MEGAMOE_SWEEP_PRESET:-dsv3}"
+        tune_args=()
+        for spec in ${MEGAMOE_SWEEP_TUNE:-comm_programs=8,16,32 minibatch_rows=256,1024}; do
+            tune_args+=(--tune "$spec")
+        done
+        sweep_common=(bench --iters "$ITERS" --warmup "$WARMUP" --preset "$sweep_preset")
+        # shellcheck disable=SC2206
+        [ -n "${MEGAMOE_BENCH_ARGS:-}" ] && sweep_common+=($MEGAMOE_BENCH_ARGS)
+        step "tunable sweep W=$NGPU" "$OUT/sweep_tune.log" "${TORCHRUN[@]}" -m megamoe \
+            "${sweep_common[@]}" --backend fused triton torch-a2a "${tune_args[@]}" \
+            --out "$OUT/sweep_tune.json"
+        # shellcheck disable=SC2206
+        tokens=(${MEGAMOE_SWEEP_TOKENS:-1024 2048 4096 8192})
+        step "tokens sweep W=$NGPU" "$OUT/sweep_tokens.log" "${TORCHRUN[@]}" -m megamoe \
+            "${sweep_common[@]}" --backend fused triton torch-a2a --tokens "${tokens[@]}" \
+            --out "$OUT/sweep_tokens.json"
+    else
+        echo "sweep: skipped (1 GPU)" | tee -a "$SUMMARY"
+    fi
 fi
 
 echo "--- summary ($failures failed step(s)); files in $OUT:"

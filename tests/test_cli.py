@@ -97,12 +97,42 @@ def test_bench_no_check_and_explicit_backends(tmp_path):
     assert all(r["tokens_per_rank"] == 33 for r in records)
 
 
+def test_bench_sweeps_tokens_and_skips_tunables_nobody_reads(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _run("-m", "megamoe", "bench", "--iters", "1", "--warmup", "0", "--no-check",
+                "--backend", "torch-a2a", "--tokens", "17", "33",
+                "--tune", "comm_programs=4,8", "--out", str(out))
+    _assert_ok(proc)
+    records = json.loads(out.read_text())
+    # torch-a2a reads no tunable: one record per token count, not one per comm_programs value
+    assert sorted(r["tokens_per_rank"] for r in records) == [17, 33]
+    assert all(r["comm_programs"] is None for r in records)
+
+
+def test_tuning_variants_cover_what_each_backend_reads():
+    from megamoe.bench import parse_tune, tuning_variants
+
+    tune = parse_tune(["comm_programs=8,16", "minibatch_rows=256,1024"])
+    assert tune == {"comm_programs": [8, 16], "minibatch_rows": [256, 1024]}
+    fused = tuning_variants("fused", 1, tune)
+    assert len(fused) == 4 and {"comm_programs": 16, "minibatch_rows": 256} in fused
+    assert tuning_variants("triton", 1, tune) == [{}]  # nothing moves at W = 1
+    assert tuning_variants("triton", 2, tune) == [{"comm_programs": 8}, {"comm_programs": 16}]
+    assert tuning_variants("torch-a2a", 2, tune) == [{}]
+    assert tuning_variants("fused", 2, {}) == [{}]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--backend", "bogus"], "backend must be one of"),
         (["--iters", "0"], "iters must be >= 1, got 0"),
         (["--preset", "nope"], "invalid choice: 'nope'"),
+        (["--tune", "comm_programs"], "tune must look like NAME=V1,V2,..., got 'comm_programs'"),
+        (["--tune", "warps=4"], "tune: the tunable must be one of"),
+        (["--tune", "ring_rows=x"], "tune: ring_rows values must be integers, got 'x'"),
+        (["--tune", "ring_rows=300"], "ring_rows must be a multiple of minibatch_rows (256), got 300"),
+        (["--tokens", "0"], "tokens must be >= 1, got 0"),
     ],
 )
 def test_bench_bad_options_are_named(args, message):

@@ -1,14 +1,13 @@
 """Backend "fused" under the CPU interpreter: the fused forward kernel against the unfused path.
 
-The kernel runs PHASED (one program plays, per minibatch, every comm role's push of the ring
-slot's previous occupant and pull, then the compute tasks whose inputs exist; then the rest); its
-waits still check every counter. W = 1 uses the backend's private one-rank workspace; W = 2 is
+The kernel runs PHASED (one program plays, per minibatch, every comm role's pull, then the
+compute tasks whose inputs exist; then the rest); its waits still check every counter. W = 1 uses the backend's private one-rank workspace; W = 2 is
 emulated in one process, every rank's protocol steps in lockstep (tests/test_triton_ep_interp.py).
 Checked: y, the shared activations and every gradient bitwise equal to backend "triton" for
 several num_comm, minibatch sizes and ring sizes (a ring smaller than the work: several
 macrobatches, the backward replays the routed forward; a ring holding every row: the routed
 activations are saved and equal too), with and without a shared expert; a missing signal (h
-tile, down tiles, a ring slot never freed) ends in a StallError naming the stage.
+tile, pulled rows, a ring slot never freed) ends in a StallError naming the stage.
 """
 
 from __future__ import annotations
@@ -142,7 +141,6 @@ def test_ring_keeps_the_last_occupant_of_each_row() -> None:
     from megamoe.kernels import gemm, rows
     ref_xs = rows.gather(x, sched)
     ref_g, ref_u, ref_h = gemm.gate_up(ref_xs, weights.w_gate, weights.w_up, sched)
-    ref_z = gemm.grouped_mm(ref_h, weights.w_down, sched)
     ws = fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device)
     ws.x_buffer.copy_(x)
     out = ff.fused_forward(ws, sched, weights.w_gate, weights.w_up, weights.w_down, num_comm=2,
@@ -151,8 +149,9 @@ def test_ring_keeps_the_last_occupant_of_each_row() -> None:
     used, ring = _used_rows(sched), cfg.ring_rows
     assert not out.full and out.xs.shape[0] == ring and used > 2 * ring
     last = torch.arange(used - ring, used)  # the last `ring` rows, each at row % ring
-    for name, ours, ref in zip(ACTIVATIONS, (out.xs, out.g, out.u, out.h, out.z),
-                               (ref_xs, ref_g, ref_u, ref_h, ref_z)):
+    assert out.z is None, "z rows are pushed, not kept, when the ring cannot hold them all"
+    for name, ours, ref in zip(ACTIVATIONS, (out.xs, out.g, out.u, out.h),
+                               (ref_xs, ref_g, ref_u, ref_h)):
         assert torch.equal(ours[last % ring], ref[last]), f"ring {name}"
 
 
@@ -187,10 +186,9 @@ def test_task_list_is_every_tile_once_in_topological_order(num_blocks: int, lag:
 
 
 @pytest.mark.parametrize("slots,blocks_per_mb", [(1, 1), (1, 4), (2, 1), (2, 3), (3, 2)])
-def test_routed_lag_puts_a_slots_pushes_before_its_next_pulls(slots: int,
-                                                              blocks_per_mb: int) -> None:
+def test_routed_lag_frees_a_slot_before_its_next_pull(slots: int, blocks_per_mb: int) -> None:
     """With the capped lag, every down tile of minibatch m - slots precedes the first gate/up
-    tile of minibatch m (the pull of m waits for the pushes of m - slots): no deadlock."""
+    tile of minibatch m (the pull of m waits for the down tiles of m - slots): no deadlock."""
     n1, n2, num_blocks = 2, 3, 4 * slots * blocks_per_mb + 1
     for lag in (0, 2, 9):
         capped = ff.routed_lag(lag, slots, blocks_per_mb, max_minibatches=10**6)
@@ -275,9 +273,9 @@ def test_two_ranks_forward_is_bitwise_unfused(routing: str, num_comm: int,
 
 # ------------------------------------------------------------------------------ watchdog
 
-def _stall(skip_tasks: int, ring_blocks: int | None = None, never_freed: bool = False) -> str:
+def _stall(skip_tasks: int, ring_blocks: int | None = None, never_pulled: bool = False) -> str:
     """Run the kernel with the ticket pre-advanced by ``skip_tasks`` (those tasks never signal);
-    ``never_freed``: ring slot 0's free counter starts far behind (its pushes never count)."""
+    ``never_pulled``: minibatch 0's ready counter starts far behind (its pulls never count)."""
     gen = torch.Generator().manual_seed(7)
     t, h, i, e, k = 11, 64, 32, 2, 2
     cfg = _config(h, i, e, k, 0, num_comm=2, minibatch_blocks=1)
@@ -289,10 +287,9 @@ def _stall(skip_tasks: int, ring_blocks: int | None = None, never_freed: bool = 
     flags = torch.zeros(4096, dtype=torch.int32)
     flags[0] = skip_tasks
     ring = None if ring_blocks is None else ring_blocks * BLOCK_ROWS
-    if never_freed:
-        max_mb = sched.rows // BLOCK_ROWS
-        layout = ff.flag_layout(max_mb, sched.max_blocks, min(ring_blocks, max_mb), 0)
-        flags[layout.freed] = -(1 << 20)
+    if never_pulled:
+        layout = ff.flag_layout(sched.rows // BLOCK_ROWS, sched.max_blocks, 0)
+        flags[layout.ready] = -(1 << 20)
     ff.fused_forward(ws, sched, weights.w_gate, weights.w_up, weights.w_down, num_comm=2,
                      minibatch_rows=BLOCK_ROWS, ring_rows=ring, budget=STALL_BUDGET,
                      flags=flags)
@@ -308,16 +305,16 @@ def test_missing_h_tile_signal_is_reported() -> None:
     assert f"after {STALL_BUDGET} polls" in message
 
 
-def test_missing_down_tiles_are_reported_by_the_pushes() -> None:
-    message = _stall(skip_tasks=1 << 20)  # no compute task runs at all
-    assert "stalled in fused forward: down tiles of a minibatch (index 0)" in message
+def test_missing_pulls_are_reported_by_the_gate_up_tiles() -> None:
+    message = _stall(skip_tasks=0, never_pulled=True)
+    assert "stalled in fused forward: pulled rows of a minibatch (index 0)" in message
+
+
+def test_ring_slot_never_freed_is_reported_by_the_pulls() -> None:
+    message = _stall(skip_tasks=1 << 20, ring_blocks=1)  # no down tile of minibatch 0 runs
+    assert ("stalled in fused forward: ring slot freed by the down tiles of its previous "
+            "minibatch (index = the minibatch to pull into it) (index 1)") in message
     assert "flag was 0" in message
-
-
-def test_ring_slot_never_freed_is_reported() -> None:
-    message = _stall(skip_tasks=0, ring_blocks=1, never_freed=True)
-    assert ("stalled in fused forward: ring slot freed by the pushes (index = the minibatch to "
-            "pull into it) (index 1)") in message
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -43,3 +43,17 @@ def test_cli_plot_and_its_error(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 2
     assert "records must hold at least one layer record" in run.stderr
+
+
+def test_cli_plot_time_against_tokens(tmp_path):
+    records = [dict(_record("dsv3", w, b, 100.0), tokens_per_rank=t, fwd_ms=t / 1000 * f,
+                    fwdbwd_ms=t / 300 * f)
+               for w in (1, 2) for b, f in (("fused", 1.0), ("triton", 1.2)) for t in (512, 4096)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(records))
+    png = tmp_path / "tokens.png"
+    run = subprocess.run([sys.executable, "-m", "megamoe", "plot", str(path), "--out", str(png),
+                          "--x", "tokens"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -6,27 +6,27 @@ shared expert's two GEMMs) of backend "triton"; the barriers around it and the l
 combine stay small separate launches.
 
 Roles (one program per SM, ``launch_cooperative_grid=True`` so every program is resident):
-  * programs ``[0, num_comm)`` communicate, minibatch by minibatch: before pulling minibatch m
-    into its ring slot (``m % slots``) they push the slot's previous occupant, minibatch
-    ``m - slots``, once its down tiles are stored (``comm.push_rows``, each comm program a strided
-    share), count themselves into the slot's ``freed`` counter (release) and wait until every
-    comm program did (acquire); then they pull minibatch m from the peers' ``x_buffer``
-    (``comm.copy_rows``) and count themselves into ``ready[m]``. After the last pull they push
-    the minibatches still in the ring.
+  * programs ``[0, num_comm)`` first pull, minibatch by minibatch: minibatch m goes into ring
+    slot ``m % slots`` once every down tile of the slot's previous occupant, minibatch
+    ``m - slots``, is done (acquire on ``z_done``); each comm program copies a strided share
+    (``comm.copy_rows``) and counts itself into ``ready[m]`` (release). After their last pull
+    they compute like the others.
   * the other programs compute. They take tasks from an atomic ticket over a task list in
     topological order: first the shared expert's tiles over the T local tokens (no
     communication: they hide the first pulls), then the routed tiles. In each part a row block's
     down tiles come ``LAG`` groups after its gate/up tiles (:func:`task_of`). A routed gate/up
     tile waits for its minibatch's ``ready`` (acquire), runs ``gemm.gate_up_tile`` and counts
     itself into ``h_done[b]``; a down tile waits until ``h_done[b]`` counts every gate/up tile
-    of the block, runs ``gemm.mm_acc`` and counts itself into ``z_done[minibatch]``. Shared tiles
-    use ``sh_done[b]`` and write ``shared_out`` for the combine epilogue.
+    of the block, runs ``gemm.mm_acc``, pushes its rows from registers into the source ranks'
+    combine slots (``comm.push_tile``: no push role, no z round trip through memory) and counts
+    itself into ``z_done[minibatch]``. Shared tiles use ``sh_done[b]`` and write
+    ``shared_out`` for the combine epilogue.
 
 Deadlock freedom: a task only waits on tasks earlier in the list (already taken by running
-programs) or on the comm programs, whose pulls wait only on pushes of minibatches whose down
-tiles all come earlier in the list: the routed lag is capped at ``(slots - 1) * blocks per
-minibatch`` (:func:`routed_lag`) so that every down tile of minibatch ``m - slots`` precedes the
-first gate/up tile of minibatch m.
+programs) or on the pulls, which wait only on down tiles of earlier minibatches that all come
+earlier in the list: the routed lag is capped at ``(slots - 1) * blocks per minibatch``
+(:func:`routed_lag`) so that every down tile of minibatch ``m - slots`` precedes the first
+gate/up tile of minibatch m. A comm program takes tasks only after its last pull.
 
 The tiles are the unfused kernels' device functions with the same tile shapes; rows sit at
 ``row % ring`` of the ring buffers, which changes addresses, not arithmetic. So ``xs, g, u, h,
@@ -36,13 +36,12 @@ z``, the pushed slots and the shared activations have the unfused path's bits fo
 record and the program stops; the host raises ``StallError`` at its next check.
 
 ``PHASED`` (the CPU interpreter, which runs programs one after another): one program runs, per
-minibatch m, every comm role's push of m - slots, then every comm role's pull of m, then the
-compute tasks in ticket order up to the first gate/up tile of minibatch m + 1; then the remaining tasks and pushes. Same
-source and the same waits (they find their counters already complete).
+minibatch m, every comm role's pull of m, then the compute tasks in ticket order up to the first
+gate/up tile of minibatch m + 1; then the remaining tasks. Same source and the same waits (they
+find their counters already complete).
 
 Not yet (docs/fused.md): with a ring smaller than the rows the forward keeps only the ring, and
-the backward replays the routed forward (backends/fused.py); pushes of minibatches still in the
-ring wait for the next pull that needs their slot.
+the backward replays the routed forward (backends/fused.py).
 """
 
 from __future__ import annotations
@@ -61,21 +60,19 @@ from .schedule import RowSchedule
 from .tiles import cast
 
 __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
-           "STAGE_Z_READY", "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
+           "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
            "DEFAULT_DOWN_LAG", "task_of", "gate_up_start", "routed_lag", "fused_grid",
            "flag_layout", "FlagLayout", "FUSED_WARPS", "FUSED_STAGES"]
 
 # Stage codes of the fused forward's spin-waits in the error record (workspace.STAGE_NAMES).
 STAGE_ROWS_READY = 10
 STAGE_H_READY = 11
-STAGE_Z_READY = 12
-STAGE_RING_FREE = 13
+STAGE_RING_FREE = 13  # 12 ("down tiles of a minibatch", waited by comm pushes) is retired
 STAGE_SHARED_H_READY = 14
 register_stage(STAGE_ROWS_READY, "fused forward: pulled rows of a minibatch")
 register_stage(STAGE_H_READY, "fused forward: h tiles of a row block")
-register_stage(STAGE_Z_READY, "fused forward: down tiles of a minibatch")
-register_stage(STAGE_RING_FREE, "fused forward: ring slot freed by the pushes (index = the "
-                                "minibatch to pull into it)")
+register_stage(STAGE_RING_FREE, "fused forward: ring slot freed by the down tiles of its "
+                                "previous minibatch (index = the minibatch to pull into it)")
 register_stage(STAGE_SHARED_H_READY, "fused forward: shared-expert h tiles of a row block")
 
 # One warp count and pipeline depth for every role: the gate/up and down tiles must use the
@@ -93,7 +90,6 @@ FLAG_WORDS = 1
 _FLAG_WORDS = tl.constexpr(FLAG_WORDS)
 _STAGE_ROWS = tl.constexpr(STAGE_ROWS_READY)
 _STAGE_H = tl.constexpr(STAGE_H_READY)
-_STAGE_Z = tl.constexpr(STAGE_Z_READY)
 _STAGE_RING = tl.constexpr(STAGE_RING_FREE)
 _STAGE_SHARED_H = tl.constexpr(STAGE_SHARED_H_READY)
 
@@ -150,16 +146,18 @@ def wait_count(flag_ptr, wanted, err_ptr, stage, index, rank, budget):
 
 
 @triton.jit
-def pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, freed_ptr, used_rows, ring,
-                   slots, role, T, H, rank, budget, err_ptr, NUM_COMM: tl.constexpr,
-                   MB: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+def pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring,
+                   slots, role, T, H, rank, budget, err_ptr, tiles_down, NUM_COMM: tl.constexpr,
+                   MB: tl.constexpr, BM: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
                    COLS: tl.constexpr, UPCAST: tl.constexpr):
-    """Comm role ``role``: wait until ring slot ``m % slots`` is free (every comm program pushed
-    its previous occupant), pull its share of minibatch m into it, count into ``ready[m]``."""
+    """Comm role ``role``: wait until ring slot ``m % slots`` is free (every down tile of its
+    previous occupant, minibatch ``m - slots``, stored and pushed), pull its share of minibatch
+    m into it, count into ``ready[m]``."""
     alive = True
-    if m >= slots:  # epoch m // slots of the slot: m // slots earlier occupants, all pushed
-        alive = wait_count(freed_ptr + m % slots, NUM_COMM * (m // slots), err_ptr, _STAGE_RING,
-                           m, rank, budget)
+    if m >= slots:
+        # m - slots is a full minibatch (only the last one can be partial)
+        alive = wait_count(z_done_ptr + m - slots, (MB // BM) * tiles_down, err_ptr, _STAGE_RING, m,
+                           rank, budget)
     if alive:
         row_begin = m * MB
         row_end = tl.minimum(row_begin + MB, used_rows)
@@ -171,56 +169,20 @@ def pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, freed_ptr, used_r
 
 
 @triton.jit
-def push_minibatch(m, z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows, ring,
-                   slots, role, T, H, rank, budget, err_ptr, tiles_down,
-                   NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                   TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Comm role ``role``: wait for every down tile of minibatch m, push its share of the rows
-    to the source ranks' combine slots, count into ``freed[m % slots]`` (the slot may be
-    reused once every comm program did)."""
-    row_begin = m * MB
-    row_end = tl.minimum(row_begin + MB, used_rows)
-    blocks = (row_end - row_begin) // BM
-    alive = wait_count(z_done_ptr + m, blocks * tiles_down, err_ptr, _STAGE_Z, m, rank, budget)
-    if alive:
-        comm.push_rows(z_ptr + (row_begin % ring).to(tl.int64) * H, H, combine_table,
-                       row_src_ptr, row_begin, row_end, role, NUM_COMM, T, H, TOP_K, ROWS, COLS)
-        signal(freed_ptr + m % slots)
-    return alive
-
-
-@triton.jit
-def comm_step(m, x_table, xs_ptr, z_ptr, combine_table, row_src_ptr, ready_ptr, z_done_ptr,
-              freed_ptr, used_rows, ring, slots, role, T, H, rank, budget, err_ptr, tiles_down,
+def comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots, role,
+              T, H, rank, budget, err_ptr, tiles_down, m_begin, m_end,
               NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, TOP_K: tl.constexpr,
               ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
-    """Comm role ``role``, minibatch m: push the ring slot's previous occupant, then pull m."""
+    """Comm role ``role``: pull minibatches ``[m_begin, m_end)`` in order; False if a wait gave
+    up."""
+    m = m_begin
     alive = True
-    if m >= slots:
-        alive = push_minibatch(m - slots, z_ptr, combine_table, row_src_ptr, z_done_ptr,
-                               freed_ptr, used_rows, ring, slots, role, T, H, rank, budget,
-                               err_ptr, tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
-    if alive:
-        alive = pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, freed_ptr, used_rows,
-                               ring, slots, role, T, H, rank, budget, err_ptr, NUM_COMM, MB,
-                               TOP_K, ROWS, COLS, UPCAST)
-    return alive
-
-
-@triton.jit
-def push_tail(z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows, ring, slots,
-              role, T, H, rank, budget, err_ptr, tiles_down, NUM_COMM: tl.constexpr,
-              MB: tl.constexpr, BM: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-              COLS: tl.constexpr):
-    """Comm role ``role`` after its last pull: push the minibatches still in the ring."""
-    n_mb = tl.cdiv(used_rows, MB)
-    m = tl.maximum(n_mb - slots, 0)
-    alive = True
-    while (m < n_mb) & alive:
-        alive = push_minibatch(m, z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr,
-                               used_rows, ring, slots, role, T, H, rank, budget, err_ptr,
-                               tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
+    while (m < m_end) & alive:
+        alive = pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows,
+                               ring, slots, role, T, H, rank, budget, err_ptr, tiles_down,
+                               NUM_COMM, MB, BM, TOP_K, ROWS, COLS, UPCAST)
         m += 1
+    return alive
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,12 +251,16 @@ def take_task(ticket_ptr, limit, PHASED: tl.constexpr):
 
 @triton.jit
 def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
-                block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks, ring, H, I,
-                rank, budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr,
-                BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
-                BK2: tl.constexpr, LAG: tl.constexpr, GPU: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """Routed task t (of the routed part); False if its wait gave up."""
+                combine_table, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr,
+                num_blocks, ring, T, H, I, rank, budget, err_ptr, NUM_COMM: tl.constexpr,
+                MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+                BN2: tl.constexpr, BK2: tl.constexpr, TOP_K: tl.constexpr, LAG: tl.constexpr,
+                STORE_Z: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
+    """Routed task t (of the routed part); False if its wait gave up.
+
+    A down tile pushes its rows straight from registers into the source ranks' combine slots
+    (``comm.push_tile``) and, with ``STORE_Z`` (the ring holds every row: the backward reads z),
+    also stores them locally."""
     n1 = tl.cdiv(I, BN1)
     is_gate_up, b, j = task_of(t, num_blocks, n1, tl.cdiv(H, BN2), LAG)
     expert = tl.load(block_expert_ptr + b)
@@ -316,7 +282,10 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
             col = j * BN2
             acc = mm_acc(tl.zeros([BM, BN2], dtype=tl.float32), h_in_desc, wd_desc, expert, at,
                          col, H, I, BK2, BN2, False, UPCAST)
-            z_desc.store([at, col], cast(acc, z_desc.dtype, UPCAST))
+            z = cast(acc, z_desc.dtype, UPCAST)
+            if STORE_Z:
+                z_desc.store([at, col], z)
+            comm.push_tile(z, combine_table, row_src_ptr, row, col, T, H, TOP_K, BM, BN2)
             publish_writes(GPU)
             signal(z_done_ptr + mb)
     return alive
@@ -354,11 +323,12 @@ def shared_task(t, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_
 @triton.jit
 def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
                  z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
-                 sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr,
-                 z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring, H, I, IS, rank,
-                 budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                 BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-                 LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
+                 sdw_desc, so_desc, combine_table, row_src_ptr, block_expert_ptr, ticket_ptr,
+                 ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring,
+                 T, H, I, IS, rank, budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr,
+                 BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
+                 BK2: tl.constexpr, TOP_K: tl.constexpr, LAG: tl.constexpr,
+                 SHARED_LAG: tl.constexpr, SHARED: tl.constexpr, STORE_Z: tl.constexpr,
                  PHASED: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
     (``SHARED``), then the routed part."""
@@ -377,15 +347,17 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                                     SHARED_LAG, GPU, UPCAST)
             else:
                 alive = routed_task(task - shared_total, xs_desc, wg_desc, wu_desc, g_desc,
-                                    u_desc, h_desc, h_in_desc, wd_desc, z_desc,
-                                    block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr,
-                                    num_blocks, ring, H, I, rank, budget, err_ptr, NUM_COMM, MB,
-                                    BM, BN1, BK1, BN2, BK2, LAG, GPU, UPCAST)
+                                    u_desc, h_desc, h_in_desc, wd_desc, z_desc, combine_table,
+                                    row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
+                                    z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
+                                    NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, LAG, STORE_Z,
+                                    GPU, UPCAST)
         else:
             alive = routed_task(task, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
-                                h_in_desc, wd_desc, z_desc, block_expert_ptr, ready_ptr,
-                                h_done_ptr, z_done_ptr, num_blocks, ring, H, I, rank, budget,
-                                err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, LAG, GPU, UPCAST)
+                                h_in_desc, wd_desc, z_desc, combine_table, row_src_ptr,
+                                block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks,
+                                ring, T, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1,
+                                BN2, BK2, TOP_K, LAG, STORE_Z, GPU, UPCAST)
         if alive:
             task = take_task(ticket_ptr, limit, PHASED)
 
@@ -396,24 +368,23 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
 
 @triton.jit
 def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr, num_blocks_ptr,
-                          xs_ptr, z_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
-                          h_in_desc, wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc,
-                          su_desc, sh_desc, sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr,
-                          T, H, I, IS, rank, budget, ring, slots, max_mb, max_blocks, slot_words,
-                          NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                          BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
-                          BK2: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-                          COLS: tl.constexpr, LAG: tl.constexpr, SHARED_LAG: tl.constexpr,
-                          SHARED: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
+                          xs_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
+                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                          sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr, T, H, I, IS, rank,
+                          budget, ring, slots, max_mb, max_blocks, NUM_COMM: tl.constexpr,
+                          MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
+                          BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
+                          TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                          LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
+                          STORE_Z: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
                           UPCAST: tl.constexpr):
-    # Flag buffer (zeroed per launch, flag_layout): [ticket | ready[max_mb] | z_done[max_mb] |
-    # h_done[max_blocks] | freed[slot_words] | sh_done[shared blocks]].
+    # Flag buffer (zeroed per launch, flag_layout):
+    # [ticket | ready[max_mb] | z_done[max_mb] | h_done[max_blocks] | sh_done[shared blocks]].
     ticket_ptr = flags_ptr
     ready_ptr = flags_ptr + _FLAG_WORDS
     z_done_ptr = ready_ptr + max_mb
     h_done_ptr = z_done_ptr + max_mb
-    freed_ptr = h_done_ptr + max_blocks
-    sh_done_ptr = freed_ptr + slot_words
+    sh_done_ptr = h_done_ptr + max_blocks
     num_blocks = tl.load(num_blocks_ptr)
     used_rows = num_blocks * BM
     n_mb = tl.cdiv(used_rows, MB)
@@ -428,59 +399,45 @@ def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr,
     if PHASED:  # the interpreter: one program plays every role, in rounds of one minibatch
         m = 0
         while m < n_mb:
-            # comm_step of every role, split: every role's push before any role's pull (a
-            # pull waits for all roles' pushes of the slot's previous occupant)
-            if m >= slots:
-                for role in range(NUM_COMM):
-                    push_minibatch(m - slots, z_ptr, combine_table, row_src_ptr, z_done_ptr,
-                                   freed_ptr, used_rows, ring, slots, role, T, H, rank, budget,
-                                   err_ptr, tiles_down, NUM_COMM, MB, BM, TOP_K, ROWS, COLS)
+            # every task before the first gate/up tile of minibatch m ran: the down tiles of
+            # m - slots are done (routed_lag), so the slot is free
             for role in range(NUM_COMM):
-                pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, freed_ptr, used_rows,
-                               ring, slots, role, T, H, rank, budget, err_ptr, NUM_COMM, MB,
-                               TOP_K, ROWS, COLS, UPCAST)
+                comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring,
+                          slots, role, T, H, rank, budget, err_ptr, tiles_down, m, m + 1,
+                          NUM_COMM, MB, BM, TOP_K, ROWS, COLS, UPCAST)
             # every task before the first gate/up tile of minibatch m + 1 has its inputs now
             limit = shared_total + gate_up_start((m + 1) * (MB // BM), num_blocks, n1,
                                                  tiles_down, LAG)
             compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                         sh_in_desc, sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr,
-                         h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring,
-                         H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2,
-                         LAG, SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
+                         sh_in_desc, sdw_desc, so_desc, combine_table, row_src_ptr,
+                         block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
+                         sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
+                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, LAG, SHARED_LAG,
+                         SHARED, STORE_Z, PHASED, GPU, UPCAST)
             m += 1
         compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                      wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                     sh_in_desc, sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr,
-                     h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring, H, I,
-                     IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, LAG,
-                     SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
-        for role in range(NUM_COMM):
-            push_tail(z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows, ring,
-                      slots, role, T, H, rank, budget, err_ptr, tiles_down, NUM_COMM, MB, BM,
-                      TOP_K, ROWS, COLS)
+                     sh_in_desc, sdw_desc, so_desc, combine_table, row_src_ptr, block_expert_ptr,
+                     ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
+                     shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM,
+                     BN1, BK1, BN2, BK2, TOP_K, LAG, SHARED_LAG, SHARED, STORE_Z, PHASED, GPU,
+                     UPCAST)
     else:
         pid = tl.program_id(0)
-        if pid < NUM_COMM:
-            m = 0
-            alive = True
-            while (m < n_mb) & alive:
-                alive = comm_step(m, x_table, xs_ptr, z_ptr, combine_table, row_src_ptr,
-                                  ready_ptr, z_done_ptr, freed_ptr, used_rows, ring, slots, pid,
-                                  T, H, rank, budget, err_ptr, tiles_down, NUM_COMM, MB, BM,
-                                  TOP_K, ROWS, COLS, UPCAST)
-                m += 1
-            if alive:
-                push_tail(z_ptr, combine_table, row_src_ptr, z_done_ptr, freed_ptr, used_rows,
-                          ring, slots, pid, T, H, rank, budget, err_ptr, tiles_down, NUM_COMM,
-                          MB, BM, TOP_K, ROWS, COLS)
-        else:
+        alive = True
+        if pid < NUM_COMM:  # pull everything, then compute like the others
+            alive = comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows,
+                              ring, slots, pid, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb,
+                              NUM_COMM, MB, BM, TOP_K, ROWS, COLS, UPCAST)
+        if alive:
             compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                         sh_in_desc, sdw_desc, so_desc, block_expert_ptr, ticket_ptr, ready_ptr,
-                         h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring,
-                         H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2,
-                         LAG, SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
+                         sh_in_desc, sdw_desc, so_desc, combine_table, row_src_ptr,
+                         block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
+                         sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
+                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, LAG, SHARED_LAG,
+                         SHARED, STORE_Z, PHASED, GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,7 +450,7 @@ class FusedOutputs:
 
     ``xs, g, u, h, z``: the routed rows in the schedule's row layout when ``full`` (the ring
     holds every row), else the ring (``ring_rows`` rows; row r of the layout was at r % ring,
-    the last occupant kept): not the whole context. ``shared`` = (sg, su, sh) [T, Is] and
+    the last occupant kept) and ``z`` None (its rows were only pushed): not the whole context. ``shared`` = (sg, su, sh) [T, Is] and
     ``shared_out`` [T, H] (bf16) when a shared expert ran, else None.
     """
 
@@ -501,7 +458,7 @@ class FusedOutputs:
     g: torch.Tensor
     u: torch.Tensor
     h: torch.Tensor
-    z: torch.Tensor
+    z: torch.Tensor | None
     full: bool
     ring_rows: int
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -516,20 +473,17 @@ class FlagLayout:
     ready: int
     z_done: int
     h_done: int
-    freed: int
     sh_done: int
     words: int
 
 
-def flag_layout(max_minibatches: int, max_blocks: int, slot_words: int,
-                shared_blocks: int) -> FlagLayout:
-    """``[ticket | ready | z_done | h_done | freed | sh_done]``, as the kernel addresses them."""
+def flag_layout(max_minibatches: int, max_blocks: int, shared_blocks: int) -> FlagLayout:
+    """``[ticket | ready | z_done | h_done | sh_done]``, as the kernel addresses them."""
     ready = FLAG_WORDS
     z_done = ready + max_minibatches
     h_done = z_done + max_minibatches
-    freed = h_done + max_blocks
-    sh_done = freed + slot_words
-    return FlagLayout(0, ready, z_done, h_done, freed, sh_done, sh_done + shared_blocks)
+    sh_done = h_done + max_blocks
+    return FlagLayout(0, ready, z_done, h_done, sh_done, sh_done + shared_blocks)
 
 
 def fused_grid(num_comm: int, device: torch.device) -> int:
@@ -589,7 +543,9 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     buf_rows = rows if full else ring_rows
     slots = ring_rows // minibatch_rows
     lag = routed_lag(down_lag, slots, minibatch_rows // bm, max_mb)
-    xs, z = (empty((buf_rows, h), dtype, dev) for _ in range(2))
+    xs = empty((buf_rows, h), dtype, dev)
+    # z is pushed from registers; it is stored only when the backward will read it (full ring)
+    z = empty((buf_rows, h), dtype, dev) if full else None
     g, u, hh = (empty((buf_rows, i), dtype, dev) for _ in range(3))
     t1, t2 = tiles_for("gate_up"), tiles_for("mm")
     xs_desc = descriptor(xs, [bm, t1.bk])
@@ -598,7 +554,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     g_desc, u_desc, h_desc = (descriptor(o, [bm, t1.bn]) for o in (g, u, hh))
     h_in_desc = descriptor(hh, [bm, t2.bk])
     wd_desc = descriptor(_weight_2d(w_down), [t2.bn, t2.bk])
-    z_desc = descriptor(z, [bm, t2.bn])
+    z_desc = descriptor(z if full else xs, [bm, t2.bn])  # not stored to when not full
     if shared is not None:
         x, s_gate, s_up, s_down = shared
         i_s = s_gate.shape[0]
@@ -617,7 +573,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         i_s, sg, su, sh, shared_out, shared_blocks = 0, None, None, None, None, 0
         shared_descs = (xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
                         z_desc)
-    layout = flag_layout(max_mb, sched.max_blocks, min(slots, max_mb), shared_blocks)
+    layout = flag_layout(max_mb, sched.max_blocks, shared_blocks)
     if flags is None:
         flags = torch.zeros(layout.words, dtype=torch.int32, device=dev)
     elif flags.numel() < layout.words or flags.dtype != torch.int32:
@@ -625,13 +581,13 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     copy_r, copy_c = comm.copy_tile(h, dtype.itemsize, comm.COPY_TILE_BYTES)
     grid = (fused_grid(num_comm, dev),)
     _fused_forward_kernel[grid](
-        ws.peers.x, ws.peers.combine, sched.row_src, sched.block_expert, sched.num_blocks, xs, z,
+        ws.peers.x, ws.peers.combine, sched.row_src, sched.block_expert, sched.num_blocks, xs,
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
         *shared_descs, flags, ws.errors, t, h, i, i_s, ws.rank, comm._budget(budget), ring_rows,
-        slots, max_mb, sched.max_blocks, min(slots, max_mb), NUM_COMM=num_comm,
+        slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=down_lag, SHARED=shared is not None,
-        PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
+        STORE_Z=full, PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
         launch_cooperative_grid=not interpreting())
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,

@@ -130,9 +130,12 @@ def test_single_gpu_shared_expert_and_ring_bits() -> None:
     assert not _differences(_run_fused(p), run_backend(p))
 
 
-@pytest.mark.parametrize("skip_tasks,stage", [(1, "fused forward"),
-                                              (1 << 30, "down tiles of a minibatch")])
-def test_watchdog_turns_a_missing_signal_into_an_error(skip_tasks: int, stage: str) -> None:
+@pytest.mark.parametrize("skip_tasks,ring_rows,stage", [
+    (1, LARGE_RING, "fused forward"),  # tile 0 never signals
+    (1 << 30, 256, "ring slot freed by the down tiles"),  # no down tile runs, the ring wraps
+])
+def test_watchdog_turns_a_missing_signal_into_an_error(skip_tasks: int, ring_rows: int,
+                                                       stage: str) -> None:
     """Pre-advance the task ticket: skipped tasks never signal, the waits give up, no hang."""
     p = _single_problem("sizes_not_tile_multiples", num_comm=4)
     cfg, (t, h), k = p.config, p.x.shape, p.topk_ids.shape[1]
@@ -142,7 +145,8 @@ def test_watchdog_turns_a_missing_signal_into_an_error(skip_tasks: int, stage: s
     flags = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
     flags[0] = skip_tasks
     ff.fused_forward(ws, sched, p.weights.w_gate, p.weights.w_up, p.weights.w_down, num_comm=4,
-                     minibatch_rows=cfg.minibatch_rows, budget=STALL_BUDGET, flags=flags)
+                     minibatch_rows=cfg.minibatch_rows, ring_rows=ring_rows,
+                     budget=STALL_BUDGET, flags=flags)
     torch.cuda.synchronize()
     with pytest.raises(StallError, match=stage):
         check_errors(ws)
