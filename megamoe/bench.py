@@ -10,7 +10,7 @@ the dense bf16 GEMM rate measured in the same run. Records follow DESIGN.md "Ben
 Backend "triton" at W > 1 on GPUs also gets the bandwidth of its NVLink copies: after its layer
 timing, the step's schedule is built once on the case's routing and the dispatch pull, combine
 push, dy pull and d_x push are timed alone (``bench_comm.layer_comm_gbps``: GB/s of remote bytes,
-median of the per-iteration max over ranks), with the config's ``comm_programs``.
+median of the per-iteration max over ranks), with the config's ``copy_programs``.
 
 Every rank calls :func:`run_bench` (it uses collectives); rank 0 reports.
 """
@@ -71,7 +71,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "note", "torch",
     # Where they apply (else null): GB/s of the NVLink copies and the config tunables used.
     "dispatch_gbps", "combine_gbps", "dispatch_bwd_gbps", "combine_bwd_gbps", "comm_programs",
-    "minibatch_rows", "ring_rows",
+    "minibatch_rows", "ring_rows", "down_lag", "copy_programs",
 )
 DEFAULT_SEED = 1234
 # Worst relative error (norm-wise, output and every gradient) a bf16 layer may have vs float64.
@@ -83,12 +83,14 @@ GEMM_PEAK_WARMUP, GEMM_PEAK_ITERS = 3, 10
 FWDBWD_FLOP_FACTOR = 3
 _RANK_SEED_STRIDE = 7919
 # Config tunables each backend reads, recorded with its results (DESIGN.md: "where they apply")
-# and swept by ``--tune``. The unfused "triton" backend moves rows with comm_programs programs
-# at W > 1 (nothing moves at W = 1); the fused kernel reads all three at any W (MoEConfig).
-TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows")
+# and swept by ``--tune``. The unfused "triton" backend moves rows with copy_programs programs
+# at W > 1 (nothing moves at W = 1); the fused kernel reads its four at any W (MoEConfig), and
+# copy_programs for the pull of its backward replay (a ring smaller than the rows).
+TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows", "down_lag",
+                             "copy_programs")
 BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
-    "triton": ("comm_programs",),
-    "fused": TUNABLES,
+    "triton": ("copy_programs",),
+    "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag"),
 }
 # Backends whose tunables matter at W = 1 too.
 _TUNED_AT_W1 = ("fused",)
@@ -391,14 +393,16 @@ def tunable_fields(backend: str, config: MoEConfig, world_size: int) -> dict[str
 
 
 def parse_tune(specs: list[str] | None) -> dict[str, list[int]]:
-    """``["comm_programs=8,16", "minibatch_rows=256"]`` -> {name: [values]} (``--tune``)."""
+    """``["comm_programs=8,16", "down_lag=auto,2"]`` -> {name: [values]} (``--tune``; "auto" is
+    None: derived, for down_lag)."""
     tune: dict[str, list[int]] = {}
     for spec in specs or ():
         name, sep, values = spec.partition("=")
         if not sep or not values:
             raise ValueError(f"tune must look like NAME=V1,V2,..., got {spec!r}")
         try:
-            tune[name.strip()] = [int(v) for v in values.split(",")]
+            tune[name.strip()] = [None if v.strip() == "auto" else int(v)
+                                  for v in values.split(",")]
         except ValueError:
             raise ValueError(f"tune: {name} values must be integers, got {values!r}") from None
     return tune
@@ -434,7 +438,7 @@ def time_comm(case: Case, opts: BenchOptions, env: DistEnv) -> dict[str, float]:
     schedule = functional.build_schedule(case.topk_ids, case.config, env.group, backend="triton")
     ws = schedule.inner.ep.workspace
     publish(ws, x=case.x.detach(), dy=case.grad_y)  # visible to peers after the next barrier
-    return layer_comm_gbps(ws, schedule.inner.routed, case.config.comm_programs, opts.iters,
+    return layer_comm_gbps(ws, schedule.inner.routed, case.config.copy_programs, opts.iters,
                            opts.warmup, env.group)
 
 

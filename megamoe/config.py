@@ -32,12 +32,18 @@ class MoEConfig:
     ``shared_intermediate_size == 0`` means no shared expert.
 
     Tunables (they never change results, only speed):
-      comm_programs   programs of the fused kernel that move tokens between GPUs
+      comm_programs   programs of the fused kernel that pull tokens from the GPUs (the rest
+                      compute; pulls need far fewer SMs than the GEMMs, see BENCHMARKS.md)
+      copy_programs   programs of backend "triton"'s standalone NVLink copies (dispatch pull,
+                      combine push and their backward), which run alone between the GEMMs
       minibatch_rows  rows per dispatch readiness counter
       ring_rows       rows of the routed-token ring buffer (the macrobatch) of backend "fused";
                       below the schedule's rows the forward keeps only the ring and the
                       backward replays the routed forward (docs/fused.md)
       block_rows      GEMM tile height each expert's rows are padded to
+      down_lag        task-list groups (one minibatch of row blocks each) between a group's
+                      gate/up tiles and its down tiles in the fused kernel; None derives it from
+                      the grid and the tile work (kernels.fused_forward.down_lag_for)
       capacity_factor rows a rank may receive, as a multiple of the balanced load
                       ``T * top_k``; None allows the worst case (every token of every rank).
     """
@@ -47,11 +53,13 @@ class MoEConfig:
     num_experts: int
     top_k: int
     shared_intermediate_size: int = 0
-    comm_programs: int = 24
-    minibatch_rows: int = 256
+    comm_programs: int = 8
+    copy_programs: int = 24
+    minibatch_rows: int = 1024
     ring_rows: int = 16384
     block_rows: int = DEFAULT_BLOCK_ROWS
     capacity_factor: float | None = None
+    down_lag: int | None = None
 
     def __post_init__(self) -> None:
         _require_int("hidden_size", self.hidden_size, 1)
@@ -64,6 +72,7 @@ class MoEConfig:
             )
         _require_int("shared_intermediate_size", self.shared_intermediate_size, 0)
         _require_int("comm_programs", self.comm_programs, 1)
+        _require_int("copy_programs", self.copy_programs, 1)
         _require_int("block_rows", self.block_rows, 16)
         if self.block_rows & (self.block_rows - 1):
             raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
@@ -79,6 +88,8 @@ class MoEConfig:
                 f"ring_rows must be a multiple of minibatch_rows ({self.minibatch_rows}), "
                 f"got {self.ring_rows}"
             )
+        if self.down_lag is not None:
+            _require_int("down_lag", self.down_lag, 0)
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf >= 1.0:

@@ -18,7 +18,7 @@ DESIGN_FIELDS = (
 EXTRA_FIELDS = ("routing", "iters", "check", "speedup_vs_torch_a2a")
 # DESIGN.md's "where they apply" fields (+ the backward copies): null unless triton runs at W > 1.
 COMM_FIELDS = ("dispatch_gbps", "combine_gbps", "comm_programs", "minibatch_rows", "ring_rows",
-               "dispatch_bwd_gbps", "combine_bwd_gbps")
+               "down_lag", "copy_programs", "dispatch_bwd_gbps", "combine_bwd_gbps")
 TIMEOUT_S = 120
 
 
@@ -106,18 +106,21 @@ def test_bench_sweeps_tokens_and_skips_tunables_nobody_reads(tmp_path):
     records = json.loads(out.read_text())
     # torch-a2a reads no tunable: one record per token count, not one per comm_programs value
     assert sorted(r["tokens_per_rank"] for r in records) == [17, 33]
-    assert all(r["comm_programs"] is None for r in records)
+    assert all(r["comm_programs"] is None and r["copy_programs"] is None for r in records)
 
 
 def test_tuning_variants_cover_what_each_backend_reads():
     from megamoe.bench import parse_tune, tuning_variants
 
-    tune = parse_tune(["comm_programs=8,16", "minibatch_rows=256,1024"])
-    assert tune == {"comm_programs": [8, 16], "minibatch_rows": [256, 1024]}
+    tune = parse_tune(["comm_programs=8,16", "minibatch_rows=256,1024", "copy_programs=24,32",
+                       "down_lag=auto"])
+    assert tune == {"comm_programs": [8, 16], "minibatch_rows": [256, 1024],
+                    "copy_programs": [24, 32], "down_lag": [None]}
     fused = tuning_variants("fused", 1, tune)
-    assert len(fused) == 4 and {"comm_programs": 16, "minibatch_rows": 256} in fused
+    assert len(fused) == 4
+    assert {"comm_programs": 16, "minibatch_rows": 256, "down_lag": None} in fused
     assert tuning_variants("triton", 1, tune) == [{}]  # nothing moves at W = 1
-    assert tuning_variants("triton", 2, tune) == [{"comm_programs": 8}, {"comm_programs": 16}]
+    assert tuning_variants("triton", 2, tune) == [{"copy_programs": 24}, {"copy_programs": 32}]
     assert tuning_variants("torch-a2a", 2, tune) == [{}]
     assert tuning_variants("fused", 2, {}) == [{}]
 
@@ -131,7 +134,7 @@ def test_tuning_variants_cover_what_each_backend_reads():
         (["--tune", "comm_programs"], "tune must look like NAME=V1,V2,..., got 'comm_programs'"),
         (["--tune", "warps=4"], "tune: the tunable must be one of"),
         (["--tune", "ring_rows=x"], "tune: ring_rows values must be integers, got 'x'"),
-        (["--tune", "ring_rows=300"], "ring_rows must be a multiple of minibatch_rows (256), got 300"),
+        (["--tune", "ring_rows=300"], "ring_rows must be a multiple of minibatch_rows (1024), got 300"),
         (["--tokens", "0"], "tokens must be >= 1, got 0"),
     ],
 )
@@ -174,12 +177,12 @@ def test_table_shows_copy_bandwidth_only_when_present():
     from megamoe.report import format_layer_table
 
     triton = _layer_record("triton", dispatch_gbps=301.4, combine_gbps=318.6,
-                           dispatch_bwd_gbps=297.0, combine_bwd_gbps=315.2, comm_programs=24)
+                           dispatch_bwd_gbps=297.0, combine_bwd_gbps=315.2, copy_programs=24)
     base = _layer_record("torch-a2a", speedup_vs_torch_a2a=1.0)
     skipped = _layer_record("fused", status="skipped", note="not built")
     lines = format_layer_table([triton, base, skipped]).splitlines()
     for header in ("dispatch GB/s", "combine GB/s", "dy pull GB/s", "dx push GB/s",
-                   "comm programs"):
+                   "copy programs"):
         assert header in lines[0]
     assert lines[0].rstrip().endswith("check (rel err)")
     assert lines[2].split()[-6:] == ["301", "319", "297", "315", "24", "-"]
@@ -194,8 +197,8 @@ def test_tunables_and_copy_timing_only_where_they_apply():
     from megamoe.bench import DistEnv, measures_comm, tunable_fields
     from megamoe.config import get_preset
 
-    config = get_preset("tiny").config(2).replace(comm_programs=12)
-    assert tunable_fields("triton", config, 2) == {"comm_programs": 12}
+    config = get_preset("tiny").config(2).replace(copy_programs=12)
+    assert tunable_fields("triton", config, 2) == {"copy_programs": 12}
     assert tunable_fields("triton", config, 1) == {}
     assert tunable_fields("reference", config, 2) == tunable_fields("torch-a2a", config, 2) == {}
     cpu2 = DistEnv(world_size=2, rank=0)

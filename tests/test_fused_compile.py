@@ -1,8 +1,7 @@
 """The fused forward kernel lowers to real sm_90a code on the CPU and fits one program per SM.
 
 Compiled in a subprocess without TRITON_INTERPRET (the interpreter replaces ``triton.jit``), with
-the GPU tiles at dsv3 sizes (shared expert on, a ring holding every row: the down tiles both store
-z and push it from registers, the largest variant), the way
+the GPU tiles at dsv3 sizes (shared expert on, a ring holding every row), the way
 a launch on an H200 specializes it (16-byte aligned pointers, H, I, Is and the ring divisible by
 16). Checked: wgmma and TMA in the GEMM tiles, the release/acquire atomics
 of the flags, the TMA-store completion + proxy fences, shared memory <= 227 KB, and registers
@@ -33,11 +32,11 @@ from megamoe.kernels import comm, gemm
 from megamoe.kernels import fused_forward as ff
 
 H, I, BM, TOP_K, NUM_COMM, MB = 7168, 2048, 128, 8, 24, 256  # dsv3, the config defaults
-RING = 1 << 17  # holds every row of dsv3 at W = 2: z is stored too (STORE_Z), the lag uncapped
+RING = 1 << 17  # holds every row of dsv3 at W = 2 (the lag uncapped)
 t1, t2 = gemm.GPU_TILES["gate_up"], gemm.GPU_TILES["mm"]
 desc = lambda s: f"tensordesc<bf16[{s[0]}, {s[1]}]>"
 types = dict(
-    x_table="*i64", combine_table="*i64", row_src_ptr="*i32", block_expert_ptr="*i32",
+    x_table="*i64", combine_table="*i64", z_ptr="*bf16", row_src_ptr="*i32", block_expert_ptr="*i32",
     num_blocks_ptr="*i32", xs_ptr="*bf16", xs_desc=desc([BM, t1.bk]),
     wg_desc=desc([t1.bn, t1.bk]), wu_desc=desc([t1.bn, t1.bk]), g_desc=desc([BM, t1.bn]),
     u_desc=desc([BM, t1.bn]), h_desc=desc([BM, t1.bn]), h_in_desc=desc([BM, t2.bk]),
@@ -50,13 +49,14 @@ types = dict(
 rows, cols = comm.copy_tile(H, 2, comm.COPY_TILE_BYTES)
 consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk,
               TOP_K=TOP_K, ROWS=rows, COLS=cols,
-              LAG=ff.routed_lag(ff.DEFAULT_DOWN_LAG, RING // MB, MB // BM, 10**6),
-              SHARED_LAG=ff.DEFAULT_DOWN_LAG, SHARED=True, STORE_Z=True, PHASED=False, GPU=True,
-              UPCAST=False)
+              LAG=ff.routed_lag(ff.down_lag_for(132, MB // BM, H, I, t1.bn, t2.bn), RING // MB, 1,
+                                10**6),
+              SHARED_LAG=ff.down_lag_for(132, MB // BM, H, 2048, t1.bn, t2.bn), SHARED=True, PUSH_CHUNK=ff.PUSH_CHUNK_ROWS, PHASED=False,
+              GPU=True, UPCAST=False)
 fn = ff._fused_forward_kernel
 sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
 aligned = ("x_table", "combine_table", "row_src_ptr", "block_expert_ptr", "num_blocks_ptr",
-           "xs_ptr", "flags_ptr", "err_ptr", "H", "I", "IS", "ring")
+           "xs_ptr", "z_ptr", "flags_ptr", "err_ptr", "H", "I", "IS", "ring")
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32),

@@ -56,11 +56,12 @@ def _weights(gen, e: int, h: int, i: int, i_s: int) -> ExpertWeights:
 
 def _config(h, i, e, k, i_s, num_comm: int, minibatch_blocks: int,
             ring_blocks: int | None = None):
-    """ring_blocks None: the ring holds every row (the config default, 16384 rows)."""
+    """ring_blocks None: the ring holds every row (1024 minibatches)."""
     mb = minibatch_blocks * BLOCK_ROWS
     cfg = make_config(h, i, e, k, i_s, BLOCK_ROWS).replace(comm_programs=num_comm,
                                                            minibatch_rows=mb, ring_rows=mb)
-    return cfg.replace(ring_rows=16384 if ring_blocks is None else ring_blocks * BLOCK_ROWS)
+    return cfg.replace(ring_rows=(1024 * minibatch_blocks if ring_blocks is None else
+                                  ring_blocks) * BLOCK_ROWS)
 
 
 def _used_rows(sched) -> int:
@@ -88,21 +89,23 @@ def _assert_same_grads(g, g_ref, what: str) -> None:
         assert (a is None and b is None) or torch.equal(a, b), f"{what}: grad {name} differs"
 
 
-# (num_comm, minibatch in row blocks, ring in row blocks (None: every row), shared I, down lag).
-# The routing is seeded: 5 or 6 used blocks. Ring 1 block: a push before every pull; ring 2 x 2
-# blocks: 2 slots, a partial last minibatch (asserted); lag 9 is capped by the ring.
+# (num_comm, minibatch in row blocks, ring in row blocks (None: every row), shared I, down lag
+# in task-list groups, one minibatch each; None: derived). The routing is seeded: 5 or 6 used
+# blocks. Ring 1 block: every pull waits for the down tiles of the minibatch before; ring 2 x 2
+# blocks: 2 slots, a partial last minibatch (asserted); lag 9 is capped by the ring; minibatch 3
+# blocks: partial last groups (tasks past the last block do nothing).
 SINGLE_CASES = [(1, 1, 1, 32, 0), (2, 2, None, 32, 1), (3, 1, 2, 0, 9), (2, 2, 4, 24, 2),
-                (2, 1, None, 0, 9)]
+                (2, 1, None, 0, 9), (2, 3, None, 32, None), (1, 3, 3, 24, None)]
 
 
 @pytest.mark.parametrize("num_comm,minibatch_blocks,ring_blocks,i_s,down_lag", SINGLE_CASES)
 def test_single_gpu_forward_is_bitwise_unfused(num_comm: int, minibatch_blocks: int,
-                                               ring_blocks: int | None, i_s: int, down_lag: int,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ff, "DEFAULT_DOWN_LAG", down_lag)
+                                               ring_blocks: int | None, i_s: int,
+                                               down_lag: int | None) -> None:
     gen = torch.Generator().manual_seed(num_comm * 10 + minibatch_blocks)
     t, h, i, e, k = 29, 64, 40, 4, 2  # I = 40: a partial gate/up column tile
     cfg = _config(h, i, e, k, i_s, num_comm, minibatch_blocks, ring_blocks)
+    cfg = cfg.replace(down_lag=down_lag)
     weights = _weights(gen, e, h, i, i_s)
     ids, w = make_routing(t, e, k, kind="zipf", generator=gen)
     x, dy = _rnd(gen, t, h), _rnd(gen, t, h)
@@ -141,6 +144,7 @@ def test_ring_keeps_the_last_occupant_of_each_row() -> None:
     from megamoe.kernels import gemm, rows
     ref_xs = rows.gather(x, sched)
     ref_g, ref_u, ref_h = gemm.gate_up(ref_xs, weights.w_gate, weights.w_up, sched)
+    ref_z = gemm.grouped_mm(ref_h, weights.w_down, sched)
     ws = fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device)
     ws.x_buffer.copy_(x)
     out = ff.fused_forward(ws, sched, weights.w_gate, weights.w_up, weights.w_down, num_comm=2,
@@ -149,9 +153,8 @@ def test_ring_keeps_the_last_occupant_of_each_row() -> None:
     used, ring = _used_rows(sched), cfg.ring_rows
     assert not out.full and out.xs.shape[0] == ring and used > 2 * ring
     last = torch.arange(used - ring, used)  # the last `ring` rows, each at row % ring
-    assert out.z is None, "z rows are pushed, not kept, when the ring cannot hold them all"
-    for name, ours, ref in zip(ACTIVATIONS, (out.xs, out.g, out.u, out.h),
-                               (ref_xs, ref_g, ref_u, ref_h)):
+    for name, ours, ref in zip(ACTIVATIONS, (out.xs, out.g, out.u, out.h, out.z),
+                               (ref_xs, ref_g, ref_u, ref_h, ref_z)):
         assert torch.equal(ours[last % ring], ref[last]), f"ring {name}"
 
 

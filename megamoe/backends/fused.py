@@ -51,7 +51,7 @@ def _fused(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor
     shared = ((x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None)
     return fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
                          num_comm=config.comm_programs, minibatch_rows=config.minibatch_rows,
-                         ring_rows=config.ring_rows, shared=shared)
+                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag)
 
 
 def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
@@ -86,7 +86,7 @@ def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
         ws = schedule.ep.workspace
         publish(ws, x=ctx.x.detach())  # the x_buffer may hold a later forward's tokens
         yield from unfused._barrier_point(ws)
-        xs = comm.dispatch_pull(ws, sched, "x", programs=schedule.config.comm_programs)
+        xs = comm.dispatch_pull(ws, sched, "x", programs=schedule.config.copy_programs)
     g, u, h, z = unfused._experts_forward(xs, ctx.weights, sched)
     return dataclasses.replace(ctx, xs=xs, g=g, u=u, h=h, z=z)
 

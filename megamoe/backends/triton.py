@@ -481,9 +481,9 @@ def routed_unfused(ws: Workspace, schedule: TritonSchedule,
     """(xs, g, u, h, z): pull x rows, expert GEMMs, push z rows into the sources' combine slots."""
     from ..kernels import comm
     sched, config = schedule.routed, schedule.config
-    xs = comm.dispatch_pull(ws, sched, "x", programs=config.comm_programs)
+    xs = comm.dispatch_pull(ws, sched, "x", programs=config.copy_programs)
     g, u, h, z = _experts_forward(xs, weights, sched)
-    comm.combine_push(ws, z, sched, "combine", programs=config.comm_programs)
+    comm.combine_push(ws, z, sched, "combine", programs=config.copy_programs)
     return xs, g, u, h, z
 
 
@@ -519,7 +519,7 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
     from ..kernels import comm, rows
     from ..workspace import publish
     schedule = ctx.schedule
-    ws, sched, programs = schedule.ep.workspace, schedule.routed, schedule.config.comm_programs
+    ws, sched, programs = schedule.ep.workspace, schedule.routed, schedule.config.copy_programs
     publish(ws, dy=dy.detach())
     yield from _barrier_point(ws)
     dy_rows = comm.dispatch_pull(ws, sched, "dy", programs=programs, scale=False)

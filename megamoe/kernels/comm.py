@@ -4,10 +4,9 @@ Device functions (``@triton.jit``, reusable by the persistent megakernel):
   wait_at_least   spin (acquire, sys) until flags reach a value; on budget expiry record a stall
   barrier_arrive  advance this rank's epoch and publish it into every rank's pad (release, sys)
   barrier_wait    wait until every rank published this epoch into our pad
-  pull_tile       load one tile of scheduled rows from the peers (optionally scaled)
   copy_rows       pull scheduled rows out of the peers' token buffers into a local row buffer
   push_rows       push local rows into the source ranks' slot buffers (one writer per slot)
-  push_tile       push one register tile of rows there (the fused kernel's down epilogue)
+  push_tile       push one GEMM tile's rows there (the fused kernel's down tiles)
   push_values     the same for one fp32 per row (router-weight gradients)
 
 Thin kernels and host launchers wrap them for the unfused path. Peers are reached through the
@@ -31,7 +30,7 @@ from .tiles import cast
 __all__ = [
     "ARRIVE", "WAIT", "BOTH", "STAGE_BARRIER", "DEFAULT_COMM_PROGRAMS", "DEFAULT_SPIN_BUDGET",
     "COPY_TILE_BYTES", "copy_tile", "wait_at_least", "record_stall", "barrier_arrive",
-    "barrier_wait", "task_slots", "slot_region", "as_rows", "pull_tile", "copy_rows", "push_rows",
+    "barrier_wait", "task_slots", "slot_region", "as_rows", "copy_rows", "push_rows",
     "push_tile",
     "push_values", "barrier", "gather_routing",
     "dispatch_pull", "combine_push", "push_row_values", "check_errors", "StallError",
@@ -44,7 +43,7 @@ WAIT = 2
 BOTH = ARRIVE | WAIT
 STAGE_BARRIER = 1  # stage code in the error record (workspace.STAGE_NAMES[1] == "barrier")
 
-# Programs that move rows; config.comm_programs overrides it (same default, from the sweep).
+# Programs that move rows; config.copy_programs overrides it (same default, from the sweep).
 DEFAULT_COMM_PROGRAMS = 24
 # Polls of a flag before a wait gives up. One acquire poll of a local flag costs ~0.5-1 us, so
 # this is seconds: long enough for a peer still compiling a kernel, short enough to beat a hang.
@@ -191,26 +190,6 @@ def as_rows(addr, ELEM: tl.constexpr):
 
 
 @triton.jit
-def pull_tile(src_table, scale_table, slot, cols, T, H, TOP_K: tl.constexpr, SCALE: tl.constexpr,
-              ELEM: tl.constexpr, UPCAST: tl.constexpr):
-    """The [ROWS, COLS] tile of the rows behind ``slot`` (one per tile row), loaded from the
-    owning ranks' buffers (``src_table``); zeros for slot == -1. With ``SCALE`` each row is
-    multiplied in fp32 by its slot's routing weight (``scale_table``) and rounded to nearest even.
-    """
-    tk = T * TOP_K
-    real = slot >= 0
-    local = tl.where(real, slot % tk, 0)
-    offs = (local // TOP_K).to(tl.int64)[:, None] * H + cols[None, :]
-    vals = tl.load(as_rows(slot_region(src_table, slot, tk), ELEM)[:, None] + offs,
-                   mask=real[:, None] & (cols < H)[None, :], other=0.0)
-    if SCALE:
-        w = tl.load(as_rows(slot_region(scale_table, slot, tk), tl.float32) + local, mask=real,
-                    other=0.0)
-        vals = cast(vals.to(tl.float32) * w[:, None], ELEM, UPCAST)
-    return vals
-
-
-@triton.jit
 def copy_rows(src_table, scale_table, dst_ptr, dst_stride, row_src_ptr, row_begin, row_end,
               task_begin, task_step, T, H, TOP_K: tl.constexpr, SCALE: tl.constexpr,
               ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
@@ -221,27 +200,42 @@ def copy_rows(src_table, scale_table, dst_ptr, dst_stride, row_src_ptr, row_begi
     With ``SCALE`` the row is multiplied in fp32 by the source rank's weight of that slot
     (``scale_table``: the routing weights) and rounded to nearest even. The work is split into
     tasks of ROWS x COLS elements; this program takes tasks task_begin, task_begin + task_step, ...
-    The next task's loads are issued before this task's store waits for its data, so two tiles
-    are in flight per program (a pull is bound by the NVLink load round trip, not by bytes).
+    The next task's slots and peer addresses are fetched while this task's rows are in flight, so
+    each iteration waits for one NVLink round trip, not three dependent loads.
     """
     ELEM = dst_ptr.dtype.element_ty
+    tk = T * TOP_K
     n_cols = tl.cdiv(H, COLS)
     n_tasks = tl.cdiv(row_end - row_begin, ROWS) * n_cols
     task = task_begin
     slot = task_slots(row_src_ptr, task, n_tasks, row_begin, row_end, n_cols, ROWS)
-    vals = pull_tile(src_table, scale_table, slot, (task % n_cols) * COLS + tl.arange(0, COLS),
-                     T, H, TOP_K, SCALE, ELEM, UPCAST)
+    addr = slot_region(src_table, slot, tk)
+    if SCALE:
+        waddr = slot_region(scale_table, slot, tk)
+    else:
+        waddr = addr
     while task < n_tasks:  # a while loop: `range` over loaded bounds breaks the interpreter (numpy>=2.4)
         nxt = task + task_step
         slot_next = task_slots(row_src_ptr, nxt, n_tasks, row_begin, row_end, n_cols, ROWS)
-        vals_next = pull_tile(src_table, scale_table, slot_next,
-                              (nxt % n_cols) * COLS + tl.arange(0, COLS), T, H, TOP_K, SCALE,
-                              ELEM, UPCAST)
         rows = row_begin + (task // n_cols) * ROWS + tl.arange(0, ROWS)
         cols = (task % n_cols) * COLS + tl.arange(0, COLS)
+        row_ok = rows < row_end
+        col_ok = cols < H
+        real = slot >= 0
+        local = tl.where(real, slot % tk, 0)
+        offs = (local // TOP_K).to(tl.int64)[:, None] * H + cols[None, :]
+        vals = tl.load(as_rows(addr, ELEM)[:, None] + offs, mask=real[:, None] & col_ok[None, :],
+                       other=0.0)
+        if SCALE:
+            w = tl.load(as_rows(waddr, tl.float32) + local, mask=real, other=0.0)
+            vals = cast(vals.to(tl.float32) * w[:, None], ELEM, UPCAST)
+            waddr = slot_region(scale_table, slot_next, tk)
+        addr = slot_region(src_table, slot_next, tk)
+        if not SCALE:
+            waddr = addr
         dst = dst_ptr + (rows - row_begin).to(tl.int64)[:, None] * dst_stride + cols[None, :]
-        tl.store(dst, vals, mask=(rows < row_end)[:, None] & (cols < H)[None, :])
-        vals = vals_next
+        tl.store(dst, vals, mask=row_ok[:, None] & col_ok[None, :])
+        slot = slot_next
         task = nxt
 
 
@@ -281,18 +275,24 @@ def push_rows(src_ptr, src_stride, dst_table, row_src_ptr, row_begin, row_end, t
 
 
 @triton.jit
-def push_tile(vals, dst_table, row_src_ptr, row, col, T, H, TOP_K: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr):
-    """Store the [BM, BN] tile ``vals`` of layout rows ``[row, row + BM)``, columns
-    ``[col, col + BN)`` into the source ranks' slot buffers (``dst_table``), as
-    :func:`push_rows` does for whole rows: the fused kernel's down tiles push from registers."""
+def push_tile(src_ptr, src_stride, dst_table, row_src_ptr, row, col, T, H, TOP_K: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
+    """Push the [BM, BN] tile at (layout row ``row``, column ``col``) of local rows ``src`` (src
+    row 0 = layout row ``row``) into the source ranks' slot buffers, as :func:`push_rows` does
+    for whole rows, CHUNK rows at a time (few registers: the fused kernel's down tiles call it
+    right after storing their tile, which is still in L2)."""
     tk = T * TOP_K
-    slot = tl.load(row_src_ptr + row + tl.arange(0, BM))
-    real = slot >= 0
     cols = col + tl.arange(0, BN)
-    local = tl.where(real, slot % tk, 0).to(tl.int64)
-    dst = as_rows(slot_region(dst_table, slot, tk), vals.dtype)[:, None] + local[:, None] * H
-    tl.store(dst + cols[None, :], vals, mask=real[:, None] & (cols < H)[None, :])
+    col_ok = cols < H
+    for r0 in range(0, BM, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        slot = tl.load(row_src_ptr + row + rows)
+        real = slot >= 0
+        mask = real[:, None] & col_ok[None, :]
+        vals = tl.load(src_ptr + rows.to(tl.int64)[:, None] * src_stride + cols[None, :], mask=mask)
+        local = tl.where(real, slot % tk, 0).to(tl.int64)
+        dst = as_rows(slot_region(dst_table, slot, tk), src_ptr.dtype.element_ty)
+        tl.store(dst[:, None] + local[:, None] * H + cols[None, :], vals, mask=mask)
 
 
 @triton.jit

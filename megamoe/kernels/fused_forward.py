@@ -9,8 +9,7 @@ Roles (one program per SM, ``launch_cooperative_grid=True`` so every program is 
   * programs ``[0, num_comm)`` first pull, minibatch by minibatch: minibatch m goes into ring
     slot ``m % slots`` once every down tile of the slot's previous occupant, minibatch
     ``m - slots``, is done (acquire on ``z_done``); each comm program copies a strided share
-    (``comm.copy_rows``) and counts itself into ``ready[m]`` (release). After their last pull
-    they compute like the others.
+    (``comm.copy_rows``) and counts itself into ``ready[m]`` (release).
   * the other programs compute. They take tasks from an atomic ticket over a task list in
     topological order: first the shared expert's tiles over the T local tokens (no
     communication: they hide the first pulls), then the routed tiles. In each part a row block's
@@ -26,7 +25,7 @@ Deadlock freedom: a task only waits on tasks earlier in the list (already taken 
 programs) or on the pulls, which wait only on down tiles of earlier minibatches that all come
 earlier in the list: the routed lag is capped at ``(slots - 1) * blocks per minibatch``
 (:func:`routed_lag`) so that every down tile of minibatch ``m - slots`` precedes the first
-gate/up tile of minibatch m. A comm program takes tasks only after its last pull.
+gate/up tile of minibatch m.
 
 The tiles are the unfused kernels' device functions with the same tile shapes; rows sit at
 ``row % ring`` of the ring buffers, which changes addresses, not arithmetic. So ``xs, g, u, h,
@@ -61,7 +60,7 @@ from .tiles import cast
 
 __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
            "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
-           "DEFAULT_DOWN_LAG", "task_of", "gate_up_start", "routed_lag", "fused_grid",
+           "task_of", "grouped_task", "gate_up_start", "routed_lag", "down_lag_for", "fused_grid",
            "flag_layout", "FlagLayout", "FUSED_WARPS", "FUSED_STAGES"]
 
 # Stage codes of the fused forward's spin-waits in the error record (workspace.STAGE_NAMES).
@@ -80,10 +79,9 @@ register_stage(STAGE_SHARED_H_READY, "fused forward: shared-expert h tiles of a 
 # change the pipelining: 4 (as the unfused gate/up) needs ~197 KB of shared memory of 227.
 FUSED_WARPS = 8
 FUSED_STAGES = 4
-# Task-list groups between a block's gate/up tiles and its down tiles (task_of): ~2 groups of
-# dsv3 tiles (2 x 44) keep the ~108 compute programs mostly off blocks whose h is still running.
-# Not measured yet. The routed part caps it for the ring (routed_lag).
-DEFAULT_DOWN_LAG = 2
+# Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
+# bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
+PUSH_CHUNK_ROWS = 32
 # Words before the counters in the flag buffer: the compute task ticket.
 FLAG_WORDS = 1
 
@@ -214,11 +212,44 @@ def task_of(t, num_blocks, n1, n2, LAG: tl.constexpr):
 
 
 @triton.jit
+def grouped_task(t, num_blocks, n1, n2, LAG: tl.constexpr, G: tl.constexpr):
+    """(is gate/up, row block, column tile, real) of task ``t`` of a part whose list groups G row
+    blocks: :func:`task_of` over groups of G blocks with G-times wider column ranges, the G blocks
+    inner. Programs running at the same time then share one weight column tile in L2 and reuse
+    the group's A rows across columns. Past the last block (a partial last group) a task is not
+    ``real``: it does nothing and signals nothing."""
+    is_gate_up, group, jj = task_of(t, tl.cdiv(num_blocks, G), n1 * G, n2 * G, LAG)
+    block = group * G + jj % G
+    return is_gate_up, block, jj // G, block < num_blocks
+
+
+@triton.jit
+def part_length(num_blocks, n1, n2, G: tl.constexpr):
+    """Tasks in a part of :func:`grouped_task`'s list (a partial last group counts whole)."""
+    return tl.cdiv(num_blocks, G) * G * (n1 + n2)
+
+
+@triton.jit
 def gate_up_start(block, num_blocks, n1, n2, LAG: tl.constexpr):
     """Position (in :func:`task_of`'s list) of the first gate/up tile of ``block``; the part's
     length when ``block >= num_blocks``."""
     pos = tl.where(block < LAG, block * n1, LAG * n1 + (block - LAG) * (n1 + n2))
     return tl.where(block < num_blocks, pos, num_blocks * (n1 + n2))
+
+
+def down_lag_for(programs: int, group_blocks: int, hidden: int, inter: int, bn1: int,
+                 bn2: int) -> int:
+    """Groups between a group's gate/up tiles and its down tiles in the task list.
+
+    A down tile should find its block's h done when it is taken: the last gate/up tile of the
+    block was taken about ``lag`` groups of work earlier, and runs for one gate/up tile time, in
+    which all ``programs`` together take ``programs * gate/up tile work`` of the list. So lag =
+    that work over one group's work, rounded up, plus one group of margin (the shapes' FLOPs per
+    tile: gate/up 2 * BN1 * H, down BN2 * I, per row)."""
+    n1, n2 = -(-inter // bn1), -(-hidden // bn2)
+    gate_up = 2 * bn1 * hidden
+    group = group_blocks * (n1 * gate_up + n2 * bn2 * inter)
+    return -(-programs * gate_up // group) + 1
 
 
 def routed_lag(lag: int, slots: int, blocks_per_minibatch: int, max_minibatches: int) -> int:
@@ -251,23 +282,26 @@ def take_task(ticket_ptr, limit, PHASED: tl.constexpr):
 
 @triton.jit
 def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
-                combine_table, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr,
-                num_blocks, ring, T, H, I, rank, budget, err_ptr, NUM_COMM: tl.constexpr,
-                MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
-                BN2: tl.constexpr, BK2: tl.constexpr, TOP_K: tl.constexpr, LAG: tl.constexpr,
-                STORE_Z: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
+                combine_table, z_ptr, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
+                z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
+                NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
+                BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, TOP_K: tl.constexpr,
+                PUSH_CHUNK: tl.constexpr, LAG: tl.constexpr, GPU: tl.constexpr,
+                UPCAST: tl.constexpr):
     """Routed task t (of the routed part); False if its wait gave up.
 
-    A down tile pushes its rows straight from registers into the source ranks' combine slots
-    (``comm.push_tile``) and, with ``STORE_Z`` (the ring holds every row: the backward reads z),
-    also stores them locally."""
+    A down tile stores its z tile (TMA), waits for it, and pushes its rows from there (L2) into
+    the source ranks' combine slots (``comm.push_tile``)."""
     n1 = tl.cdiv(I, BN1)
-    is_gate_up, b, j = task_of(t, num_blocks, n1, tl.cdiv(H, BN2), LAG)
-    expert = tl.load(block_expert_ptr + b)
+    is_gate_up, b, j, real = grouped_task(t, num_blocks, n1, tl.cdiv(H, BN2), LAG, MB // BM)
+    expert = tl.load(block_expert_ptr + b, mask=real, other=0)
     row = b * BM
     at = row % ring  # the block's rows in the ring
     mb = row // MB
-    if is_gate_up:
+    alive = True
+    if not real:
+        pass
+    elif is_gate_up:
         alive = wait_count(ready_ptr + mb, NUM_COMM, err_ptr, _STAGE_ROWS, mb, rank, budget)
         if alive:
             acquire_for_tma(GPU)
@@ -282,11 +316,11 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
             col = j * BN2
             acc = mm_acc(tl.zeros([BM, BN2], dtype=tl.float32), h_in_desc, wd_desc, expert, at,
                          col, H, I, BK2, BN2, False, UPCAST)
-            z = cast(acc, z_desc.dtype, UPCAST)
-            if STORE_Z:
-                z_desc.store([at, col], z)
-            comm.push_tile(z, combine_table, row_src_ptr, row, col, T, H, TOP_K, BM, BN2)
-            publish_writes(GPU)
+            z_desc.store([at, col], cast(acc, z_desc.dtype, UPCAST))
+            publish_writes(GPU)  # the TMA store is done and visible to the generic loads
+            tl.debug_barrier()
+            comm.push_tile(z_ptr + at.to(tl.int64) * H, H, combine_table, row_src_ptr, row,
+                           col, T, H, TOP_K, BM, BN2, PUSH_CHUNK)
             signal(z_done_ptr + mb)
     return alive
 
@@ -295,16 +329,18 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
 def shared_task(t, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc, sdw_desc,
                 so_desc, sh_done_ptr, shared_blocks, H, IS, rank, budget, err_ptr,
                 BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
-                BK2: tl.constexpr, LAG: tl.constexpr, GPU: tl.constexpr,
+                BK2: tl.constexpr, LAG: tl.constexpr, G: tl.constexpr, GPU: tl.constexpr,
                 UPCAST: tl.constexpr):
     """Shared-expert task t over the T local tokens (one 'expert', rows in token order, as
     ``gemm.gate_up`` / ``gemm.grouped_mm`` over ``uniform_schedule``); False if its wait gave
     up. Its output is read after the kernel (the combine epilogue): no signal."""
     n1 = tl.cdiv(IS, BN1)
-    is_gate_up, b, j = task_of(t, shared_blocks, n1, tl.cdiv(H, BN2), LAG)
+    is_gate_up, b, j, real = grouped_task(t, shared_blocks, n1, tl.cdiv(H, BN2), LAG, G)
     row = b * BM
     alive = True
-    if is_gate_up:
+    if not real:
+        pass
+    elif is_gate_up:
         gate_up_tile(x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, 0, row, j * BN1, IS,
                      H, BM, BN1, BK1, UPCAST)
         publish_writes(GPU)
@@ -323,17 +359,18 @@ def shared_task(t, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_
 @triton.jit
 def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
                  z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
-                 sdw_desc, so_desc, combine_table, row_src_ptr, block_expert_ptr, ticket_ptr,
+                 sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr, ticket_ptr,
                  ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring,
                  T, H, I, IS, rank, budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr,
                  BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
-                 BK2: tl.constexpr, TOP_K: tl.constexpr, LAG: tl.constexpr,
-                 SHARED_LAG: tl.constexpr, SHARED: tl.constexpr, STORE_Z: tl.constexpr,
+                 BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
+                LAG: tl.constexpr,
+                 SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
                  PHASED: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
     (``SHARED``), then the routed part."""
     if SHARED:
-        shared_total = shared_blocks * (tl.cdiv(IS, BN1) + tl.cdiv(H, BN2))
+        shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tl.cdiv(H, BN2), MB // BM)
     else:
         shared_total = 0
     task = take_task(ticket_ptr, limit, PHASED)
@@ -344,20 +381,20 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                 alive = shared_task(task, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                                     sh_in_desc, sdw_desc, so_desc, sh_done_ptr, shared_blocks, H,
                                     IS, rank, budget, err_ptr, BM, BN1, BK1, BN2, BK2,
-                                    SHARED_LAG, GPU, UPCAST)
+                                    SHARED_LAG, MB // BM, GPU, UPCAST)
             else:
                 alive = routed_task(task - shared_total, xs_desc, wg_desc, wu_desc, g_desc,
                                     u_desc, h_desc, h_in_desc, wd_desc, z_desc, combine_table,
-                                    row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
+                                    z_ptr, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
                                     z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
-                                    NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, LAG, STORE_Z,
+                                    NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
                                     GPU, UPCAST)
         else:
             alive = routed_task(task, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
-                                h_in_desc, wd_desc, z_desc, combine_table, row_src_ptr,
+                                h_in_desc, wd_desc, z_desc, combine_table, z_ptr, row_src_ptr,
                                 block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks,
                                 ring, T, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1,
-                                BN2, BK2, TOP_K, LAG, STORE_Z, GPU, UPCAST)
+                                BN2, BK2, TOP_K, PUSH_CHUNK, LAG, GPU, UPCAST)
         if alive:
             task = take_task(ticket_ptr, limit, PHASED)
 
@@ -367,7 +404,7 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
 
 
 @triton.jit
-def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr, num_blocks_ptr,
+def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr,
                           xs_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                           wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                           sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr, T, H, I, IS, rank,
@@ -376,7 +413,7 @@ def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr,
                           BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
                           TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                           LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
-                          STORE_Z: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
+                          PUSH_CHUNK: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
                           UPCAST: tl.constexpr):
     # Flag buffer (zeroed per launch, flag_layout):
     # [ticket | ready[max_mb] | z_done[max_mb] | h_done[max_blocks] | sh_done[shared blocks]].
@@ -391,11 +428,12 @@ def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr,
     tiles_down = tl.cdiv(H, BN2)
     n1 = tl.cdiv(I, BN1)
     shared_blocks = tl.cdiv(T, BM)
+    G = MB // BM  # row blocks per task-list group: one minibatch
     if SHARED:
-        shared_total = shared_blocks * (tl.cdiv(IS, BN1) + tiles_down)
+        shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tiles_down, G)
     else:
         shared_total = 0
-    total = shared_total + num_blocks * (n1 + tiles_down)
+    total = shared_total + part_length(num_blocks, n1, tiles_down, G)
     if PHASED:  # the interpreter: one program plays every role, in rounds of one minibatch
         m = 0
         while m < n_mb:
@@ -406,38 +444,38 @@ def _fused_forward_kernel(x_table, combine_table, row_src_ptr, block_expert_ptr,
                           slots, role, T, H, rank, budget, err_ptr, tiles_down, m, m + 1,
                           NUM_COMM, MB, BM, TOP_K, ROWS, COLS, UPCAST)
             # every task before the first gate/up tile of minibatch m + 1 has its inputs now
-            limit = shared_total + gate_up_start((m + 1) * (MB // BM), num_blocks, n1,
-                                                 tiles_down, LAG)
+            limit = shared_total + gate_up_start(m + 1, n_mb, n1 * G, tiles_down * G, LAG)
             compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                         sh_in_desc, sdw_desc, so_desc, combine_table, row_src_ptr,
+                         sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
-                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, LAG, SHARED_LAG,
-                         SHARED, STORE_Z, PHASED, GPU, UPCAST)
+                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG,
+                         SHARED, PHASED, GPU, UPCAST)
             m += 1
         compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                      wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                     sh_in_desc, sdw_desc, so_desc, combine_table, row_src_ptr, block_expert_ptr,
+                     sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                      ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                      shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM,
-                     BN1, BK1, BN2, BK2, TOP_K, LAG, SHARED_LAG, SHARED, STORE_Z, PHASED, GPU,
+                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG, SHARED, PHASED, GPU,
                      UPCAST)
     else:
         pid = tl.program_id(0)
-        alive = True
-        if pid < NUM_COMM:  # pull everything, then compute like the others
-            alive = comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows,
-                              ring, slots, pid, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb,
-                              NUM_COMM, MB, BM, TOP_K, ROWS, COLS, UPCAST)
-        if alive:
+        # Comm programs only pull: letting them compute after their last pull (one more code
+        # path into the GEMM tiles) made ptxas spill (255 registers vs 202).
+        if pid < NUM_COMM:
+            comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots,
+                      pid, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb, NUM_COMM, MB, BM,
+                      TOP_K, ROWS, COLS, UPCAST)
+        else:
             compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                         sh_in_desc, sdw_desc, so_desc, combine_table, row_src_ptr,
+                         sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
-                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, LAG, SHARED_LAG,
-                         SHARED, STORE_Z, PHASED, GPU, UPCAST)
+                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
+                         SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,7 +488,7 @@ class FusedOutputs:
 
     ``xs, g, u, h, z``: the routed rows in the schedule's row layout when ``full`` (the ring
     holds every row), else the ring (``ring_rows`` rows; row r of the layout was at r % ring,
-    the last occupant kept) and ``z`` None (its rows were only pushed): not the whole context. ``shared`` = (sg, su, sh) [T, Is] and
+    the last occupant kept): not the whole context. ``shared`` = (sg, su, sh) [T, Is] and
     ``shared_out`` [T, H] (bf16) when a shared expert ran, else None.
     """
 
@@ -458,7 +496,7 @@ class FusedOutputs:
     g: torch.Tensor
     u: torch.Tensor
     h: torch.Tensor
-    z: torch.Tensor | None
+    z: torch.Tensor
     full: bool
     ring_rows: int
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -516,14 +554,14 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     outputs hold only the ring (``FusedOutputs.full`` is False). ``shared``: (x [T, H] local
     tokens, s_gate [Is, H], s_up [Is, H], s_down [H, Is]) runs the shared expert as the first
     tasks. ``flags`` (int32, zeroed, :func:`flag_layout`) is a test hook: a pre-set counter
-    reproduces a missing signal. ``down_lag``: groups between a row block's gate/up tiles and its
-    down tiles in the task list (:func:`task_of`; speed only; default ``DEFAULT_DOWN_LAG``).
+    reproduces a missing signal. ``down_lag``: groups (of one minibatch of row blocks) between a
+    group's gate/up tiles and its down tiles in the task list (:func:`grouped_task`; speed only;
+    None: :func:`down_lag_for` the grid and shapes).
     """
-    if down_lag is None:
-        down_lag = DEFAULT_DOWN_LAG
     comm._check_schedule(ws, sched)
     _check_int("num_comm", num_comm, 1)
-    _check_int("down_lag", down_lag, 0)
+    if down_lag is not None:
+        _check_int("down_lag", down_lag, 0)
     bm = sched.block_rows
     _check_int("minibatch_rows", minibatch_rows, bm)
     if minibatch_rows % bm:
@@ -542,10 +580,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     full = ring_rows >= rows
     buf_rows = rows if full else ring_rows
     slots = ring_rows // minibatch_rows
-    lag = routed_lag(down_lag, slots, minibatch_rows // bm, max_mb)
-    xs = empty((buf_rows, h), dtype, dev)
-    # z is pushed from registers; it is stored only when the backward will read it (full ring)
-    z = empty((buf_rows, h), dtype, dev) if full else None
+    xs, z = (empty((buf_rows, h), dtype, dev) for _ in range(2))
     g, u, hh = (empty((buf_rows, i), dtype, dev) for _ in range(3))
     t1, t2 = tiles_for("gate_up"), tiles_for("mm")
     xs_desc = descriptor(xs, [bm, t1.bk])
@@ -554,7 +589,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     g_desc, u_desc, h_desc = (descriptor(o, [bm, t1.bn]) for o in (g, u, hh))
     h_in_desc = descriptor(hh, [bm, t2.bk])
     wd_desc = descriptor(_weight_2d(w_down), [t2.bn, t2.bk])
-    z_desc = descriptor(z if full else xs, [bm, t2.bn])  # not stored to when not full
+    z_desc = descriptor(z, [bm, t2.bn])
     if shared is not None:
         x, s_gate, s_up, s_down = shared
         i_s = s_gate.shape[0]
@@ -580,14 +615,19 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         raise ValueError(f"flags must be int32 with >= {layout.words} words")
     copy_r, copy_c = comm.copy_tile(h, dtype.itemsize, comm.COPY_TILE_BYTES)
     grid = (fused_grid(num_comm, dev),)
+    group = minibatch_rows // bm  # row blocks per task-list group
+    lag = routed_lag(down_lag if down_lag is not None else
+                     down_lag_for(grid[0], group, h, i, t1.bn, t2.bn), slots, 1, max_mb)
+    shared_lag = (down_lag if down_lag is not None or shared is None else
+                  down_lag_for(grid[0], group, h, i_s, t1.bn, t2.bn))
     _fused_forward_kernel[grid](
-        ws.peers.x, ws.peers.combine, sched.row_src, sched.block_expert, sched.num_blocks, xs,
+        ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
         *shared_descs, flags, ws.errors, t, h, i, i_s, ws.rank, comm._budget(budget), ring_rows,
         slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
-        ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=down_lag, SHARED=shared is not None,
-        STORE_Z=full, PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
+        ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
+        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
         launch_cooperative_grid=not interpreting())
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
