@@ -42,6 +42,8 @@ from megamoe.workspace import StallError, check_errors  # noqa: E402
 from moe_cases import compare, make_config, make_problem, reference_grads, run_backend  # noqa: E402
 
 DEV = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+# Under torchrun the one-GPU tests run on every rank before any NCCL fixture picked the device.
+torch.cuda.set_device(DEV)
 BF16_RTOL = 2e-2
 PRESET_TOKENS = {"dsv3": 768, "qwen3-30b": 1024, "mok-v4": 512}
 # (tokens, hidden, intermediate, experts, top_k, shared, routing)
