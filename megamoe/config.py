@@ -33,7 +33,8 @@ class MoEConfig:
 
     Tunables (they never change results, only speed):
       comm_programs   programs of the fused kernel that pull tokens from the GPUs (the rest
-                      compute; pulls need far fewer SMs than the GEMMs, see BENCHMARKS.md)
+                      compute); None derives it from the intermediate size, the FLOPs a row
+                      brings per byte pulled (kernels.fused_forward.comm_programs_for)
       copy_programs   programs of backend "triton"'s standalone NVLink copies (dispatch pull,
                       combine push and their backward), which run alone between the GEMMs
       minibatch_rows  rows per dispatch readiness counter
@@ -53,7 +54,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     shared_intermediate_size: int = 0
-    comm_programs: int = 8
+    comm_programs: int | None = None
     copy_programs: int = 24
     minibatch_rows: int = 1024
     ring_rows: int = 16384
@@ -71,7 +72,8 @@ class MoEConfig:
                 f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}"
             )
         _require_int("shared_intermediate_size", self.shared_intermediate_size, 0)
-        _require_int("comm_programs", self.comm_programs, 1)
+        if self.comm_programs is not None:
+            _require_int("comm_programs", self.comm_programs, 1)
         _require_int("copy_programs", self.copy_programs, 1)
         _require_int("block_rows", self.block_rows, 16)
         if self.block_rows & (self.block_rows - 1):

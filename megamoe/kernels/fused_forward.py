@@ -45,6 +45,7 @@ the backward replays the routed forward (backends/fused.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,8 @@ from .tiles import cast
 
 __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
            "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
-           "task_of", "grouped_task", "gate_up_start", "routed_lag", "down_lag_for", "fused_grid",
+           "task_of", "grouped_task", "gate_up_start", "routed_lag", "down_lag_for",
+           "comm_programs_for", "fused_grid",
            "flag_layout", "FlagLayout", "FUSED_WARPS", "FUSED_STAGES"]
 
 # Stage codes of the fused forward's spin-waits in the error record (workspace.STAGE_NAMES).
@@ -79,6 +81,10 @@ register_stage(STAGE_SHARED_H_READY, "fused forward: shared-expert h tiles of a 
 # change the pipelining: 4 (as the unfused gate/up) needs ~197 KB of shared memory of 227.
 FUSED_WARPS = 8
 FUSED_STAGES = 4
+# What one program does on an H200 at dsv3 shapes (BENCHMARKS.md, 2026-11-30): a pull program
+# moves ~12 GB/s of rows over NVLink (291 GB/s with 24), a GEMM program ~5 TFLOP/s (660 / 132).
+PULL_GBPS_PER_PROGRAM = 12.0
+GEMM_TFLOPS_PER_PROGRAM = 5.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
@@ -235,6 +241,15 @@ def gate_up_start(block, num_blocks, n1, n2, LAG: tl.constexpr):
     length when ``block >= num_blocks``."""
     pos = tl.where(block < LAG, block * n1, LAG * n1 + (block - LAG) * (n1 + n2))
     return tl.where(block < num_blocks, pos, num_blocks * (n1 + n2))
+
+
+def comm_programs_for(programs: int, intermediate: int) -> int:
+    """Pull programs for a grid of ``programs``: enough that the rows arrive as fast as the
+    others compute them. A row of H bf16 (2H bytes) brings 6·H·I FLOPs, so pulls keep up when
+    c / (programs - c) >= 2 * GEMM rate / (6 * I * pull rate) per program; the smallest such c.
+    """
+    ratio = 2 * GEMM_TFLOPS_PER_PROGRAM * 1e12 / (6 * intermediate * PULL_GBPS_PER_PROGRAM * 1e9)
+    return max(1, min(programs - 1, math.ceil(programs * ratio / (1 + ratio))))
 
 
 def down_lag_for(programs: int, group_blocks: int, hidden: int, inter: int, bn1: int,
@@ -541,7 +556,7 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 
 def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up: torch.Tensor,
-                  w_down: torch.Tensor, num_comm: int, minibatch_rows: int,
+                  w_down: torch.Tensor, num_comm: int | None, minibatch_rows: int,
                   ring_rows: int | None = None,
                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
                   = None, budget: int | None = None, flags: torch.Tensor | None = None,
@@ -554,11 +569,14 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     outputs hold only the ring (``FusedOutputs.full`` is False). ``shared``: (x [T, H] local
     tokens, s_gate [Is, H], s_up [Is, H], s_down [H, Is]) runs the shared expert as the first
     tasks. ``flags`` (int32, zeroed, :func:`flag_layout`) is a test hook: a pre-set counter
-    reproduces a missing signal. ``down_lag``: groups (of one minibatch of row blocks) between a
+    reproduces a missing signal. ``num_comm`` None: :func:`comm_programs_for` the grid and I.
+    ``down_lag``: groups (of one minibatch of row blocks) between a
     group's gate/up tiles and its down tiles in the task list (:func:`grouped_task`; speed only;
     None: :func:`down_lag_for` the grid and shapes).
     """
     comm._check_schedule(ws, sched)
+    if num_comm is None:
+        num_comm = comm_programs_for(persistent_programs(ws.device), w_gate.shape[1])
     _check_int("num_comm", num_comm, 1)
     if down_lag is not None:
         _check_int("down_lag", down_lag, 0)
