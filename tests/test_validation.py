@@ -85,7 +85,7 @@ def test_value_checks_can_be_skipped():
     (dict(shared_intermediate_size=-1), ValueError, "shared_intermediate_size must be >= 0, got -1"),
     (dict(block_rows=96), ValueError, "block_rows must be a power of two, got 96"),
     (dict(minibatch_rows=200), ValueError, r"minibatch_rows must be a multiple of block_rows \(128\), got 200"),
-    (dict(ring_rows=1000), ValueError, r"ring_rows must be a multiple of minibatch_rows \(1024\), got 1000"),
+    (dict(ring_rows=3000), ValueError, r"ring_rows must be a multiple of minibatch_rows \(1024\), got 3000"),
     (dict(comm_programs=0), ValueError, "comm_programs must be >= 1, got 0"),
     (dict(copy_programs=0), ValueError, "copy_programs must be >= 1, got 0"),
     (dict(down_lag=-1), ValueError, "down_lag must be >= 0, got -1"),

@@ -9,8 +9,9 @@ expert moved into the kernel (backend "triton"'s ``forward_steps`` runs it separ
 gives the same bits as the unfused launches (same tile functions, tiles and row layout), so
 ``backend="fused"`` outputs equal ``backend="triton"`` bit for bit and train with its backward.
 
-Ring (``config.ring_rows``): when it holds every row of the schedule (``ring_rows >=
-schedule.routed.rows``) the forward saves the routed activations as backend "triton" does. When
+Ring (``config.ring_rows``; None, the default: every row): when it holds every row of the
+schedule (``ring_rows >= schedule.routed.rows``) the forward saves the routed activations as
+backend "triton" does. When
 it is smaller, the routed rows only ever live in the ring (memory bounded by ``ring_rows`` in the
 forward and between forward and backward); the context drops them (``xs = g = u = h = z =
 None``) and :func:`backward` first replays the routed forward with the unfused kernels (publish
