@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import functional
 from .backends import BACKENDS, available_backends, resolve_backend
 from .baselines import torch_a2a_moe
-from .config import MoEConfig, Preset, get_preset
+from .config import TUNABLES, MoEConfig, Preset, get_preset
 from .reference import moe_reference
 from .report import ProgressBar
 from .routing import ROUTING_KINDS, make_routing
@@ -86,8 +86,6 @@ _RANK_SEED_STRIDE = 7919
 # and swept by ``--tune``. The unfused "triton" backend moves rows with copy_programs programs
 # at W > 1 (nothing moves at W = 1); the fused kernel reads its four at any W (MoEConfig), and
 # copy_programs for the pull of its backward replay (a ring smaller than the rows).
-TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows", "down_lag",
-                             "copy_programs")
 BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
     "triton": ("copy_programs",),
     "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag"),
@@ -190,7 +188,11 @@ def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
 # --------------------------------------------------------------------------------- run facts
 
 def git_commit() -> str:
-    """``git rev-parse --short HEAD`` of the source tree, else $MEGAMOE_COMMIT, else "unknown"."""
+    """$MEGAMOE_COMMIT when set (a copied tree may carry stale git metadata), else ``git
+    rev-parse --short HEAD`` of the source tree, else "unknown"."""
+    pinned = os.environ.get("MEGAMOE_COMMIT")
+    if pinned:
+        return pinned
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
@@ -200,7 +202,7 @@ def git_commit() -> str:
             return out
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("MEGAMOE_COMMIT") or "unknown"
+    return "unknown"
 
 
 def device_name(device: torch.device) -> str:

@@ -10,8 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MoEConfig", "Preset", "PRESETS", "get_preset"]
+__all__ = ["MoEConfig", "Preset", "PRESETS", "TUNABLES", "get_preset"]
 
+# The config fields that change speed, never results (MoEConfig's docstring): benchmark records
+# carry them and `megamoe bench --tune` sweeps them.
+TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows", "down_lag",
+                             "copy_programs")
 # The GEMM tile height that pads each expert's rows; the Triton kernels use it too.
 DEFAULT_BLOCK_ROWS = 128
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .config import TUNABLES
 from .report import load_records
 
-__all__ = ["plot_layer", "plot_tokens", "main"]
+__all__ = ["plot_layer", "plot_tokens", "series_name", "main"]
 
 # Fixed colours so that a backend looks the same in every plot.
 BACKEND_COLORS = {"fused": "#d62728", "triton": "#1f77b4", "torch-a2a": "#7f7f7f",
@@ -20,6 +21,7 @@ BACKEND_COLORS = {"fused": "#d62728", "triton": "#1f77b4", "torch-a2a": "#7f7f7f
 METRICS = (("fwd_tflops", "forward"), ("fwdbwd_tflops", "forward + backward"))
 TIME_METRICS = (("fwd_ms", "forward"), ("fwdbwd_ms", "forward + backward"))
 LINE_STYLES = ("-", "--", ":", "-.")
+HATCHES = ("", "//", "..", "xx")
 
 
 def _layer_ok(records: Sequence[dict]) -> list[dict]:
@@ -55,16 +57,17 @@ def plot_tokens(records: Sequence[dict], path: str) -> None:
     recs = _ok_records(records)
     lines: dict[tuple, list[dict]] = {}
     for r in recs:
-        lines.setdefault((r["preset"], r["world_size"], r["backend"]), []).append(r)
-    worlds = sorted({w for _, w, _ in lines})
+        lines.setdefault((r["preset"], r["world_size"], r["backend"], series_name(r, recs)),
+                         []).append(r)
+    worlds = sorted({key[1] for key in lines})
     fig, axes = plt.subplots(1, len(TIME_METRICS), figsize=(6 * len(TIME_METRICS), 4))
     for ax, (field, title) in zip(axes, TIME_METRICS):
-        for (preset, world, backend), rs in lines.items():
+        for (preset, world, backend, name), rs in lines.items():
             rs = sorted(rs, key=lambda r: r["tokens_per_rank"])
             ax.plot([r["tokens_per_rank"] for r in rs], [r[field] for r in rs], marker="o",
                     color=BACKEND_COLORS.get(backend),
                     linestyle=LINE_STYLES[worlds.index(world) % len(LINE_STYLES)],
-                    label=f"{preset} W={world} {backend}")
+                    label=f"{preset} W={world} {name}")
         ax.set_xlabel("tokens per rank")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -76,24 +79,37 @@ def plot_tokens(records: Sequence[dict], path: str) -> None:
     plt.close(fig)
 
 
+def series_name(rec: dict, records: Sequence[dict]) -> str:
+    """The backend, plus the tunables whose values differ among its records of the same preset
+    and world size (a ``--tune`` sweep), so that every variant gets its own bars."""
+    key = (rec["backend"], rec["preset"], rec["world_size"])
+    mine = [r for r in records if (r["backend"], r["preset"], r["world_size"]) == key]
+    varied = [f for f in TUNABLES if len({r.get(f) for r in mine}) > 1]
+    return " ".join([rec["backend"], *(f"{f}={rec.get(f)}" for f in varied)])
+
+
 def plot_layer(records: Sequence[dict], path: str) -> None:
-    """Write a PNG with one panel per metric; groups = (preset, W), bars = backends."""
+    """Write a PNG with one panel per metric; groups = (preset, W), bars = backends (and their
+    tunable variants: hatched)."""
     plt = _pyplot()
     recs = _ok_records(records)
     groups = list(dict.fromkeys((r["preset"], r["world_size"]) for r in recs))
-    backends = list(dict.fromkeys(r["backend"] for r in recs))
-    by_key = {(r["preset"], r["world_size"], r["backend"]): r for r in recs}
-    width = 0.8 / len(backends)
+    names = {id(r): series_name(r, recs) for r in recs}
+    series = list(dict.fromkeys((r["backend"], names[id(r)]) for r in recs))
+    by_key = {(r["preset"], r["world_size"], names[id(r)]): r for r in recs}
+    width = 0.8 / len(series)
     fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4), sharey=True)
     for ax, (field, title) in zip(axes, METRICS):
-        for j, backend in enumerate(backends):
+        for j, (backend, name) in enumerate(series):
             xs, ys = [], []
             for g, (preset, world) in enumerate(groups):
-                rec = by_key.get((preset, world, backend))
+                rec = by_key.get((preset, world, name))
                 if rec is not None:
-                    xs.append(g + (j - (len(backends) - 1) / 2) * width)
+                    xs.append(g + (j - (len(series) - 1) / 2) * width)
                     ys.append(rec[field])
-            ax.bar(xs, ys, width, label=backend, color=BACKEND_COLORS.get(backend))
+            variant = [n for b, n in series if b == backend].index(name)
+            ax.bar(xs, ys, width, label=name, color=BACKEND_COLORS.get(backend),
+                   hatch=HATCHES[variant % len(HATCHES)], edgecolor="white")
         peaks = [r["gemm_peak_tflops"] for r in recs if r.get("gemm_peak_tflops")]
         if peaks:
             ax.axhline(max(peaks), color="black", linestyle="--", linewidth=0.8,

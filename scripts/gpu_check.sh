@@ -21,7 +21,8 @@
 #   MEGAMOE_BACKENDS     default: every available backend + torch-a2a (bench's own default)
 #   MEGAMOE_ITERS        timed iterations (default 20); MEGAMOE_WARMUP (default 3)
 #   MEGAMOE_BENCH_ARGS   extra arguments for every bench run (e.g. "--routing zipf")
-#   MEGAMOE_COMMIT       recorded as the commit when the tree has no git metadata
+#   MEGAMOE_COMMIT       recorded as the commit (default: git rev-parse of this tree; set it when
+#                        the tree was copied with stale git metadata, as on the device machines)
 #   STEP_TIMEOUT_S       wall-clock limit of each step (default 900)
 #   MEGAMOE_SWEEP_PRESET default dsv3
 #   MEGAMOE_SWEEP_TUNE   default "comm_programs=8,16,32 minibatch_rows=256,1024" (--tune each)

@@ -57,3 +57,13 @@ def test_cli_plot_time_against_tokens(tmp_path):
     assert run.returncode == 0, run.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_sweep_variants_get_their_own_series():
+    from megamoe.plot import series_name
+
+    records = [dict(_record("dsv3", 2, "fused", 500.0), ring_rows=r) for r in (16384, None)]
+    records += [dict(_record("dsv3", w, "triton", 450.0), copy_programs=c)
+                for w, c in ((1, None), (2, 24))]  # differs across W only: not a variant
+    assert [series_name(r, records) for r in records] == [
+        "fused ring_rows=16384", "fused ring_rows=None", "triton", "triton"]
