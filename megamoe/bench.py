@@ -389,9 +389,19 @@ def reads_tunables(backend: str, world_size: int) -> tuple[str, ...]:
     return BACKEND_TUNABLES.get(backend, ())
 
 
-def tunable_fields(backend: str, config: MoEConfig, world_size: int) -> dict[str, int]:
-    """The record fields of the tunables ``backend`` reads at this world size."""
-    return {name: getattr(config, name) for name in reads_tunables(backend, world_size)}
+def tunable_fields(backend: str, config: MoEConfig, world_size: int,
+                   device: torch.device | None = None) -> dict[str, int]:
+    """The record fields of the tunables ``backend`` reads at this world size; on a GPU the
+    fused kernel's derived comm programs (config None) are recorded as the number it used.
+    ``down_lag`` None stays None (derived from the grid and tiles, docs/fused.md)."""
+    fields = {name: getattr(config, name) for name in reads_tunables(backend, world_size)}
+    if (backend == "fused" and fields.get("comm_programs") is None and device is not None
+            and device.type == "cuda"):
+        from .kernels.fused_forward import comm_programs_for
+        from .kernels.runtime import persistent_programs
+        fields["comm_programs"] = comm_programs_for(persistent_programs(device),
+                                                    config.intermediate_size)
+    return fields
 
 
 def parse_tune(specs: list[str] | None) -> dict[str, list[int]]:
@@ -546,7 +556,7 @@ def _run_one(case: Case, backend: str, expected: RunResult | None, opts: BenchOp
             bar.step()
         rec.update(time_backend(fn, case, opts, env, tick))
         add_rates(rec, case.config, case.tokens)
-        rec.update(tunable_fields(backend, case.config, env.world_size))
+        rec.update(tunable_fields(backend, case.config, env.world_size, env.device))
         if measures_comm(backend, env):
             bar.update(f"{label}: dispatch/combine GB/s")
             rec.update(time_comm(case, opts, env))

@@ -634,10 +634,11 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     copy_r, copy_c = comm.copy_tile(h, dtype.itemsize, comm.COPY_TILE_BYTES)
     grid = (fused_grid(num_comm, dev),)
     group = minibatch_rows // bm  # row blocks per task-list group
+    computing = max(1, grid[0] - num_comm)
     lag = routed_lag(down_lag if down_lag is not None else
-                     down_lag_for(grid[0], group, h, i, t1.bn, t2.bn), slots, 1, max_mb)
+                     down_lag_for(computing, group, h, i, t1.bn, t2.bn), slots, 1, max_mb)
     shared_lag = (down_lag if down_lag is not None or shared is None else
-                  down_lag_for(grid[0], group, h, i_s, t1.bn, t2.bn))
+                  down_lag_for(computing, group, h, i_s, t1.bn, t2.bn))
     _fused_forward_kernel[grid](
         ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
