@@ -16,8 +16,8 @@ Roles (one program per SM, ``launch_cooperative_grid=True`` so every program is 
     down tiles come ``LAG`` groups after its gate/up tiles (:func:`task_of`). A routed gate/up
     tile waits for its minibatch's ``ready`` (acquire), runs ``gemm.gate_up_tile`` and counts
     itself into ``h_done[b]``; a down tile waits until ``h_done[b]`` counts every gate/up tile
-    of the block, runs ``gemm.mm_acc``, pushes its rows from registers into the source ranks'
-    combine slots (``comm.push_tile``: no push role, no z round trip through memory) and counts
+    of the block, runs ``gemm.mm_acc``, stores its z tile, pushes the tile's rows (from L2)
+    into the source ranks' combine slots (``comm.push_tile``: no push role) and counts
     itself into ``z_done[minibatch]``. Shared tiles use ``sh_done[b]`` and write
     ``shared_out`` for the combine epilogue.
 
