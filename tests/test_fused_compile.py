@@ -44,6 +44,7 @@ types = dict(
     sgw_desc=desc([t1.bn, t1.bk]), suw_desc=desc([t1.bn, t1.bk]), sg_desc=desc([BM, t1.bn]),
     su_desc=desc([BM, t1.bn]), sh_desc=desc([BM, t1.bn]), sh_in_desc=desc([BM, t2.bk]),
     sdw_desc=desc([t2.bn, t2.bk]), so_desc=desc([BM, t2.bn]), flags_ptr="*i32", err_ptr="*i32",
+    trace_ptr="*i64", max_events="i32",
     T="i32", H="i32", I="i32", IS="i32", rank="i32", budget="i32", ring="i32", slots="i32",
     max_mb="i32", max_blocks="i32")
 rows, cols = comm.copy_tile(H, 2, comm.COPY_TILE_BYTES)
@@ -51,7 +52,7 @@ consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, 
               TOP_K=TOP_K, ROWS=rows, COLS=cols,
               LAG=ff.routed_lag(ff.down_lag_for(132, MB // BM, H, I, t1.bn, t2.bn), RING // MB, 1,
                                 10**6),
-              SHARED_LAG=ff.down_lag_for(132, MB // BM, H, 2048, t1.bn, t2.bn), SHARED=True, PUSH_CHUNK=ff.PUSH_CHUNK_ROWS, PHASED=False,
+              SHARED_LAG=ff.down_lag_for(132, MB // BM, H, 2048, t1.bn, t2.bn), SHARED=True, PUSH_CHUNK=ff.PUSH_CHUNK_ROWS, TRACE=sys.argv[2] == "trace", PHASED=False,
               GPU=True, UPCAST=False)
 fn = ff._fused_forward_kernel
 sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
@@ -73,11 +74,15 @@ json.dump({"ptx": ptx, "shared": k.metadata.shared, "ptxas": info,
 """
 
 
+def _compile(tmp_path_factory, variant: str) -> dict:
+    path = tmp_path_factory.mktemp("fused_sm90") / "out.json"
+    run_without_interpreter(["-c", _SCRIPT, str(path), variant])
+    return json.loads(path.read_text())
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
-    path = tmp_path_factory.mktemp("fused_sm90") / "out.json"
-    run_without_interpreter(["-c", _SCRIPT, str(path)])
-    return json.loads(path.read_text())
+    return _compile(tmp_path_factory, "plain")
 
 
 def test_targets_sm90a_with_wgmma_and_tma(compiled: dict) -> None:
@@ -112,3 +117,23 @@ def test_fits_one_program_per_sm(compiled: dict) -> None:
     assert regs <= MAX_REGISTERS_PER_THREAD and regs * threads <= REGISTERS_PER_SM, info
     assert "0 bytes spill stores" in info and "0 bytes stack frame" in info, info
     print(f"shared memory {compiled['shared']} B, {regs} registers per thread")
+
+
+# The traced variant keeps the event slot and the trace pointer live across every task; ptxas
+# then spills a few words (32 B at dsv3 tiles). A profile may cost that much, the plain kernel not.
+TRACE_SPILL_LIMIT = 64
+
+
+def test_traced_variant_reads_the_global_timer_and_fits(tmp_path_factory) -> None:
+    """fused_forward(trace=...) compiles a variant with timer reads; the plain kernel has none."""
+    traced = _compile(tmp_path_factory, "trace")
+    assert "%globaltimer" in traced["ptx"]
+    info = traced["ptxas"]
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    assert regs <= MAX_REGISTERS_PER_THREAD and spill <= TRACE_SPILL_LIMIT, info
+    assert 0 < traced["shared"] <= SMEM_LIMIT
+
+
+def test_plain_variant_has_no_timer(compiled: dict) -> None:
+    assert "%globaltimer" not in compiled["ptx"]

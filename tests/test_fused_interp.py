@@ -333,3 +333,6 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="ring_rows"):
         ff.fused_forward(ws, sched, w.w_gate, w.w_up, w.w_down, num_comm=1, minibatch_rows=32,
                          ring_rows=48)
+    with pytest.raises(ValueError, match="trace needs a GPU"):
+        ff.fused_forward(ws, sched, w.w_gate, w.w_up, w.w_down, num_comm=1, minibatch_rows=16,
+                         trace=torch.zeros(1, 4, 3, dtype=torch.int64))

@@ -46,25 +46,29 @@ MAX_WORLD_SIZE = None
 _LOCAL: dict[tuple, object] = {}
 
 
-def _fused(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor):
+def _fused(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor,
+           trace: torch.Tensor | None = None):
     from ..kernels.fused_forward import fused_forward
     config = schedule.config
     shared = ((x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None)
     return fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
                          num_comm=config.comm_programs, minibatch_rows=config.minibatch_rows,
-                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag)
+                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag,
+                         trace=trace)
 
 
 def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
-                  schedule: TritonSchedule) -> Steps[tuple[torch.Tensor, TritonContext]]:
-    """Backend "triton"'s forward protocol with the fused kernel between the two barriers."""
+                  schedule: TritonSchedule, trace: torch.Tensor | None = None
+                  ) -> Steps[tuple[torch.Tensor, TritonContext]]:
+    """Backend "triton"'s forward protocol with the fused kernel between the two barriers
+    (``trace``: see ``fused_forward``)."""
     from ..kernels import comm, rows
     from ..workspace import publish
     ws = schedule.ep.workspace
     publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
     yield from unfused._barrier_point(ws)
     _, slot_weights = comm.gather_routing(ws)
-    out = _fused(ws, schedule, weights, x)
+    out = _fused(ws, schedule, weights, x, trace)
     yield from unfused._barrier_point(ws)
     # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
     y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, out.shared_out, x.dtype,
@@ -115,9 +119,11 @@ def _single_rank_schedule(schedule: TritonSchedule, topk_ids: torch.Tensor) -> T
 
 def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             weights: ExpertWeights, config: MoEConfig, group: dist.ProcessGroup | None,
-            schedule: TritonSchedule | None) -> tuple[torch.Tensor, TritonContext]:
+            schedule: TritonSchedule | None, *, trace: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, TritonContext]:
     """y [T, H] bf16 and backend "triton"'s context (routed activations None when the ring
-    dropped them; :func:`backward` replays them)."""
+    dropped them; :func:`backward` replays them). ``trace``: a profile of the kernel
+    (``fused_forward``, ``megamoe.fused_trace``)."""
     unfused._check_supported(x, config)
     if schedule is None:
         schedule = build_schedule(topk_ids, config, group)
@@ -130,7 +136,7 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"x has {x.shape[0]} tokens, the schedule was built for {ws.num_tokens}")
     if schedule.ep is None:  # W > 1 checks in build_schedule; the private workspace here
         unfused._lagged_check(ws)
-    y, ctx = unfused._run(forward_steps(x, topk_weights, weights, run), ws)
+    y, ctx = unfused._run(forward_steps(x, topk_weights, weights, run, trace), ws)
     unfused._eager_check(ws)
     if schedule.ep is None:  # the backward runs the W = 1 path: router weights in token order
         ctx = dataclasses.replace(ctx, schedule=schedule, slot_weights=topk_weights.view(-1))

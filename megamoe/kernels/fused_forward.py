@@ -12,8 +12,9 @@ Roles (one program per SM, ``launch_cooperative_grid=True`` so every program is 
     (``comm.copy_rows``) and counts itself into ``ready[m]`` (release).
   * the other programs compute. They take tasks from an atomic ticket over a task list in
     topological order: first the shared expert's tiles over the T local tokens (no
-    communication: they hide the first pulls), then the routed tiles. In each part a row block's
-    down tiles come ``LAG`` groups after its gate/up tiles (:func:`task_of`). A routed gate/up
+    communication: they hide the first pulls), then the routed tiles. Each part is a list of
+    groups of one minibatch of row blocks, column tiles outer (:func:`grouped_task`: L2 reuse),
+    and a group's down tiles come ``LAG`` groups after its gate/up tiles. A routed gate/up
     tile waits for its minibatch's ``ready`` (acquire), runs ``gemm.gate_up_tile`` and counts
     itself into ``h_done[b]``; a down tile waits until ``h_done[b]`` counts every gate/up tile
     of the block, runs ``gemm.mm_acc``, stores its z tile, pushes the tile's rows (from L2)
@@ -62,7 +63,7 @@ from .tiles import cast
 __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
            "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
            "task_of", "grouped_task", "gate_up_start", "routed_lag", "down_lag_for",
-           "comm_programs_for", "fused_grid",
+           "comm_programs_for", "fused_grid", "new_trace", "TRACE_KINDS",
            "flag_layout", "FlagLayout", "FUSED_WARPS", "FUSED_STAGES"]
 
 # Stage codes of the fused forward's spin-waits in the error record (workspace.STAGE_NAMES).
@@ -92,6 +93,13 @@ PUSH_CHUNK_ROWS = 32
 FLAG_WORDS = 1
 
 _FLAG_WORDS = tl.constexpr(FLAG_WORDS)
+# Event kinds of a traced launch (fused_forward(trace=...), megamoe.fused_trace).
+TRACE_KINDS = {0: "pull", 1: "shared gate/up", 2: "shared down", 3: "gate/up", 4: "down"}
+_TRACE_PULL = tl.constexpr(0)
+_TRACE_SHARED_GATE_UP = tl.constexpr(1)
+_TRACE_SHARED_DOWN = tl.constexpr(2)
+_TRACE_GATE_UP = tl.constexpr(3)
+_TRACE_DOWN = tl.constexpr(4)
 _STAGE_ROWS = tl.constexpr(STAGE_ROWS_READY)
 _STAGE_H = tl.constexpr(STAGE_H_READY)
 _STAGE_RING = tl.constexpr(STAGE_RING_FREE)
@@ -135,6 +143,38 @@ def signal(flag_ptr):
 
 
 @triton.jit
+def clock(TRACE: tl.constexpr):
+    """The GPU's global nanosecond timer when tracing (one read per event), else 0."""
+    if TRACE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
+                                      [tl.full([1], 0, tl.int32)], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        return tl.sum(t, axis=0)
+    else:
+        return 0
+
+
+@triton.jit
+def trace_start(trace_ptr, max_events, slot, TRACE: tl.constexpr):
+    """Start event ``slot`` of this program in ``trace [programs, max_events, 3]`` (int64): its
+    start time goes to memory at once, so no timer value stays live across the task."""
+    if TRACE:
+        if slot < max_events:
+            at = trace_ptr + (tl.program_id(0).to(tl.int64) * max_events + slot) * 3
+            tl.store(at + 1, clock(TRACE))
+
+
+@triton.jit
+def trace_end(trace_ptr, max_events, slot, kind, index, TRACE: tl.constexpr):
+    """End event ``slot``: (kind << 32 | index) and the end time; past ``max_events`` dropped."""
+    if TRACE:
+        if slot < max_events:
+            at = trace_ptr + (tl.program_id(0).to(tl.int64) * max_events + slot) * 3
+            tl.store(at + 2, clock(TRACE))
+            tl.store(at, (tl.cast(kind, tl.int64) << 32) | tl.cast(index, tl.int64))
+
+
+@triton.jit
 def wait_count(flag_ptr, wanted, err_ptr, stage, index, rank, budget):
     """Spin (acquire) until ``flag >= wanted``; False (and a stall record) if the budget ran out.
 
@@ -174,17 +214,20 @@ def pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_
 
 @triton.jit
 def comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots, role,
-              T, H, rank, budget, err_ptr, tiles_down, m_begin, m_end,
+              T, H, rank, budget, err_ptr, tiles_down, m_begin, m_end, trace_ptr, max_events,
               NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, TOP_K: tl.constexpr,
-              ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+              ROWS: tl.constexpr, COLS: tl.constexpr, TRACE: tl.constexpr,
+              UPCAST: tl.constexpr):
     """Comm role ``role``: pull minibatches ``[m_begin, m_end)`` in order; False if a wait gave
-    up."""
+    up. Traced: one event per minibatch (kind ``TRACE_PULL``, slot m)."""
     m = m_begin
     alive = True
     while (m < m_end) & alive:
+        trace_start(trace_ptr, max_events, m, TRACE)
         alive = pull_minibatch(m, x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows,
                                ring, slots, role, T, H, rank, budget, err_ptr, tiles_down,
                                NUM_COMM, MB, BM, TOP_K, ROWS, COLS, UPCAST)
+        trace_end(trace_ptr, max_events, m, _TRACE_PULL, m, TRACE)
         m += 1
     return alive
 
@@ -233,6 +276,19 @@ def grouped_task(t, num_blocks, n1, n2, LAG: tl.constexpr, G: tl.constexpr):
 def part_length(num_blocks, n1, n2, G: tl.constexpr):
     """Tasks in a part of :func:`grouped_task`'s list (a partial last group counts whole)."""
     return tl.cdiv(num_blocks, G) * G * (n1 + n2)
+
+
+@triton.jit
+def task_kind(task, shared_total, shared_blocks, num_blocks, n1_shared, n1, n2,
+              LAG: tl.constexpr, SHARED_LAG: tl.constexpr, G: tl.constexpr):
+    """The trace kind of list position ``task``: shared or routed, gate/up or down."""
+    if task < shared_total:
+        is_gate_up = grouped_task(task, shared_blocks, n1_shared, n2, SHARED_LAG, G)[0]
+        kind = tl.where(is_gate_up, _TRACE_SHARED_GATE_UP, _TRACE_SHARED_DOWN)
+    else:
+        is_gate_up = grouped_task(task - shared_total, num_blocks, n1, n2, LAG, G)[0]
+        kind = tl.where(is_gate_up, _TRACE_GATE_UP, _TRACE_DOWN)
+    return kind
 
 
 @triton.jit
@@ -380,17 +436,21 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                  BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
                  BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
                 LAG: tl.constexpr,
-                 SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
-                 PHASED: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
+                 SHARED_LAG: tl.constexpr, SHARED: tl.constexpr, trace_ptr, max_events,
+                 TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
-    (``SHARED``), then the routed part."""
+    (``SHARED``), then the routed part. Traced: one event per task (its kind, its position in
+    the list), the wait included."""
     if SHARED:
         shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tl.cdiv(H, BN2), MB // BM)
     else:
         shared_total = 0
     task = take_task(ticket_ptr, limit, PHASED)
     alive = True
+    n = 0
     while (task < limit) & alive:
+        trace_start(trace_ptr, max_events, n, TRACE)
         if SHARED:
             if task < shared_total:
                 alive = shared_task(task, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
@@ -410,6 +470,13 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                                 block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks,
                                 ring, T, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1,
                                 BN2, BK2, TOP_K, PUSH_CHUNK, LAG, GPU, UPCAST)
+        if TRACE:
+            trace_end(trace_ptr, max_events, n, task_kind(task, shared_total, shared_blocks,
+                                                          num_blocks, tl.cdiv(IS, BN1),
+                                                          tl.cdiv(I, BN1), tl.cdiv(H, BN2), LAG,
+                                                          SHARED_LAG, MB // BM),
+                      task, TRACE)
+            n += 1
         if alive:
             task = take_task(ticket_ptr, limit, PHASED)
 
@@ -422,14 +489,15 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
 def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr,
                           xs_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                           wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                          sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr, T, H, I, IS, rank,
-                          budget, ring, slots, max_mb, max_blocks, NUM_COMM: tl.constexpr,
+                          sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr, trace_ptr,
+                          max_events, T, H, I, IS, rank, budget, ring, slots, max_mb, max_blocks,
+                          NUM_COMM: tl.constexpr,
                           MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
                           BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
                           TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                           LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
-                          PUSH_CHUNK: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
-                          UPCAST: tl.constexpr):
+                          PUSH_CHUNK: tl.constexpr, TRACE: tl.constexpr, PHASED: tl.constexpr,
+                          GPU: tl.constexpr, UPCAST: tl.constexpr):
     # Flag buffer (zeroed per launch, flag_layout):
     # [ticket | ready[max_mb] | z_done[max_mb] | h_done[max_blocks] | sh_done[shared blocks]].
     ticket_ptr = flags_ptr
@@ -457,7 +525,8 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
             for role in range(NUM_COMM):
                 comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring,
                           slots, role, T, H, rank, budget, err_ptr, tiles_down, m, m + 1,
-                          NUM_COMM, MB, BM, TOP_K, ROWS, COLS, UPCAST)
+                          trace_ptr, max_events, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, TRACE,
+                          UPCAST)
             # every task before the first gate/up tile of minibatch m + 1 has its inputs now
             limit = shared_total + gate_up_start(m + 1, n_mb, n1 * G, tiles_down * G, LAG)
             compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
@@ -466,14 +535,14 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
                          err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG,
-                         SHARED, PHASED, GPU, UPCAST)
+                         SHARED, trace_ptr, max_events, TRACE, PHASED, GPU, UPCAST)
             m += 1
         compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                      wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                      sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                      ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                      shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM,
-                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG, SHARED, PHASED, GPU,
+                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG, SHARED, trace_ptr, max_events, TRACE, PHASED, GPU,
                      UPCAST)
     else:
         pid = tl.program_id(0)
@@ -481,8 +550,8 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
         # path into the GEMM tiles) made ptxas spill (255 registers vs 202).
         if pid < NUM_COMM:
             comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots,
-                      pid, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb, NUM_COMM, MB, BM,
-                      TOP_K, ROWS, COLS, UPCAST)
+                      pid, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb, trace_ptr,
+                      max_events, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, TRACE, UPCAST)
         else:
             compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
@@ -490,7 +559,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
                          err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                         SHARED_LAG, SHARED, PHASED, GPU, UPCAST)
+                         SHARED_LAG, SHARED, trace_ptr, max_events, TRACE, PHASED, GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,6 +619,12 @@ def fused_grid(num_comm: int, device: torch.device) -> int:
     return programs
 
 
+def new_trace(device: torch.device, events: int = 4096) -> torch.Tensor:
+    """An empty trace for :func:`fused_forward`: -1 marks events never written."""
+    return torch.full((persistent_programs(device), events, 3), -1, dtype=torch.int64,
+                      device=device)
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -560,7 +635,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
                   ring_rows: int | None = None,
                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
                   = None, budget: int | None = None, flags: torch.Tensor | None = None,
-                  down_lag: int | None = None) -> FusedOutputs:
+                  down_lag: int | None = None, trace: torch.Tensor | None = None) -> FusedOutputs:
     """Shared expert, pull, routed expert GEMMs and push of this rank in one launch (no host sync).
 
     Call after the barrier that follows every rank's publish of x; the source ranks may read
@@ -572,7 +647,9 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     reproduces a missing signal. ``num_comm`` None: :func:`comm_programs_for` the grid and I.
     ``down_lag``: groups (of one minibatch of row blocks) between a
     group's gate/up tiles and its down tiles in the task list (:func:`grouped_task`; speed only;
-    None: :func:`down_lag_for` the grid and shapes).
+    None: :func:`down_lag_for` the grid and shapes). ``trace`` (GPU only; :func:`new_trace`):
+    int64 ``[programs, events, 3]`` that receives one (kind << 32 | index, start ns, end ns) per
+    pulled minibatch or task of each program (``megamoe.fused_trace`` reads it).
     """
     comm._check_schedule(ws, sched)
     if num_comm is None:
@@ -633,6 +710,13 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         raise ValueError(f"flags must be int32 with >= {layout.words} words")
     copy_r, copy_c = comm.copy_tile(h, dtype.itemsize, comm.COPY_TILE_BYTES)
     grid = (fused_grid(num_comm, dev),)
+    if trace is not None:
+        if interpreting():
+            raise ValueError("trace needs a GPU (the interpreter runs the phased schedule)")
+        if trace.dtype != torch.int64 or trace.dim() != 3 or trace.shape[0] != grid[0] \
+                or trace.shape[2] != 3:
+            raise ValueError(f"trace must be int64 [{grid[0]}, events, 3] (new_trace), got "
+                             f"{trace.dtype} {list(trace.shape)}")
     group = minibatch_rows // bm  # row blocks per task-list group
     computing = max(1, grid[0] - num_comm)
     lag = routed_lag(down_lag if down_lag is not None else
@@ -642,11 +726,12 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     _fused_forward_kernel[grid](
         ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
-        *shared_descs, flags, ws.errors, t, h, i, i_s, ws.rank, comm._budget(budget), ring_rows,
-        slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
+        *shared_descs, flags, ws.errors, flags if trace is None else trace,
+        0 if trace is None else trace.shape[1], t, h, i, i_s, ws.rank, comm._budget(budget),
+        ring_rows, slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
-        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
+        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), TRACE=trace is not None, PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
         launch_cooperative_grid=not interpreting())
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
