@@ -45,10 +45,16 @@ def _ok_records(records: Sequence[dict]) -> list[dict]:
     return recs
 
 
-def _title(fig, recs: Sequence[dict]) -> None:
+def _finish(plt, fig, axes, recs: Sequence[dict], path: str, ylabel: str, legend: str) -> None:
+    """Label, title (GPU and commit of the first record), legend, write the PNG, close."""
+    axes[0].set_ylabel(ylabel)
+    axes[-1].legend(loc=legend, fontsize=8)
     first = recs[0]
     fig.suptitle(f"megamoe layer, {first.get('gpu', '?')}, commit {first.get('commit', '?')}",
                  fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_tokens(records: Sequence[dict], path: str) -> None:
@@ -71,12 +77,7 @@ def plot_tokens(records: Sequence[dict], path: str) -> None:
         ax.set_xlabel("tokens per rank")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("ms (median, max over ranks)")
-    axes[-1].legend(loc="upper left", fontsize=8)
-    _title(fig, recs)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, axes, recs, path, "ms (median, max over ranks)", "upper left")
 
 
 def series_name(rec: dict, records: Sequence[dict]) -> str:
@@ -117,12 +118,7 @@ def plot_layer(records: Sequence[dict], path: str) -> None:
         ax.set_xticks(range(len(groups)), [f"{p}\nW={w}" for p, w in groups])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("TFLOP/s per GPU")
-    axes[-1].legend(loc="upper right", fontsize=8)
-    _title(fig, recs)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, axes, recs, path, "TFLOP/s per GPU", "upper right")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
