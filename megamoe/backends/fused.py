@@ -3,9 +3,8 @@ persistent kernel.
 
 Everything else is backend "triton"'s code, imported, not copied: the schedule, the barriers, the
 k-order combine of the own slots, the error checks and the whole backward. The forward protocol
-is backend "triton"'s (publish x -> barrier -> [fused kernel] -> barrier -> k-order combine of
-the own slots + shared output); :func:`forward_steps` spells it out here only because the shared
-expert moved into the kernel (backend "triton"'s ``forward_steps`` runs it separately). The kernel
+is backend "triton"'s ``forward_steps`` (publish x -> barrier -> experts -> barrier -> k-order
+combine of the own slots + shared output) with the fused kernel as its experts step. The kernel
 gives the same bits as the unfused launches (same tile functions, tiles and row layout), so
 ``backend="fused"`` outputs equal ``backend="triton"`` bit for bit and train with its backward.
 
@@ -26,6 +25,7 @@ With one GPU there is no symmetric workspace; the forward uses a private one-ran
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -46,15 +46,18 @@ MAX_WORLD_SIZE = None
 _LOCAL: dict[tuple, object] = {}
 
 
-def _fused(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor,
-           trace: torch.Tensor | None = None):
+def _experts(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor,
+             trace: torch.Tensor | None = None) -> unfused.ExpertsOutput:
+    """Backend "triton"'s experts step (``triton.experts_unfused``) as one fused launch."""
     from ..kernels.fused_forward import fused_forward
     config = schedule.config
     shared = ((x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None)
-    return fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
-                         num_comm=config.comm_programs, minibatch_rows=config.minibatch_rows,
-                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag,
-                         trace=trace)
+    out = fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
+                        num_comm=config.comm_programs, minibatch_rows=config.minibatch_rows,
+                        ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag,
+                        trace=trace)
+    routed = (out.xs, out.g, out.u, out.h, out.z) if out.full else (None,) * 5
+    return routed, out.shared, out.shared_out
 
 
 def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
@@ -62,20 +65,8 @@ def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWe
                   ) -> Steps[tuple[torch.Tensor, TritonContext]]:
     """Backend "triton"'s forward protocol with the fused kernel between the two barriers
     (``trace``: see ``fused_forward``)."""
-    from ..kernels import comm, rows
-    from ..workspace import publish
-    ws = schedule.ep.workspace
-    publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
-    yield from unfused._barrier_point(ws)
-    _, slot_weights = comm.gather_routing(ws)
-    out = _fused(ws, schedule, weights, x, trace)
-    yield from unfused._barrier_point(ws)
-    # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
-    y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, out.shared_out, x.dtype,
-                           invalid=schedule.ep.invalid)
-    routed = (out.xs, out.g, out.u, out.h, out.z) if out.full else (None,) * 5
-    ctx = TritonContext(schedule, x, slot_weights.view(-1), weights, *routed, out.shared)
-    return y, ctx
+    return unfused.forward_steps(x, topk_weights, weights, schedule,
+                                 functools.partial(_experts, trace=trace))
 
 
 def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:

@@ -487,30 +487,43 @@ def routed_unfused(ws: Workspace, schedule: TritonSchedule,
     return xs, g, u, h, z
 
 
-# (workspace, schedule, local weights) -> (xs, g, u, h, z), with z pushed to the combine slots.
-RoutedForward = Callable[["Workspace", TritonSchedule, ExpertWeights], tuple[torch.Tensor, ...]]
+def experts_unfused(ws: Workspace, schedule: TritonSchedule, weights: ExpertWeights,
+                    x: torch.Tensor) -> ExpertsOutput:
+    """The part between the forward's barriers: the routed experts (:func:`routed_unfused`),
+    then the shared expert on the local tokens."""
+    routed = routed_unfused(ws, schedule, weights)
+    shared, shared_out = _shared_forward(x, weights, schedule.config)
+    return routed, shared, shared_out
+
+
+# ((xs, g, u, h, z) or five Nones when not kept, shared (sg, su, sh) or None, shared output or
+# None), with z pushed into the source ranks' combine slots.
+ExpertsOutput = tuple[tuple, "tuple[torch.Tensor, ...] | None", "torch.Tensor | None"]
+# (workspace, schedule, local weights, local tokens) -> ExpertsOutput
+ExpertsForward = Callable[["Workspace", TritonSchedule, ExpertWeights, torch.Tensor],
+                          ExpertsOutput]
 
 
 def forward_steps(x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
-                  schedule: TritonSchedule, routed: RoutedForward = routed_unfused
+                  schedule: TritonSchedule, experts: ExpertsForward | None = None
                   ) -> Steps[tuple[torch.Tensor, TritonContext]]:
     """Pull dispatch, expert GEMMs, push combine, local k-order combine (+ shared).
 
-    ``routed`` does the part between the two barriers (backend "fused" passes its kernel).
+    ``experts`` does the part between the two barriers (default :func:`experts_unfused`;
+    backend "fused" passes its kernel).
     """
     from ..kernels import comm, rows
     from ..workspace import publish
-    ws, config = schedule.ep.workspace, schedule.config
+    ws = schedule.ep.workspace
     publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
     yield from _barrier_point(ws)
     _, slot_weights = comm.gather_routing(ws)
-    xs, g, u, h, z = routed(ws, schedule, weights)
-    shared, shared_out = _shared_forward(x, weights, config)
+    routed, shared, shared_out = (experts or experts_unfused)(ws, schedule, weights, x)
     yield from _barrier_point(ws)
     # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
     y = rows.combine_slots(ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype,
                            invalid=schedule.ep.invalid)
-    ctx = TritonContext(schedule, x, slot_weights.view(-1), weights, xs, g, u, h, z, shared)
+    ctx = TritonContext(schedule, x, slot_weights.view(-1), weights, *routed, shared)
     return y, ctx
 
 

@@ -194,3 +194,49 @@ def test_ep_bits_equal_triton_for_every_num_comm(ep, routing: str) -> None:
         if bad:
             problems.append(f"num_comm={num_comm} minibatch={minibatch} ring={ring}: {bad}")
     agree(not problems, "; ".join(problems))
+
+
+def test_trace_records_every_task_and_pull_and_changes_no_bits() -> None:
+    """fused_forward(trace=...): one event per task of the list and per (comm program, minibatch),
+    each with end >= start, and the same outputs as the plain launch."""
+    from megamoe.fused_trace import KINDS, summarize
+
+    p = _single_problem("sizes_not_tile_multiples", num_comm=4)
+    cfg, (t, h), k = p.config, p.x.shape, p.topk_ids.shape[1]
+    sched = triton_backend.build_schedule(p.topk_ids, cfg, None).routed
+    ws = fused_backend.local_workspace(t, h, k, torch.bfloat16, DEV)
+    ws.x_buffer.copy_(p.x)
+    shared = (p.x, p.weights.s_gate, p.weights.s_up, p.weights.s_down)
+
+    def launch(trace=None):
+        return ff.fused_forward(ws, sched, p.weights.w_gate, p.weights.w_up, p.weights.w_down,
+                                num_comm=4, minibatch_rows=cfg.minibatch_rows, shared=shared,
+                                trace=trace)
+
+    plain = launch()
+    plain_slots = ws.combine_buffer.clone()
+    trace = ff.new_trace(DEV, 1024)
+    traced = launch(trace)
+    torch.cuda.synchronize()
+    check_errors(ws)
+    assert _bits_equal(traced.z, plain.z) and _bits_equal(traced.shared_out, plain.shared_out)
+    assert _bits_equal(ws.combine_buffer, plain_slots)
+    ev = trace.cpu()
+    written = ev[:, :, 0] >= 0
+    assert bool((ev[:, :, 2][written] >= ev[:, :, 1][written]).all())
+    kinds = (ev[:, :, 0][written] >> 32).tolist()
+    from triton import cdiv
+
+    from megamoe.kernels.gemm import tiles_for
+
+    bm, bn1, bn2 = sched.block_rows, tiles_for("gate_up").bn, tiles_for("mm").bn
+    blocks = int(sched.num_blocks.item())
+    group = cfg.minibatch_rows // bm  # task-list groups: a partial last one counts whole
+    n2 = cdiv(h, bn2)
+    routed = cdiv(blocks, group) * group * (cdiv(cfg.intermediate_size, bn1) + n2)
+    shared_tasks = (cdiv(cdiv(t, bm), group) * group
+                    * (cdiv(cfg.shared_intermediate_size, bn1) + n2))
+    pulls = 4 * cdiv(blocks * bm, cfg.minibatch_rows)
+    assert len(kinds) == routed + shared_tasks + pulls
+    assert kinds.count(0) == pulls and set(kinds) <= set(KINDS)
+    assert summarize(trace.cpu(), num_comm=4)["kinds"]["down"]["count"] > 0
