@@ -230,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         forward(new_trace(env.device, args.events))  # compiles the traced variant
         trace = new_trace(env.device, args.events)
         traced_ms = _timed_forward(lambda: forward(trace), env.device)
-    summary = summarize(trace.cpu(), num_comm)
         kernels = kernel_ms_per_call(forward, args.iters, env.device) if args.profile else None
+    summary = summarize(trace.cpu(), num_comm)
     plain_ms = statistics.median(plain)
     summary.update(preset=args.preset, tokens_per_rank=case.tokens, world_size=env.world_size,
                    rank=env.rank, plain_fwd_ms=plain_ms, traced_fwd_ms=traced_ms,
