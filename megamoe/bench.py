@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import functional
-from .backends import BACKENDS, available_backends, resolve_backend
+from .backends import BACKENDS, available_backends, get_backend, resolve_backend
 from .baselines import torch_a2a_moe
 from .config import TUNABLES, MoEConfig, Preset, get_preset
 from .reference import moe_reference
@@ -391,16 +391,14 @@ def reads_tunables(backend: str, world_size: int) -> tuple[str, ...]:
 
 def tunable_fields(backend: str, config: MoEConfig, world_size: int,
                    device: torch.device | None = None) -> dict[str, int]:
-    """The record fields of the tunables ``backend`` reads at this world size; on a GPU the
-    fused kernel's derived comm programs (config None) are recorded as the number it used.
-    ``down_lag`` None stays None (derived from the grid and tiles, docs/fused.md)."""
+    """The record fields of the tunables ``backend`` reads at this world size; on a GPU, values
+    the config leaves to the backend (None) are recorded as the backend resolves them, where it
+    says (``resolved_tunables`` of the backend module)."""
     fields = {name: getattr(config, name) for name in reads_tunables(backend, world_size)}
-    if (backend == "fused" and fields.get("comm_programs") is None and device is not None
-            and device.type == "cuda"):
-        from .kernels.fused_forward import comm_programs_for
-        from .kernels.runtime import persistent_programs
-        fields["comm_programs"] = comm_programs_for(persistent_programs(device),
-                                                    config.intermediate_size)
+    if fields and backend in BACKENDS and device is not None and device.type == "cuda":
+        resolve = getattr(get_backend(backend), "resolved_tunables", None)
+        if resolve is not None:
+            fields.update({k: v for k, v in resolve(config, device).items() if k in fields})
     return fields
 
 

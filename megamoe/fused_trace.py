@@ -183,8 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import BenchOptions, make_case
     from .cli import init_distributed
     from .config import PRESETS, TUNABLES
-    from .kernels.fused_forward import comm_programs_for, new_trace
-    from .kernels.runtime import persistent_programs
+    from .kernels.fused_forward import new_trace
 
     parser = argparse.ArgumentParser(prog="python -m megamoe.fused_trace",
                                      description=__doc__.splitlines()[0])
@@ -214,8 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name not in TUNABLES:
             parser.error(f"--set: the tunable must be one of {list(TUNABLES)}, got {name!r}")
         config = config.replace(**{name: None if value == "auto" else int(value)})
-    num_comm = config.comm_programs or comm_programs_for(persistent_programs(env.device),
-                                                         config.intermediate_size)
+    num_comm = fused.resolved_tunables(config, env.device)["comm_programs"]
     x, ids, w = case.x.detach(), case.topk_ids, case.topk_weights.detach()
     weights = type(case.weights)(*(None if t is None else t.detach() for t in case.weights))
     schedule = fused.build_schedule(ids, config, env.group)

@@ -209,6 +209,24 @@ def test_tunables_and_copy_timing_only_where_they_apply():
     assert not measures_comm("torch-a2a", DistEnv(world_size=2, device=gpu))
 
 
+
+def test_fused_records_the_comm_programs_it_uses():
+    pytest.importorskip("triton")
+    from megamoe.backends.fused import resolved_tunables
+    from megamoe.bench import tunable_fields
+    from megamoe.config import get_preset
+    from megamoe.kernels.fused_forward import comm_programs_for
+    from megamoe.kernels.runtime import persistent_programs
+
+    config = get_preset("dsv3").config(2)
+    cpu = torch.device("cpu")
+    assert resolved_tunables(config, cpu) == {
+        "comm_programs": comm_programs_for(persistent_programs(cpu), 2048)}
+    assert resolved_tunables(config.replace(comm_programs=12), cpu) == {"comm_programs": 12}
+    # no GPU: the record keeps the config's None (derived) rather than a CPU-grid number
+    assert tunable_fields("fused", config, 2, cpu)["comm_programs"] is None
+
+
 def test_remote_gbps():
     from megamoe.bench_comm import remote_gbps
 

@@ -37,13 +37,24 @@ from .triton import (EpRouting, Steps, TritonContext, TritonSchedule, build_sche
                      is_available, supports)
 
 __all__ = ["is_available", "supports", "build_schedule", "forward", "backward", "check", "forward_steps",
-           "replay_steps", "MAX_WORLD_SIZE"]
+           "replay_steps", "resolved_tunables", "MAX_WORLD_SIZE"]
 
 # Any expert-parallel world size, like backend "triton".
 MAX_WORLD_SIZE = None
 
 # One-rank workspaces of W = 1 runs, per (device, T, H, K, dtype).
 _LOCAL: dict[tuple, object] = {}
+
+
+def resolved_tunables(config: MoEConfig, device: torch.device) -> dict[str, int | None]:
+    """The tunables as the kernel uses them on ``device``: derived comm programs for None.
+    (``down_lag`` None stays None: it also depends on the ring and the schedule's rows.)"""
+    from ..kernels.fused_forward import comm_programs_for
+    from ..kernels.runtime import persistent_programs
+    num_comm = config.comm_programs
+    if num_comm is None:
+        num_comm = comm_programs_for(persistent_programs(device), config.intermediate_size)
+    return {"comm_programs": num_comm}
 
 
 def _experts(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor,
@@ -53,7 +64,8 @@ def _experts(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tens
     config = schedule.config
     shared = ((x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None)
     out = fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
-                        num_comm=config.comm_programs, minibatch_rows=config.minibatch_rows,
+                        num_comm=resolved_tunables(config, ws.device)["comm_programs"],
+                        minibatch_rows=config.minibatch_rows,
                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag,
                         trace=trace)
     routed = (out.xs, out.g, out.u, out.h, out.z) if out.full else (None,) * 5
