@@ -71,7 +71,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "note", "torch",
     # Where they apply (else null): GB/s of the NVLink copies and the config tunables used.
     "dispatch_gbps", "combine_gbps", "dispatch_bwd_gbps", "combine_bwd_gbps", "comm_programs",
-    "minibatch_rows", "ring_rows", "down_lag", "copy_programs",
+    "minibatch_rows", "ring_rows", "down_lag", "copy_programs", "overlap_shared",
 )
 DEFAULT_SEED = 1234
 # Worst relative error (norm-wise, output and every gradient) a bf16 layer may have vs float64.
@@ -85,13 +85,16 @@ _RANK_SEED_STRIDE = 7919
 # Config tunables each backend reads, recorded with its results (DESIGN.md: "where they apply")
 # and swept by ``--tune``. The unfused "triton" backend moves rows with copy_programs programs
 # at W > 1 (nothing moves at W = 1); the fused kernel reads its four at any W (MoEConfig), and
-# copy_programs for the pull of its backward replay (a ring smaller than the rows).
+# copy_programs for the pull of its backward replay (a ring smaller than the rows). Both run
+# the shared expert beside the copies (overlap_shared), "fused" in its (unfused) backward.
 BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
-    "triton": ("copy_programs",),
+    "triton": ("copy_programs", "overlap_shared"),
+    "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag", "overlap_shared"),
+}
+# The tunables that matter at W = 1 too (no copies there), per backend.
+_TUNED_AT_W1: dict[str, tuple[str, ...]] = {
     "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag"),
 }
-# Backends whose tunables matter at W = 1 too.
-_TUNED_AT_W1 = ("fused",)
 
 
 @dataclass(frozen=True)
@@ -384,8 +387,8 @@ def time_backend(fn: MoEFn, case: Case, opts: BenchOptions, env: DistEnv,
 
 def reads_tunables(backend: str, world_size: int) -> tuple[str, ...]:
     """The config tunables ``backend`` reads at this world size ("triton" none at W = 1)."""
-    if world_size == 1 and backend not in _TUNED_AT_W1:
-        return ()
+    if world_size == 1:
+        return _TUNED_AT_W1.get(backend, ())
     return BACKEND_TUNABLES.get(backend, ())
 
 
@@ -404,7 +407,7 @@ def tunable_fields(backend: str, config: MoEConfig, world_size: int,
 
 def parse_tune(specs: list[str] | None) -> dict[str, list[int]]:
     """``["comm_programs=8,16", "down_lag=auto,2"]`` -> {name: [values]} (``--tune``; "auto" is
-    None: derived, for down_lag)."""
+    None: derived, for down_lag; 0 / 1 for overlap_shared)."""
     tune: dict[str, list[int]] = {}
     for spec in specs or ():
         name, sep, values = spec.partition("=")

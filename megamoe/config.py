@@ -15,7 +15,7 @@ __all__ = ["MoEConfig", "Preset", "PRESETS", "TUNABLES", "get_preset"]
 # The config fields that change speed, never results (MoEConfig's docstring): benchmark records
 # carry them and `megamoe bench --tune` sweeps them.
 TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows", "down_lag",
-                             "copy_programs")
+                             "copy_programs", "overlap_shared")
 # The GEMM tile height that pads each expert's rows; the Triton kernels use it too.
 DEFAULT_BLOCK_ROWS = 128
 
@@ -40,7 +40,11 @@ class MoEConfig:
                       compute); None derives it from the intermediate size, the FLOPs a row
                       brings per byte pulled (kernels.fused_forward.comm_programs_for)
       copy_programs   programs of backend "triton"'s standalone NVLink copies (dispatch pull,
-                      combine push and their backward), which run alone between the GEMMs
+                      combine push and their backward)
+      overlap_shared  (W > 1) run the shared expert's GEMMs on a second stream while those
+                      copies run, on the SMs they leave free (forward: beside the dispatch
+                      pull; backward: its d_x beside the d_y pull, its weight gradients beside
+                      the d_x push). False: after them, on every SM. An int 0 / 1 is accepted
       minibatch_rows  rows per dispatch readiness counter of the fused kernel, and per group
                       of its task list
       ring_rows       rows of the routed-token ring buffer (the macrobatch) of backend "fused";
@@ -68,6 +72,7 @@ class MoEConfig:
     block_rows: int = DEFAULT_BLOCK_ROWS
     capacity_factor: float | None = None
     down_lag: int | None = None
+    overlap_shared: bool = True
 
     def __post_init__(self) -> None:
         _require_int("hidden_size", self.hidden_size, 1)
@@ -100,6 +105,11 @@ class MoEConfig:
                 )
         if self.down_lag is not None:
             _require_int("down_lag", self.down_lag, 0)
+        if not isinstance(self.overlap_shared, bool):
+            if type(self.overlap_shared) is not int or self.overlap_shared not in (0, 1):
+                raise TypeError(f"overlap_shared must be a bool (or 0 / 1), got "
+                                f"{self.overlap_shared!r}")
+            object.__setattr__(self, "overlap_shared", bool(self.overlap_shared))
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf >= 1.0:

@@ -11,7 +11,7 @@ timed plain forward. Rank 0 prints, per event kind, the count, the summed time, 
 waiting on flags, since tiles of one kind do the same work); then the compute programs' busy
 fraction over the kernel span, when the last pull ended, the launch skew and the forward time
 outside the kernel's span (the other launches and the gaps between them); ``--profile`` lists
-each launch's GPU time per forward and the idle time between launches. ``--out`` gets
+each launch's GPU time per forward and the idle gaps between launches (``megamoe.profile``). ``--out`` gets
 ``trace_rank{r}.json`` (the summary and the events) and ``timeline_rank0.png``.
 """
 
@@ -143,32 +143,6 @@ def plot_timeline(trace: torch.Tensor, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def kernel_ms_per_call(run, calls: int, device: torch.device) -> dict[str, float]:
-    """GPU time per call of every kernel (and copy) that ``run`` launches, from
-    ``torch.profiler`` over ``calls`` back-to-back calls; the key "back-to-back" holds the wall
-    time per call on the stream, so that its difference to the kernels' sum is idle GPU."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
-        for _ in range(calls):
-            run()
-        end.record()
-        torch.cuda.synchronize(device)
-    out: dict[str, float] = {}
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:  # older torch
-            device_us = getattr(event, "self_cuda_time_total", 0)
-        if device_us > 0:
-            out[event.key] = device_us / 1e3 / calls
-    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
-    out["back-to-back"] = start.elapsed_time(end) / calls
-    return out
-
-
 def _timed_forward(run, device: torch.device) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -184,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .cli import init_distributed
     from .config import PRESETS, TUNABLES
     from .kernels.fused_forward import new_trace
+    from .profile import format_profile, profile_calls
 
     parser = argparse.ArgumentParser(prog="python -m megamoe.fused_trace",
                                      description=__doc__.splitlines()[0])
@@ -228,26 +203,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         forward(new_trace(env.device, args.events))  # compiles the traced variant
         trace = new_trace(env.device, args.events)
         traced_ms = _timed_forward(lambda: forward(trace), env.device)
-        kernels = kernel_ms_per_call(forward, args.iters, env.device) if args.profile else None
+        profile = profile_calls(forward, args.iters, env.device) if args.profile else None
     summary = summarize(trace.cpu(), num_comm)
     plain_ms = statistics.median(plain)
     summary.update(preset=args.preset, tokens_per_rank=case.tokens, world_size=env.world_size,
                    rank=env.rank, plain_fwd_ms=plain_ms, traced_fwd_ms=traced_ms,
-                   outside_kernel_ms=plain_ms - summary["span_ms"], kernels_ms=kernels,
+                   outside_kernel_ms=plain_ms - summary["span_ms"], profile=profile,
                    config={name: getattr(config, name) for name in TUNABLES})
     if env.is_main:
         print(f"{args.preset}, W = {env.world_size}, {case.tokens} tokens/rank: forward "
               f"{plain_ms:.3f} ms (median of {args.iters}), traced {traced_ms:.3f} ms; "
               f"outside the kernel span {summary['outside_kernel_ms']:.3f} ms")
         print(format_summary(summary))
-        if kernels:
-            busy = sum(v for k, v in kernels.items() if k != "back-to-back")
-            print(f"per forward (torch.profiler, {args.iters} back-to-back): kernels "
-                  f"{busy:.3f} ms, wall {kernels['back-to-back']:.3f} ms, idle "
-                  f"{kernels['back-to-back'] - busy:.3f} ms")
-            for name, ms in kernels.items():
-                if name != "back-to-back":
-                    print(f"  {ms:8.3f} ms  {name[:70]}")
+        if profile:
+            print(format_profile(profile))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -119,6 +119,7 @@ _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
     ("minibatch rows", "minibatch_rows"),
     ("ring rows", "ring_rows"),
     ("down lag", "down_lag"),
+    ("overlap shared", "overlap_shared"),
 )
 
 

@@ -18,7 +18,8 @@ DESIGN_FIELDS = (
 EXTRA_FIELDS = ("routing", "iters", "check", "speedup_vs_torch_a2a")
 # DESIGN.md's "where they apply" fields (+ the backward copies): null unless triton runs at W > 1.
 COMM_FIELDS = ("dispatch_gbps", "combine_gbps", "comm_programs", "minibatch_rows", "ring_rows",
-               "down_lag", "copy_programs", "dispatch_bwd_gbps", "combine_bwd_gbps")
+               "down_lag", "copy_programs", "dispatch_bwd_gbps", "combine_bwd_gbps",
+               "overlap_shared")
 TIMEOUT_S = 120
 
 
@@ -198,8 +199,9 @@ def test_tunables_and_copy_timing_only_where_they_apply():
     from megamoe.config import get_preset
 
     config = get_preset("tiny").config(2).replace(copy_programs=12)
-    assert tunable_fields("triton", config, 2) == {"copy_programs": 12}
+    assert tunable_fields("triton", config, 2) == {"copy_programs": 12, "overlap_shared": True}
     assert tunable_fields("triton", config, 1) == {}
+    assert "overlap_shared" not in tunable_fields("fused", config, 1)  # no copies at W = 1
     assert tunable_fields("reference", config, 2) == tunable_fields("torch-a2a", config, 2) == {}
     cpu2 = DistEnv(world_size=2, rank=0)
     assert not measures_comm("triton", cpu2)  # no CUDA

@@ -27,6 +27,7 @@ graph); device error records (capacity overflow, barrier stalls) reach Python as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import weakref
 from collections.abc import Callable, Generator
@@ -192,42 +193,115 @@ def _experts_forward(xs: torch.Tensor, weights: ExpertWeights,
     return g, u, h, gemm.grouped_mm(h, weights.w_down, sched)
 
 
-def _shared_forward(x: torch.Tensor, weights: ExpertWeights, config: MoEConfig
+def _shared_forward(x: torch.Tensor, weights: ExpertWeights, config: MoEConfig,
+                    programs: int | None = None
                     ) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
-    """((g, u, h), output) of the shared expert on the local tokens; (None, None) without one."""
+    """((g, u, h), output) of the shared expert on the local tokens; (None, None) without one.
+    ``programs``: the GEMMs' grid (default one per SM)."""
     from ..kernels import gemm
     from ..kernels.schedule import uniform_schedule
     if not weights.has_shared:
         return None, None
     one = uniform_schedule(x.shape[0], config.block_rows, x.device)
-    sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one)
-    return (sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one)
+    sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one, programs)
+    return (sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one, programs)
 
 
-def _experts_backward(dz: torch.Tensor, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
-    """(d_x rows, d_w_gate, d_w_up, d_w_down) from the routed rows' d_z."""
+def _experts_dgrad(dz: torch.Tensor, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
+    """(d_x rows, d_g, d_u) of the routed rows."""
     from ..kernels import gemm
     sched, w = ctx.schedule.routed, ctx.weights
     dg, du = gemm.dgrad_swiglu(dz, w.w_down, ctx.g, ctx.u, sched)
-    dxs = gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched)
-    return (dxs, gemm.wgrad(dg, ctx.xs, sched), gemm.wgrad(du, ctx.xs, sched),
+    return gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched), dg, du
+
+
+def _experts_wgrad(dz: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
+                   ctx: TritonContext) -> tuple[torch.Tensor, ...]:
+    """(d_w_gate, d_w_up, d_w_down) of the routed experts."""
+    from ..kernels import gemm
+    sched = ctx.schedule.routed
+    return (gemm.wgrad(dg, ctx.xs, sched), gemm.wgrad(du, ctx.xs, sched),
             gemm.wgrad(dz, ctx.h, sched))
 
 
-def _shared_backward(dy: torch.Tensor, ctx: TritonContext
-                     ) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
-    """(shared d_x, (d_s_gate, d_s_up, d_s_down)) over the local tokens."""
+def _shared_dgrad(dy: torch.Tensor, ctx: TritonContext, programs: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(shared d_x, d_g, d_u) over the local tokens; None without a shared expert."""
     from ..kernels import gemm
-    from ..kernels.schedule import uniform_schedule
     if ctx.shared is None:
-        return None, (None, None, None)
-    w = ctx.weights
-    sg, su, sh = ctx.shared
-    one = uniform_schedule(ctx.x.shape[0], ctx.schedule.config.block_rows, ctx.x.device)
-    dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], sg, su, one)
-    dx_shared = gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one)
-    return dx_shared, (gemm.wgrad(dsg, ctx.x, one)[0], gemm.wgrad(dsu, ctx.x, one)[0],
-                       gemm.wgrad(dy, sh, one)[0])
+        return None
+    w, (sg, su, _), one = ctx.weights, ctx.shared, _token_schedule(ctx)
+    dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], sg, su, one, programs)
+    return gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one, programs), dsg, dsu
+
+
+def _shared_wgrad(dy: torch.Tensor, dgrad: tuple[torch.Tensor, ...] | None, ctx: TritonContext,
+                  programs: int | None = None) -> tuple[torch.Tensor | None, ...]:
+    """(d_s_gate, d_s_up, d_s_down) from :func:`_shared_dgrad`'s output (three None without a
+    shared expert)."""
+    from ..kernels import gemm
+    if dgrad is None:
+        return None, None, None
+    _, dsg, dsu = dgrad
+    one = _token_schedule(ctx)
+    pairs = ((dsg, ctx.x), (dsu, ctx.x), (dy, ctx.shared[2]))
+    return tuple(gemm.wgrad(a, b, one, programs)[0] for a, b in pairs)
+
+
+def _token_schedule(ctx: TritonContext) -> RowSchedule:
+    """The shared expert's row layout: every local token, in order, as one expert."""
+    from ..kernels.schedule import uniform_schedule
+    return uniform_schedule(ctx.x.shape[0], ctx.schedule.config.block_rows, ctx.x.device)
+
+
+class _BesideCopies:
+    """Work on a second stream next to the NVLink copies of the current stream.
+
+    The copies use ``config.copy_programs`` SMs and leave the others idle; GEMMs launched with
+    :attr:`programs` (the rest) fill them, and both fit on the GPU at once whichever starts
+    first. Off (``config.overlap_shared`` False, no CUDA, or under the interpreter), ``run``
+    calls in line with the default grid. ``run`` forks: the side stream first waits for
+    everything queued on the current stream; ``join`` makes the current stream wait for the
+    side work. Tensors made on the side stream are recorded on the current one (allocator
+    safety). Graph capture records the fork and join as event edges.
+    """
+
+    def __init__(self, device: torch.device, config: MoEConfig) -> None:
+        from ..kernels.runtime import persistent_programs
+        self.enabled = (config.overlap_shared and device.type == "cuda"
+                        and not _interpreting())
+        self.programs = None
+        if self.enabled:
+            self.programs = max(1, persistent_programs(device) - config.copy_programs)
+            self.main = torch.cuda.current_stream(device)
+            self.side = _side_stream(device)
+
+    def run(self, fn: Callable[..., _T], *args, **kwargs) -> _T:
+        if not self.enabled:
+            return fn(*args, **kwargs)
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            out = fn(*args, programs=self.programs, **kwargs)
+        for t in _tensors(out):
+            t.record_stream(self.main)
+        return out
+
+    def join(self) -> None:
+        if self.enabled:
+            self.main.wait_stream(self.side)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,10 +563,13 @@ def routed_unfused(ws: Workspace, schedule: TritonSchedule,
 
 def experts_unfused(ws: Workspace, schedule: TritonSchedule, weights: ExpertWeights,
                     x: torch.Tensor) -> ExpertsOutput:
-    """The part between the forward's barriers: the routed experts (:func:`routed_unfused`),
-    then the shared expert on the local tokens."""
+    """The part between the forward's barriers: the shared expert on the local tokens beside
+    the dispatch pull (``config.overlap_shared``), and the routed experts
+    (:func:`routed_unfused`)."""
+    beside = _BesideCopies(ws.device, schedule.config)
+    shared, shared_out = beside.run(_shared_forward, x, weights, schedule.config)
     routed = routed_unfused(ws, schedule, weights)
-    shared, shared_out = _shared_forward(x, weights, schedule.config)
+    beside.join()
     return routed, shared, shared_out
 
 
@@ -534,13 +611,20 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
     schedule = ctx.schedule
     ws, sched, programs = schedule.ep.workspace, schedule.routed, schedule.config.copy_programs
     publish(ws, dy=dy.detach())
+    # The shared expert needs only the local dy: its d_x runs beside the dy pull, its weight
+    # gradients beside the d_x push (config.overlap_shared; each about as long as the copy).
+    beside = _BesideCopies(ws.device, schedule.config)
+    shared_dgrad = beside.run(_shared_dgrad, dy, ctx)
     yield from _barrier_point(ws)
     dy_rows = comm.dispatch_pull(ws, sched, "dy", programs=programs, scale=False)
     dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.z, ctx.slot_weights, sched)
-    dxs, d_w_gate, d_w_up, d_w_down = _experts_backward(dz, ctx)
+    dxs, dg, du = _experts_dgrad(dz, ctx)
+    shared_grads = beside.run(_shared_wgrad, dy, shared_dgrad, ctx)
     comm.combine_push(ws, dxs, sched, "dx", programs=programs)
     comm.push_row_values(ws, dw_rows, sched, programs=programs)
-    dx_shared, shared_grads = _shared_backward(dy, ctx)
+    d_w_gate, d_w_up, d_w_down = _experts_wgrad(dz, dg, du, ctx)
+    beside.join()
+    dx_shared = None if shared_dgrad is None else shared_dgrad[0]
     yield from _barrier_point(ws)
     invalid = schedule.ep.invalid
     dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype, invalid=invalid)
@@ -613,7 +697,10 @@ def backward(ctx: TritonContext, grad_y: torch.Tensor) -> MoEGrads:
         return grads
     sched = ctx.schedule.routed
     dz, d_topk = rows.route_grad(dy, ctx.z, ctx.slot_weights, sched)
-    dxs, d_w_gate, d_w_up, d_w_down = _experts_backward(dz, ctx)
-    dx_shared, shared_grads = _shared_backward(dy, ctx)
+    dxs, dg, du = _experts_dgrad(dz, ctx)
+    d_w_gate, d_w_up, d_w_down = _experts_wgrad(dz, dg, du, ctx)
+    shared_dgrad = _shared_dgrad(dy, ctx)
+    shared_grads = _shared_wgrad(dy, shared_dgrad, ctx)
+    dx_shared = None if shared_dgrad is None else shared_dgrad[0]
     dx = rows.combine(dxs, sched, None, dx_shared, ctx.x.dtype)
     return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)

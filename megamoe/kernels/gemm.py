@@ -149,8 +149,14 @@ def _wgrad_kernel(a_desc, b_desc, c_desc, row_start_ptr, E, M, N, BM: tl.constex
         c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
 
 
-def _launch_grid(work_items: int, device: torch.device) -> tuple[int]:
-    return (max(1, min(persistent_programs(device), work_items)),)
+def _launch_grid(work_items: int, device: torch.device, programs: int | None = None
+                 ) -> tuple[int]:
+    """One program per SM (or ``programs``, e.g. the SMs the NVLink copies leave free), never
+    more than there are tiles."""
+    limit = persistent_programs(device) if programs is None else programs
+    if limit < 1:
+        raise ValueError(f"programs must be >= 1, got {limit}")
+    return (max(1, min(limit, work_items)),)
 
 
 def _weight_2d(w: torch.Tensor) -> torch.Tensor:
@@ -159,15 +165,17 @@ def _weight_2d(w: torch.Tensor) -> torch.Tensor:
 
 
 def gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-            sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(g, u, h), each [rows of a, I]: both projections and SwiGLU of every used row block."""
+            sched: RowSchedule, programs: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g, u, h), each [rows of a, I]: both projections and SwiGLU of every used row block.
+    ``programs`` (every GEMM here): the grid, default one per SM; the bits never depend on it."""
     t = tiles_for("gate_up")
     bm = sched.block_rows
     rows, k = a.shape
     n = w_gate.shape[1]
     g, u, h = (empty((rows, n), a.dtype, a.device) for _ in range(3))
     out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
-    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device)
+    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _gate_up_kernel[grid](
         descriptor(a, [bm, t.bk]), descriptor(_weight_2d(w_gate), [t.bn, t.bk]),
         descriptor(_weight_2d(w_up), [t.bn, t.bk]), *out_descs, sched.block_expert,
@@ -179,7 +187,8 @@ def gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
 def _mm_launch(kind: str, a: torch.Tensor, w: torch.Tensor, sched: RowSchedule, *, b_kn: bool,
                a2: torch.Tensor | None = None, w2: torch.Tensor | None = None,
-               gu: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+               gu: tuple[torch.Tensor, torch.Tensor] | None = None,
+               programs: int | None = None) -> list[torch.Tensor]:
     t = tiles_for(kind)
     bm = sched.block_rows
     rows, k = a.shape
@@ -191,7 +200,7 @@ def _mm_launch(kind: str, a: torch.Tensor, w: torch.Tensor, sched: RowSchedule, 
     b_desc = descriptor(_weight_2d(w), b_block)
     c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
-    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device)
+    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _grouped_mm_kernel[grid](
         a_desc, b_desc, descriptor(a2, [bm, t.bk]) if a2 is not None else a_desc,
         descriptor(_weight_2d(w2), b_block) if w2 is not None else b_desc,
@@ -203,32 +212,35 @@ def _mm_launch(kind: str, a: torch.Tensor, w: torch.Tensor, sched: RowSchedule, 
     return outs
 
 
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, sched: RowSchedule,
+               programs: int | None = None) -> torch.Tensor:
     """C[r] = a[r] @ w[e(r)]^T for weights in ``nn.Linear`` layout [E, N, K] (forward down)."""
-    return _mm_launch("mm", a, w, sched, b_kn=False)[0]
+    return _mm_launch("mm", a, w, sched, b_kn=False, programs=programs)[0]
 
 
 def dgrad_swiglu(dz: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
-                 sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+                 sched: RowSchedule, programs: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_g, d_u) = SwiGLU backward of d_h = dz @ w_down[e] (w_down [E, H, I])."""
-    dg, du = _mm_launch("swiglu_bwd", dz, w_down, sched, b_kn=True, gu=(g, u))
+    dg, du = _mm_launch("swiglu_bwd", dz, w_down, sched, b_kn=True, gu=(g, u), programs=programs)
     return dg, du
 
 
 def dgrad_pair(dg: torch.Tensor, w_gate: torch.Tensor, du: torch.Tensor, w_up: torch.Tensor,
-               sched: RowSchedule) -> torch.Tensor:
+               sched: RowSchedule, programs: int | None = None) -> torch.Tensor:
     """d_x rows = dg @ w_gate[e] + du @ w_up[e] in one fp32 accumulator (weights [E, I, H])."""
-    return _mm_launch("mm", dg, w_gate, sched, b_kn=True, a2=du, w2=w_up)[0]
+    return _mm_launch("mm", dg, w_gate, sched, b_kn=True, a2=du, w2=w_up, programs=programs)[0]
 
 
-def wgrad(a: torch.Tensor, b: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
+def wgrad(a: torch.Tensor, b: torch.Tensor, sched: RowSchedule,
+          programs: int | None = None) -> torch.Tensor:
     """d_W [E, M, N], d_W[e] = a_e^T @ b_e over the rows of expert e (a [rows, M], b [rows, N])."""
     t = tiles_for("wgrad")
     bk = min(t.bk, sched.block_rows)
     m, n = a.shape[1], b.shape[1]
     e = sched.num_experts
     out = empty((e, m, n), a.dtype, a.device)
-    grid = _launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device)
+    grid = _launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device, programs)
     _wgrad_kernel[grid](
         descriptor(a, [bk, t.bm]), descriptor(b, [bk, t.bn]), descriptor(out, [1, t.bm, t.bn]),
         sched.row_start, e, m, n, BM=t.bm, BN=t.bn, BK=bk, NUM_PROGS=grid[0],
