@@ -1,7 +1,8 @@
 """The layer benchmark: every backend and the torch-a2a baseline on the presets, in one run.
 
 Per (preset, backend): optionally check outputs and all gradients against the float64 reference,
-then time ``warmup + iters`` training iterations (forward, then backward). Each iteration's
+then time ``warmup + iters`` training iterations (forward, then backward), the backends'
+iterations interleaved so that they all run at the same GPU clocks. Each iteration's
 forward, backward and forward+backward times are taken per rank (CUDA events on a GPU, the host
 clock on the CPU), reduced with MAX over ranks, and the MEDIAN over iterations is reported, with
 TFLOP/s per GPU from :meth:`MoEConfig.flops_per_token` (backward counts twice the forward) and
@@ -355,32 +356,56 @@ def check_backend(fn: MoEFn, case: Case, expected: RunResult, env: DistEnv) -> d
     return {"check": worst_abs, "check_rel": worst_rel, "check_ok": ok}
 
 
-def time_backend(fn: MoEFn, case: Case, opts: BenchOptions, env: DistEnv,
-                 tick: Callable[[], None]) -> dict[str, float]:
-    """Median over iterations of the per-iteration max over ranks: fwd, bwd and fwd+bwd (ms)."""
-    clock = _Clock(env.device)
-    leaves = case.leaves()
-    marks = []
-    for it in range(opts.warmup + opts.iters):
-        for t in leaves:
-            t.grad = None
-        m0 = clock.mark()
-        y = fn(case.x, case.topk_ids, case.topk_weights, case.weights, case.config, env.group)
-        m1 = clock.mark()
-        y.backward(case.grad_y)
-        m2 = clock.mark()
-        if it >= opts.warmup:
-            marks.append((m0, m1, m2))
-        del y
-        tick()
-    clock.sync()
-    for t in leaves:
+def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock) -> tuple[Any, Any, Any]:
+    """One training iteration (grads reset, forward, backward): marks before, between, after."""
+    for t in case.leaves():
         t.grad = None
-    per_iter = [[clock.elapsed_ms(a, b), clock.elapsed_ms(b, c), clock.elapsed_ms(a, c)]
-                for a, b, c in marks]
-    worst = _max_over_ranks(per_iter, env)
-    return {"fwd_ms": _median(worst[:, 0]), "bwd_ms": _median(worst[:, 1]),
-            "fwdbwd_ms": _median(worst[:, 2])}
+    m0 = clock.mark()
+    y = fn(case.x, case.topk_ids, case.topk_weights, case.weights, case.config, env.group)
+    m1 = clock.mark()
+    y.backward(case.grad_y)
+    m2 = clock.mark()
+    return m0, m1, m2
+
+
+def time_interleaved(runs: list[tuple[MoEFn, Case]], opts: BenchOptions, env: DistEnv,
+                     tick: Callable[[int], None]) -> list[dict[str, float] | BaseException]:
+    """Median over iterations of the per-iteration max over ranks, fwd, bwd and fwd+bwd (ms),
+    of every run, their iterations interleaved (round robin).
+
+    Interleaving gives every run the same GPU clocks: sustained forward + backward heats an
+    H200 and slows its kernels by up to ~15% within ~100 ms (BENCHMARKS.md), so runs timed one
+    after another favoured the first. A run that raises is dropped from the rotation; its entry
+    is the exception. ``tick(i)`` after each iteration of run i.
+    """
+    clock = _Clock(env.device)
+    marks: list[list[tuple[Any, Any, Any]]] = [[] for _ in runs]
+    results: list[dict[str, float] | BaseException | None] = [None] * len(runs)
+    for it in range(opts.warmup + opts.iters):
+        for i, (fn, case) in enumerate(runs):
+            if results[i] is not None:
+                continue
+            try:
+                m = _iteration(fn, case, env, clock)
+            except Exception as exc:  # the caller records it and goes on with the others
+                results[i] = exc
+                _free_memory(env.device)
+                continue
+            if it >= opts.warmup:
+                marks[i].append(m)
+            tick(i)
+    clock.sync()
+    for case in {id(c): c for _, c in runs}.values():
+        for t in case.leaves():
+            t.grad = None
+    for i, run_marks in enumerate(marks):
+        if results[i] is None:
+            per_iter = [[clock.elapsed_ms(a, b), clock.elapsed_ms(b, c), clock.elapsed_ms(a, c)]
+                        for a, b, c in run_marks]
+            worst = _max_over_ranks(per_iter, env)
+            results[i] = {"fwd_ms": _median(worst[:, 0]), "bwd_ms": _median(worst[:, 1]),
+                          "fwdbwd_ms": _median(worst[:, 2])}
+    return results  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------------------ communication
@@ -521,54 +546,81 @@ def run_bench(opts: BenchOptions, env: DistEnv, *, progress: ProgressBar | None 
             bar.update(f"{preset_name}: float64 reference")
             expected = float64_result(case, env)
             bar.step()
-        for backend in opts.backends:
-            for variant in tuning_variants(backend, env.world_size, opts.tune):
-                run = dataclasses.replace(case, config=case.config.replace(**variant))
-                records.append(_run_one(run, backend, expected, opts, env, peak, facts, bar))
-        del case, expected
+        runs = [_Run(backend, dataclasses.replace(case, config=case.config.replace(**variant)))
+                for backend in opts.backends
+                for variant in tuning_variants(backend, env.world_size, opts.tune)]
+        _run_case(runs, expected, opts, env, peak, facts, bar)
+        records.extend(r.rec for r in runs)
+        del case, expected, runs
         _free_memory(env.device)
     add_speedups(records)
     return records
 
 
-def _run_one(case: Case, backend: str, expected: RunResult | None, opts: BenchOptions,
-             env: DistEnv, peak: float, facts: dict[str, str], bar: ProgressBar) -> dict:
-    label = f"{case.preset.name} {backend}"
-    rec = base_record(case, backend, opts, env, peak, facts)
-    steps = (1 if opts.check else 0) + opts.warmup + opts.iters
-    ok, reason = backend_status(backend, env.device)
-    if not ok:
-        rec.update(status="skipped", note=reason)
-        bar.step(steps, f"{label}: skipped")
-        return rec
-    fn = layer_fn(backend)
-    done = 0
+@dataclass
+class _Run:
+    """One (backend, tunables) of a case: what it runs on and its record."""
 
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        bar.step(1, f"{label}: timing")
+    backend: str
+    case: Case
+    rec: dict[str, Any] = field(default_factory=dict)
+    fn: MoEFn | None = None  # None once skipped or failed
 
-    try:
+    @property
+    def label(self) -> str:
+        return f"{self.case.preset.name} {self.backend}"
+
+    def stop(self, exc: BaseException, bar: ProgressBar, steps_left: int) -> None:
+        """Record why this run ends early (skipped: a backend that cannot run this case)."""
+        skipped = isinstance(exc, NotImplementedError)  # e.g. a one-GPU backend under EP
+        note = str(exc) if skipped else f"{type(exc).__name__}: {exc}"
+        self.rec.update(status="skipped" if skipped else "error", note=note.splitlines()[0][:300])
+        self.fn = None
+        bar.step(steps_left, f"{self.label}: {self.rec['status']}")
+
+
+def _run_case(runs: list[_Run], expected: RunResult | None, opts: BenchOptions, env: DistEnv,
+              peak: float, facts: dict[str, str], bar: ProgressBar) -> None:
+    """Check every run, time them interleaved, then add rates, tunables and copy bandwidth."""
+    per_run = (1 if expected is not None else 0) + opts.warmup + opts.iters
+    for run in runs:
+        run.rec = base_record(run.case, run.backend, opts, env, peak, facts)
+        ok, reason = backend_status(run.backend, env.device)
+        if not ok:
+            run.rec.update(status="skipped", note=reason)
+            bar.step(per_run, f"{run.label}: skipped")
+            continue
+        run.fn = layer_fn(run.backend)
         if expected is not None:
-            bar.update(f"{label}: check")
-            rec.update(check_backend(fn, case, expected, env))
-            done += 1
+            bar.update(f"{run.label}: check")
+            try:
+                run.rec.update(check_backend(run.fn, run.case, expected, env))
+            except Exception as exc:  # report and go on with the next backend
+                run.stop(exc, bar, per_run)
+                _free_memory(env.device)
+                continue
             bar.step()
-        rec.update(time_backend(fn, case, opts, env, tick))
-        add_rates(rec, case.config, case.tokens)
-        rec.update(tunable_fields(backend, case.config, env.world_size, env.device))
-        if measures_comm(backend, env):
-            bar.update(f"{label}: dispatch/combine GB/s")
-            rec.update(time_comm(case, opts, env))
-    except NotImplementedError as exc:  # e.g. a single-GPU backend under expert parallelism
-        rec.update(status="skipped", note=str(exc).splitlines()[0][:300])
-        bar.step(steps - done, f"{label}: skipped")
-    except Exception as exc:  # report and go on with the next backend
-        rec.update(status="error", note=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-        bar.step(steps - done, f"{label}: error")
-        _free_memory(env.device)
-    return rec
+    timed = [run for run in runs if run.fn is not None]
+    done = [0] * len(timed)
+
+    def tick(i: int) -> None:
+        done[i] += 1
+        bar.step(1, f"{timed[i].label}: timing")
+
+    results = time_interleaved([(run.fn, run.case) for run in timed], opts, env, tick)
+    for i, (run, result) in enumerate(zip(timed, results)):
+        if isinstance(result, BaseException):
+            run.stop(result, bar, opts.warmup + opts.iters - done[i])
+            continue
+        run.rec.update(result)
+        add_rates(run.rec, run.case.config, run.case.tokens)
+        run.rec.update(tunable_fields(run.backend, run.case.config, env.world_size, env.device))
+        if measures_comm(run.backend, env):
+            bar.update(f"{run.label}: dispatch/combine GB/s")
+            try:
+                run.rec.update(time_comm(run.case, opts, env))
+            except Exception as exc:
+                run.stop(exc, bar, 0)
 
 
 def run_failed(records: list[dict]) -> bool:

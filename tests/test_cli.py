@@ -164,6 +164,36 @@ def test_accuracy_check_catches_a_wrong_layer():
     assert bad["check_ok"] is False and bad["check_rel"] > 0.04
 
 
+def test_timed_runs_interleave_and_a_failing_run_leaves_the_others():
+    """Iterations go round robin over the runs (same GPU clocks for all); a run that raises is
+    dropped from the rotation and reported, the others finish."""
+    from megamoe.baselines import torch_a2a_moe
+    from megamoe.bench import BenchOptions, DistEnv, make_case, time_interleaved
+
+    opts = BenchOptions(presets=["tiny"], backends=["torch-a2a"], tokens=16, iters=3, warmup=1)
+    env = DistEnv()
+    case = make_case("tiny", opts, env)
+    calls: list[str] = []
+
+    def named(name: str, fail_at: int | None = None):
+        def fn(*args):
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} broke")
+            return torch_a2a_moe(*args)
+        return fn
+
+    ticks: list[int] = []
+    results = time_interleaved([(named("a"), case), (named("b", fail_at=2), case),
+                                (named("c"), case)], opts, env, ticks.append)
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "c", "a", "c"]
+    assert ticks == [0, 1, 2, 0, 2, 0, 2, 0, 2]
+    assert isinstance(results[1], RuntimeError) and "b broke" in str(results[1])
+    for r in (results[0], results[2]):
+        assert set(r) == {"fwd_ms", "bwd_ms", "fwdbwd_ms"} and r["fwdbwd_ms"] > 0
+    assert all(t.grad is None for t in case.leaves())
+
+
 # ------------------------------------------------------------------- copy bandwidth (triton, W > 1)
 
 def _layer_record(backend: str, **fields) -> dict:
