@@ -32,7 +32,7 @@ from .bench import (
     parse_tune,
     total_steps,
 )
-from .config import PRESETS
+from .config import PRESETS, MoEConfig
 from .report import ProgressBar, format_generic_table, format_table
 from .routing import ROUTING_KINDS
 
@@ -112,6 +112,35 @@ def init_distributed() -> DistEnv:
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 device_id=device if use_cuda else None)
     return DistEnv(dist.get_world_size(), dist.get_rank(), device, dist.group.WORLD)
+
+
+def finish_distributed(env: DistEnv) -> None:
+    """End of a torchrun tool: wait for every rank, then tear the group down."""
+    if env.group is not None:
+        dist.barrier(group=env.group)
+        dist.destroy_process_group()
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set NAME=VALUE`` (repeatable): a config tunable for one run ('auto' = None)."""
+    from .config import TUNABLES
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help=f"a config tunable ({', '.join(TUNABLES)}; 'auto' = None)")
+
+
+def apply_settings(config: MoEConfig, specs: list[str],
+                   parser: argparse.ArgumentParser) -> MoEConfig:
+    """The config with every ``--set`` applied; a bad name or value is a usage error."""
+    from .config import TUNABLES
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        if name not in TUNABLES:
+            parser.error(f"--set: the tunable must be one of {list(TUNABLES)}, got {name!r}")
+        try:
+            config = config.replace(**{name: None if value == "auto" else int(value)})
+        except (TypeError, ValueError) as exc:
+            parser.error(f"--set {spec}: {exc}")
+    return config
 
 
 def _options(args: argparse.Namespace, device: torch.device) -> BenchOptions:

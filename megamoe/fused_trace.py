@@ -155,7 +155,7 @@ def _timed_forward(run, device: torch.device) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     from .backends import fused
     from .bench import BenchOptions, make_case
-    from .cli import init_distributed
+    from .cli import add_set_argument, apply_settings, finish_distributed, init_distributed
     from .config import PRESETS, TUNABLES
     from .kernels.fused_forward import new_trace
     from .profile import format_profile, profile_calls
@@ -168,8 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10, help="timed plain forwards")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--events", type=int, default=4096, help="trace slots per program")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help=f"a config tunable ({', '.join(TUNABLES)}; 'auto' = None)")
+    add_set_argument(parser)
     parser.add_argument("--out", help="directory for trace_rank*.json and timeline_rank0.png")
     parser.add_argument("--profile", action="store_true",
                         help="also list the GPU time per forward of every launch (torch.profiler) "
@@ -182,12 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = BenchOptions(presets=[args.preset], backends=["fused"], tokens=args.tokens,
                         routing=args.routing, check=False)
     case = make_case(args.preset, opts, env)
-    config = case.config
-    for spec in args.set:
-        name, _, value = spec.partition("=")
-        if name not in TUNABLES:
-            parser.error(f"--set: the tunable must be one of {list(TUNABLES)}, got {name!r}")
-        config = config.replace(**{name: None if value == "auto" else int(value)})
+    config = apply_settings(case.config, args.set, parser)
     num_comm = fused.resolved_tunables(config, env.device)["comm_programs"]
     x, ids, w = case.x.detach(), case.topk_ids, case.topk_weights.detach()
     weights = type(case.weights)(*(None if t is None else t.detach() for t in case.weights))
@@ -225,11 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if env.is_main:
             plot_timeline(trace.cpu(), str(out / "timeline_rank0.png"),
                           f"fused forward, {args.preset}, W = {env.world_size}, rank 0")
-    if env.group is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=env.group)
-        dist.destroy_process_group()
+    finish_distributed(env)
     return 0
 
 

@@ -161,8 +161,8 @@ def format_profile(result: dict[str, Any], top_gaps: int = 12) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .bench import BenchOptions, layer_fn, make_case
-    from .cli import init_distributed
-    from .config import PRESETS, TUNABLES
+    from .cli import add_set_argument, apply_settings, finish_distributed, init_distributed
+    from .config import PRESETS
 
     parser = argparse.ArgumentParser(prog="python -m megamoe.profile",
                                      description=__doc__.splitlines()[0])
@@ -173,8 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--routing", default="uniform")
     parser.add_argument("--iters", type=int, default=5, help="profiled calls")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help=f"a config tunable ({', '.join(TUNABLES)}; 'auto' = None)")
+    add_set_argument(parser)
     parser.add_argument("--out", help="directory for trace_rank*.json and profile_rank*.json")
     args = parser.parse_args(argv)
     env = init_distributed()
@@ -184,12 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = BenchOptions(presets=[args.preset], backends=[args.backend], tokens=args.tokens,
                         routing=args.routing, check=False)
     case = make_case(args.preset, opts, env)
-    config = case.config
-    for spec in args.set:
-        name, _, value = spec.partition("=")
-        if name not in TUNABLES:
-            parser.error(f"--set: the tunable must be one of {list(TUNABLES)}, got {name!r}")
-        config = config.replace(**{name: None if value == "auto" else int(value)})
+    config = apply_settings(case.config, args.set, parser)
     fn = layer_fn(args.backend)
 
     def call() -> None:
@@ -225,11 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(texts))
     if out is not None:
         (out / f"profile_rank{env.rank}.json").write_text(json.dumps(result) + "\n")
-    if env.group is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=env.group)
-        dist.destroy_process_group()
+    finish_distributed(env)
     return 0
 
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
-#   scripts/gpu_check.sh [tests] [comm] [bench] [kernels] [sweep] [all]  (default: all)
+#   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [comm] [bench] [kernels] [sweep] [all]
+#                        (default: all)
 #
-#   tests    python -m pytest tests/gpu/test_triton_backend.py   (one GPU)
-#            torchrun --nproc-per-node=$NGPU -m pytest tests/gpu/test_ep_reference.py
-#                tests/gpu/test_triton_ep.py                         (>= 2 GPUs)
-#                tests/gpu/test_comm.py tests/gpu/test_fused.py (one NCCL group for the session:
-#                tests/gpu/conftest.py)
+#   tests    = tests-1gpu + tests-ep
+#   tests-1gpu  python -m pytest tests/gpu/test_triton_backend.py   (one GPU)
+#   tests-ep    torchrun --nproc-per-node=$NGPU -m pytest $MEGAMOE_EP_TESTS (>= 2 GPUs; default
+#               tests/gpu/test_ep_reference.py tests/gpu/test_triton_ep.py tests/gpu/test_comm.py
+#               tests/gpu/test_fused.py; one NCCL group for the session: tests/gpu/conftest.py)
 #   comm     torchrun: the dispatch/combine bandwidth sweep (>= 2 GPUs)
 #   bench    megamoe bench on $MEGAMOE_PRESETS at W=1, and under torchrun at W=$NGPU (>= 2 GPUs)
 #   kernels  adds --kernels (grouped-GEMM kernel records) to the W=1 bench
@@ -18,12 +19,19 @@
 # Environment (all optional):
 #   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); at most 8 files
 #   MEGAMOE_PRESETS      default "dsv3 qwen3-30b mok-v4"
+#   MEGAMOE_EP_TESTS     the EP test files (or file::test ids) of tests-ep
 #   MEGAMOE_BACKENDS     default: every available backend + torch-a2a (bench's own default)
 #   MEGAMOE_ITERS        timed iterations (default 20); MEGAMOE_WARMUP (default 3)
 #   MEGAMOE_BENCH_ARGS   extra arguments for every bench run (e.g. "--routing zipf")
 #   MEGAMOE_COMMIT       recorded as the commit (default: git rev-parse of this tree; set it when
 #                        the tree was copied with stale git metadata, as on the device machines)
 #   STEP_TIMEOUT_S       wall-clock limit of each step (default 900)
+#   TRITON_CACHE_DIR     Triton's compile cache (default $ROOT/.triton_cache, git-ignored). On a
+#                        fresh machine compiling dominates the tests (the fused kernel compiles
+#                        once per tunable set: the EP tests took > 5 min there). If
+#                        $ROOT/.triton_cache.tgz exists (git-ignored; carry it to the machine) it
+#                        is unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the cache into
+#                        $OUT/triton_cache.tgz at the end (bring it back as .triton_cache.tgz)
 #   MEGAMOE_SWEEP_PRESET default dsv3
 #   MEGAMOE_SWEEP_TUNE   default "comm_programs=8,16,32 minibatch_rows=256,1024" (--tune each)
 #   MEGAMOE_SWEEP_TOKENS default "1024 2048 4096 8192"
@@ -45,6 +53,11 @@ PRESETS="${MEGAMOE_PRESETS:-dsv3 qwen3-30b mok-v4}"
 ITERS="${MEGAMOE_ITERS:-20}"
 WARMUP="${MEGAMOE_WARMUP:-3}"
 STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-900}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$ROOT/.triton_cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f "$ROOT/.triton_cache.tgz" ]; then
+    tar xzf "$ROOT/.triton_cache.tgz" -C "$TRITON_CACHE_DIR" && echo "Triton cache: unpacked $ROOT/.triton_cache.tgz"
+fi
 if [ -z "${MEGAMOE_COMMIT:-}" ]; then
     MEGAMOE_COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 fi
@@ -52,19 +65,23 @@ export MEGAMOE_COMMIT
 
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
-want() {  # want PART: was PART (or all) asked for?
+for p in "${parts[@]}"; do
+    case "$p" in
+        all | tests | tests-1gpu | tests-ep | comm | bench | kernels | sweep) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, comm, bench, kernels, sweep or all)" >&2; exit 2 ;;
+    esac
+done
+want() {  # want PART: was PART (or a part that contains it) asked for?
     local p
     for p in "${parts[@]}"; do
         case "$p" in
             "$1") return 0 ;;
             all) [ "$1" != sweep ] && return 0 ;;
-            tests | comm | bench | kernels | sweep) ;;
-            *) echo "gpu_check.sh: unknown part '$p' (expected tests, comm, bench, kernels, sweep or all)" >&2; exit 2 ;;
+            tests) [ "$1" = tests-1gpu ] || [ "$1" = tests-ep ] && return 0 ;;
         esac
     done
     return 1
 }
-want tests || true  # validates the arguments once
 mkdir -p "$OUT"
 
 SUMMARY="$OUT/summary.txt"
@@ -95,12 +112,15 @@ if [ "$NGPU" -lt 1 ]; then
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
 
-if want tests; then
+EP_TESTS="${MEGAMOE_EP_TESTS:-tests/gpu/test_ep_reference.py tests/gpu/test_triton_ep.py tests/gpu/test_comm.py tests/gpu/test_fused.py}"
+if want tests-1gpu; then
     step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" "$PY" -m pytest -q tests/gpu/test_triton_backend.py
+fi
+if want tests-ep; then
     if [ "$NGPU" -ge 2 ]; then
+        # shellcheck disable=SC2086
         step "EP tests, $NGPU GPUs" "$OUT/tests_ep.log" \
-            "${TORCHRUN[@]}" -m pytest -q -p no:cacheprovider tests/gpu/test_ep_reference.py \
-            tests/gpu/test_triton_ep.py tests/gpu/test_comm.py tests/gpu/test_fused.py
+            "${TORCHRUN[@]}" -m pytest -q -p no:cacheprovider $EP_TESTS
     else
         echo "EP tests: skipped (1 GPU)" | tee -a "$SUMMARY"
     fi
@@ -156,6 +176,9 @@ if want sweep; then
     fi
 fi
 
+if [ -n "${MEGAMOE_SAVE_TRITON_CACHE:-}" ]; then
+    tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && echo "Triton cache: $OUT/triton_cache.tgz ($(du -h "$OUT/triton_cache.tgz" | cut -f1))"
+fi
 echo "--- summary ($failures failed step(s)); files in $OUT:"
 cat "$SUMMARY"
 ls -l "$OUT"

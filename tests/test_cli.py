@@ -332,3 +332,34 @@ def test_layer_comm_gbps_runs_each_copy_with_the_programs(monkeypatch):
     assert got == {f: pytest.approx(1.0) for f in ("dispatch_gbps", "combine_gbps",
                                                     "dispatch_bwd_gbps", "combine_bwd_gbps")}
     assert launches == [("pull", 3), ("push", 3), ("pull", 3), ("push", 3)]
+
+
+def test_set_applies_tunables_and_names_bad_ones(capsys):
+    import argparse
+
+    from megamoe.cli import apply_settings
+    from megamoe.config import get_preset
+
+    parser = argparse.ArgumentParser(prog="tool")
+    config = apply_settings(get_preset("tiny").config(1),
+                            ["overlap_shared=0", "down_lag=auto", "comm_programs=4"], parser)
+    assert (config.overlap_shared, config.down_lag, config.comm_programs) == (False, None, 4)
+    for spec, message in (("overlap_shared=2", "overlap_shared must be a bool"),
+                          ("warps=4", "the tunable must be one of"),
+                          ("comm_programs=0", "comm_programs must be >= 1")):
+        with pytest.raises(SystemExit):
+            apply_settings(config, [spec], parser)
+        assert message in capsys.readouterr().err
+
+
+def test_gpu_check_script_names_bad_parts_and_needs_a_gpu(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
+    env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    bad = subprocess.run(["bash", script, "tests", "bogus"], capture_output=True, text=True,
+                         env=env, timeout=TIMEOUT_S)
+    assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
+    if torch.cuda.is_available():
+        return
+    run = subprocess.run(["bash", script, "tests-ep"], capture_output=True, text=True, env=env,
+                         timeout=TIMEOUT_S)
+    assert run.returncode == 1 and "no CUDA GPU visible" in run.stdout

@@ -62,13 +62,3 @@ def test_timeline_png(tmp_path):
     plot_timeline(_example(), str(out), "example")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-
-def test_cli_says_it_needs_a_gpu():
-    import subprocess
-    import sys
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    run = subprocess.run([sys.executable, "-m", "megamoe.fused_trace", "--preset", "tiny"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "fused_trace: needs a CUDA GPU" in run.stderr

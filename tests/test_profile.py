@@ -1,4 +1,5 @@
-"""`megamoe.profile`: kernel times and idle gaps read from a chrome trace (synthetic on the CPU)."""
+"""`megamoe.profile`: kernel times and idle gaps read from a chrome trace (synthetic on the CPU);
+the GPU tools' command lines without a GPU."""
 
 from __future__ import annotations
 
@@ -59,9 +60,10 @@ def test_idle_gaps_find_both_gaps_and_who_held_them():
     assert "host late    75.0 us" in text and "launched     7.0 us early" in text
 
 
-def test_cli_says_it_needs_a_gpu():
+@pytest.mark.parametrize("tool", ["profile", "fused_trace"])
+def test_gpu_tools_say_they_need_a_gpu(tool: str):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    run = subprocess.run([sys.executable, "-m", "megamoe.profile", "--preset", "tiny"],
+    run = subprocess.run([sys.executable, "-m", f"megamoe.{tool}", "--preset", "tiny"],
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "profile: needs a CUDA GPU" in run.stderr
+    assert run.returncode == 2 and f"{tool}: needs a CUDA GPU" in run.stderr
