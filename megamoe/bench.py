@@ -374,7 +374,7 @@ def time_interleaved(runs: list[tuple[MoEFn, Case]], opts: BenchOptions, env: Di
     of every run, their iterations interleaved (round robin).
 
     Interleaving gives every run the same GPU clocks: sustained forward + backward heats an
-    H200 and slows its kernels by up to ~15% within ~100 ms (BENCHMARKS.md), so runs timed one
+    H200 and slows its kernels by up to ~20% within ~100 ms (BENCHMARKS.md), so runs timed one
     after another favoured the first. A run that raises is dropped from the rotation; its entry
     is the exception. ``tick(i)`` after each iteration of run i.
     """
@@ -574,7 +574,8 @@ class _Run:
         """Record why this run ends early (skipped: a backend that cannot run this case)."""
         skipped = isinstance(exc, NotImplementedError)  # e.g. a one-GPU backend under EP
         note = str(exc) if skipped else f"{type(exc).__name__}: {exc}"
-        self.rec.update(status="skipped" if skipped else "error", note=note.splitlines()[0][:300])
+        self.rec.update(status="skipped" if skipped else "error",
+                        note=(note.splitlines() or [""])[0][:300])
         self.fn = None
         bar.step(steps_left, f"{self.label}: {self.rec['status']}")
 

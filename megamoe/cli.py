@@ -256,6 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # bad option values: say which, no traceback
+    except (TypeError, ValueError) as exc:  # bad option values: say which, no traceback
         print(f"megamoe {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -44,7 +44,8 @@ class MoEConfig:
       overlap_shared  (W > 1) run the shared expert's GEMMs on a second stream while those
                       copies run, on the SMs they leave free (forward: beside the dispatch
                       pull; backward: its d_x beside the d_y pull, its weight gradients beside
-                      the d_x push). False: after them, on every SM. An int 0 / 1 is accepted
+                      the d_x push; only while the copies leave at least half of the SMs).
+                      False: after them, on every SM. An int 0 / 1 is accepted
       minibatch_rows  rows per dispatch readiness counter of the fused kernel, and per group
                       of its task list
       ring_rows       rows of the routed-token ring buffer (the macrobatch) of backend "fused";
@@ -106,9 +107,12 @@ class MoEConfig:
         if self.down_lag is not None:
             _require_int("down_lag", self.down_lag, 0)
         if not isinstance(self.overlap_shared, bool):
-            if type(self.overlap_shared) is not int or self.overlap_shared not in (0, 1):
+            if type(self.overlap_shared) is not int:
                 raise TypeError(f"overlap_shared must be a bool (or 0 / 1), got "
                                 f"{self.overlap_shared!r}")
+            if self.overlap_shared not in (0, 1):
+                raise ValueError(f"overlap_shared must be a bool (or 0 / 1), got "
+                                 f"{self.overlap_shared}")
             object.__setattr__(self, "overlap_shared", bool(self.overlap_shared))
         if self.capacity_factor is not None:
             cf = self.capacity_factor

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["Gap", "device_events", "kernel_ms", "idle_gaps", "profile_calls", "main"]
+__all__ = ["Gap", "device_events", "kernel_ms", "busy_ms", "idle_gaps", "profile_calls", "main"]
 
 # Chrome-trace categories of work on the GPU, and of the host calls that launch it.
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -67,6 +67,20 @@ def kernel_ms(trace: dict[str, Any], calls: int) -> dict[str, float]:
     for e in device_events(trace):
         out[e["name"]] = out.get(e["name"], 0.0) + e["dur"] / 1e3 / calls
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def busy_ms(trace: dict[str, Any], calls: int) -> float:
+    """Milliseconds per call in which some GPU event ran (overlapping events, e.g. the shared
+    expert beside the copies, count once)."""
+    total, busy_until = 0.0, None
+    for e in device_events(trace):
+        start, end = e["ts"], e["ts"] + e["dur"]
+        if busy_until is not None and start < busy_until:
+            start = busy_until
+        if end > start:
+            total += end - start
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return total / 1e3 / calls
 
 
 def idle_gaps(trace: dict[str, Any], min_gap_us: float = DEFAULT_MIN_GAP_US) -> list[Gap]:
@@ -124,8 +138,9 @@ def profile_calls(run: Callable[[], None], calls: int, device: torch.device,
             if i == skip:
                 start.record()
             run()
+            if i == skip + calls - 1:
+                end.record()  # before the step that stops the profiler (it syncs and collects)
             prof.step()
-        end.record()
         torch.cuda.synchronize(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = trace_path or os.path.join(tmp, "trace.json")
@@ -134,7 +149,7 @@ def profile_calls(run: Callable[[], None], calls: int, device: torch.device,
     kernels = kernel_ms(trace, calls)
     gaps = idle_gaps(trace)
     return {"calls": calls, "wall_ms": start.elapsed_time(end) / calls, "kernels_ms": kernels,
-            "busy_ms": sum(kernels.values()),
+            "busy_ms": busy_ms(trace, calls),
             "idle_ms": sum(g.idle_us for g in gaps) / 1e3 / calls,
             "gaps": [asdict(g) for g in gaps]}
 

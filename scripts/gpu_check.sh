@@ -17,7 +17,8 @@
 #            $MEGAMOE_SWEEP_TOKENS tokens per rank (the time-vs-tokens plot)
 #
 # Environment (all optional):
-#   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); at most 8 files
+#   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); the device tool
+#                        brings back 8 files: pick the parts (or copy what matters) accordingly
 #   MEGAMOE_PRESETS      default "dsv3 qwen3-30b mok-v4"
 #   MEGAMOE_EP_TESTS     the EP test files (or file::test ids) of tests-ep
 #   MEGAMOE_BACKENDS     default: every available backend + torch-a2a (bench's own default)
@@ -54,10 +55,6 @@ ITERS="${MEGAMOE_ITERS:-20}"
 WARMUP="${MEGAMOE_WARMUP:-3}"
 STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-900}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$ROOT/.triton_cache}"
-mkdir -p "$TRITON_CACHE_DIR"
-if [ -f "$ROOT/.triton_cache.tgz" ]; then
-    tar xzf "$ROOT/.triton_cache.tgz" -C "$TRITON_CACHE_DIR" && echo "Triton cache: unpacked $ROOT/.triton_cache.tgz"
-fi
 if [ -z "${MEGAMOE_COMMIT:-}" ]; then
     MEGAMOE_COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 fi
@@ -82,7 +79,10 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     done
     return 1
 }
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$TRITON_CACHE_DIR"
+if [ -f "$ROOT/.triton_cache.tgz" ]; then
+    tar xzf "$ROOT/.triton_cache.tgz" -C "$TRITON_CACHE_DIR" && echo "Triton cache: unpacked $ROOT/.triton_cache.tgz"
+fi
 
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -176,7 +176,7 @@ if want sweep; then
     fi
 fi
 
-if [ -n "${MEGAMOE_SAVE_TRITON_CACHE:-}" ]; then
+if [ "${MEGAMOE_SAVE_TRITON_CACHE:-0}" = 1 ]; then
     tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && echo "Triton cache: $OUT/triton_cache.tgz ($(du -h "$OUT/triton_cache.tgz" | cut -f1))"
 fi
 echo "--- summary ($failures failed step(s)); files in $OUT:"

@@ -136,6 +136,7 @@ def test_tuning_variants_cover_what_each_backend_reads():
         (["--tune", "warps=4"], "tune: the tunable must be one of"),
         (["--tune", "ring_rows=x"], "tune: ring_rows values must be integers, got 'x'"),
         (["--tune", "ring_rows=3000"], "ring_rows must be a multiple of minibatch_rows (1024), got 3000"),
+        (["--tune", "overlap_shared=auto"], "overlap_shared must be a bool (or 0 / 1), got None"),
         (["--tokens", "0"], "tokens must be >= 1, got 0"),
     ],
 )

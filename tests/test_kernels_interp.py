@@ -117,3 +117,36 @@ def test_cpu_is_not_offered_as_a_backend() -> None:
     """The interpreter is for tests: backend="auto" must not pick it on the CPU."""
     ok, reason = backend.is_available(CPU)
     assert not ok and "interpreter" in reason
+
+
+def test_gemm_grid_size_never_changes_bits() -> None:
+    """Every GEMM with a smaller grid (the shared expert beside the copies uses SMs - copy
+    programs) walks the same tiles with the same K loop: identical bits, every tile written."""
+    from megamoe.kernels import gemm
+
+    p = make_problem(make_config(64, 96, 4, 2, 0, 16), 29, "uniform", seed=11, device=CPU)
+    sched = build_row_schedule(p.topk_ids, 4, 16)
+    w = p.weights
+    gen = torch.Generator().manual_seed(3)
+    xs = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+    dz = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+
+    def every_gemm(programs):
+        with poisoned_buffers():
+            g, u, h = gemm.gate_up(xs, w.w_gate, w.w_up, sched, programs)
+            z = gemm.grouped_mm(h, w.w_down, sched, programs)
+            dg, du = gemm.dgrad_swiglu(dz, w.w_down, g, u, sched, programs)
+            dx = gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched, programs)
+            return g, u, h, z, dg, du, dx, gemm.wgrad(dg, xs, sched, programs)
+
+    used = int(sched.num_blocks.item()) * sched.block_rows
+    default = every_gemm(None)
+    for out in default[:-1]:
+        assert not out[:used].isnan().any()  # poisoned with NaN: every used row was written
+    assert not default[-1].isnan().any()
+    for programs in (1, 3):
+        for a, b in zip(default, every_gemm(programs)):
+            assert torch.equal(a[:used] if a.shape[0] == sched.rows else a,
+                               b[:used] if b.shape[0] == sched.rows else b)
+    with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
+        gemm.grouped_mm(xs, w.w_down, sched, 0)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megamoe.profile import format_profile, idle_gaps, kernel_ms
+from megamoe.profile import busy_ms, format_profile, idle_gaps, kernel_ms
 
 
 def _x(cat: str, name: str, ts: float, dur: float, corr: int | None = None) -> dict:
@@ -43,6 +43,12 @@ def test_kernel_ms_sums_per_name_and_call():
     got = kernel_ms(_example(), calls=2)
     assert list(got) == ["fused", "copy", "Memset", "combine", "tiny"]  # largest first, ties by first use
     assert [got[k] for k in got] == pytest.approx([0.1, 0.01, 0.005, 0.005, 0.0005])
+
+
+def test_busy_time_counts_overlapping_work_once():
+    # copy 20 + fused 200 (the memset inside it adds nothing) + combine 10 + tiny 1 us
+    assert busy_ms(_example(), calls=1) == pytest.approx(0.231)
+    assert sum(kernel_ms(_example(), calls=1).values()) == pytest.approx(0.241)
 
 
 def test_idle_gaps_find_both_gaps_and_who_held_them():

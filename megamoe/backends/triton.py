@@ -259,8 +259,8 @@ class _BesideCopies:
 
     The copies use ``config.copy_programs`` SMs and leave the others idle; GEMMs launched with
     :attr:`programs` (the rest) fill them, and both fit on the GPU at once whichever starts
-    first. Off (``config.overlap_shared`` False, no CUDA, or under the interpreter), ``run``
-    calls in line with the default grid. ``run`` forks: the side stream first waits for
+    first. Off (``config.overlap_shared`` False, copies on more than half of the SMs, no CUDA,
+    or under the interpreter), ``run`` calls in line with the default grid. ``run`` forks: the side stream first waits for
     everything queued on the current stream; ``join`` makes the current stream wait for the
     side work. Tensors made on the side stream are recorded on the current one (allocator
     safety). Graph capture records the fork and join as event edges.
@@ -272,9 +272,15 @@ class _BesideCopies:
                         and not _interpreting())
         self.programs = None
         if self.enabled:
-            self.programs = max(1, persistent_programs(device) - config.copy_programs)
+            sms = persistent_programs(device)
+            self.programs = sms - config.copy_programs
+            # Copies on most of the GPU leave too little beside them: run the GEMMs after.
+            self.enabled = self.programs * 2 >= sms
+        if self.enabled:
             self.main = torch.cuda.current_stream(device)
             self.side = _side_stream(device)
+        else:
+            self.programs = None
 
     def run(self, fn: Callable[..., _T], *args, **kwargs) -> _T:
         if not self.enabled:
@@ -567,9 +573,11 @@ def experts_unfused(ws: Workspace, schedule: TritonSchedule, weights: ExpertWeig
     the dispatch pull (``config.overlap_shared``), and the routed experts
     (:func:`routed_unfused`)."""
     beside = _BesideCopies(ws.device, schedule.config)
-    shared, shared_out = beside.run(_shared_forward, x, weights, schedule.config)
-    routed = routed_unfused(ws, schedule, weights)
-    beside.join()
+    try:
+        shared, shared_out = beside.run(_shared_forward, x, weights, schedule.config)
+        routed = routed_unfused(ws, schedule, weights)
+    finally:
+        beside.join()
     return routed, shared, shared_out
 
 
@@ -614,16 +622,18 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
     # The shared expert needs only the local dy: its d_x runs beside the dy pull, its weight
     # gradients beside the d_x push (config.overlap_shared; each about as long as the copy).
     beside = _BesideCopies(ws.device, schedule.config)
-    shared_dgrad = beside.run(_shared_dgrad, dy, ctx)
-    yield from _barrier_point(ws)
-    dy_rows = comm.dispatch_pull(ws, sched, "dy", programs=programs, scale=False)
-    dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.z, ctx.slot_weights, sched)
-    dxs, dg, du = _experts_dgrad(dz, ctx)
-    shared_grads = beside.run(_shared_wgrad, dy, shared_dgrad, ctx)
-    comm.combine_push(ws, dxs, sched, "dx", programs=programs)
-    comm.push_row_values(ws, dw_rows, sched, programs=programs)
-    d_w_gate, d_w_up, d_w_down = _experts_wgrad(dz, dg, du, ctx)
-    beside.join()
+    try:
+        shared_dgrad = beside.run(_shared_dgrad, dy, ctx)
+        yield from _barrier_point(ws)
+        dy_rows = comm.dispatch_pull(ws, sched, "dy", programs=programs, scale=False)
+        dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.z, ctx.slot_weights, sched)
+        dxs, dg, du = _experts_dgrad(dz, ctx)
+        shared_grads = beside.run(_shared_wgrad, dy, shared_dgrad, ctx)
+        comm.combine_push(ws, dxs, sched, "dx", programs=programs)
+        comm.push_row_values(ws, dw_rows, sched, programs=programs)
+        d_w_gate, d_w_up, d_w_down = _experts_wgrad(dz, dg, du, ctx)
+    finally:
+        beside.join()
     dx_shared = None if shared_dgrad is None else shared_dgrad[0]
     yield from _barrier_point(ws)
     invalid = schedule.ep.invalid
