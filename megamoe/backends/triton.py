@@ -260,10 +260,12 @@ class _BesideCopies:
     The copies use ``config.copy_programs`` SMs and leave the others idle; GEMMs launched with
     :attr:`programs` (the rest) fill them, and both fit on the GPU at once whichever starts
     first. Off (``config.overlap_shared`` False, copies on more than half of the SMs, no CUDA,
-    or under the interpreter), ``run`` calls in line with the default grid. ``run`` forks: the side stream first waits for
-    everything queued on the current stream; ``join`` makes the current stream wait for the
-    side work. Tensors made on the side stream are recorded on the current one (allocator
-    safety). Graph capture records the fork and join as event edges.
+    or under the interpreter), ``run`` calls in line with the default grid. ``run`` forks: the
+    side stream first waits for everything queued on the current stream; ``join`` makes the
+    current stream wait for the side work (callers join in a ``finally``: an error between fork
+    and join must not leave a graph capture unjoined). Tensors made on the side stream are
+    recorded on the current one (allocator safety). Graph capture records the fork and join as
+    event edges.
     """
 
     def __init__(self, device: torch.device, config: MoEConfig) -> None:
