@@ -225,14 +225,15 @@ def _experts_wgrad(dz: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
 
 
 def _shared_dgrad(dy: torch.Tensor, ctx: TritonContext, programs: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(shared d_x, d_g, d_u) over the local tokens; None without a shared expert."""
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RowSchedule] | None:
+    """(shared d_x, d_g, d_u, the token layout they used) over the local tokens; None without
+    a shared expert."""
     from ..kernels import gemm
     if ctx.shared is None:
         return None
     w, (sg, su, _), one = ctx.weights, ctx.shared, _token_schedule(ctx)
     dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], sg, su, one, programs)
-    return gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one, programs), dsg, dsu
+    return gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one, programs), dsg, dsu, one
 
 
 def _shared_wgrad(dy: torch.Tensor, dgrad: tuple[torch.Tensor, ...] | None, ctx: TritonContext,
@@ -242,8 +243,7 @@ def _shared_wgrad(dy: torch.Tensor, dgrad: tuple[torch.Tensor, ...] | None, ctx:
     from ..kernels import gemm
     if dgrad is None:
         return None, None, None
-    _, dsg, dsu = dgrad
-    one = _token_schedule(ctx)
+    _, dsg, dsu, one = dgrad
     pairs = ((dsg, ctx.x), (dsu, ctx.x), (dy, ctx.shared[2]))
     return tuple(gemm.wgrad(a, b, one, programs)[0] for a, b in pairs)
 
