@@ -426,7 +426,7 @@ def tunable_fields(backend: str, config: MoEConfig, world_size: int,
     if fields and backend in BACKENDS and device is not None and device.type == "cuda":
         resolve = getattr(get_backend(backend), "resolved_tunables", None)
         if resolve is not None:
-            fields.update({k: v for k, v in resolve(config, device).items() if k in fields})
+            fields.update({k: v for k, v in resolve(config, device, world_size).items() if k in fields})
     return fields
 
 

@@ -253,9 +253,9 @@ def test_fused_records_the_comm_programs_it_uses():
 
     config = get_preset("dsv3").config(2)
     cpu = torch.device("cpu")
-    assert resolved_tunables(config, cpu) == {
-        "comm_programs": comm_programs_for(persistent_programs(cpu), 2048)}
-    assert resolved_tunables(config.replace(comm_programs=12), cpu) == {"comm_programs": 12}
+    assert resolved_tunables(config, cpu, 2) == {
+        "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 2)}
+    assert resolved_tunables(config.replace(comm_programs=12), cpu, 2) == {"comm_programs": 12}
     # no GPU: the record keeps the config's None (derived) rather than a CPU-grid number
     assert tunable_fields("fused", config, 2, cpu)["comm_programs"] is None
 

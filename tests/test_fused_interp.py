@@ -206,6 +206,17 @@ def test_routed_lag_frees_a_slot_before_its_next_pull(slots: int, blocks_per_mb:
                 assert all(tasks.index((0, old, c)) < first for c in range(n2)), (lag, b, old)
 
 
+def test_comm_programs_follow_the_pull_rate() -> None:
+    """The derived pull programs on an H200's 132 SMs are the sweeps' best (BENCHMARKS.md: dsv3,
+    qwen3-30b, mok-v4 at W = 2 and W = 1); local pulls are faster, so W = 1 needs fewer; a
+    narrower expert (fewer FLOPs per pulled byte) needs more; never the whole grid."""
+    at_w2 = [ff.comm_programs_for(132, i, 2) for i in (2048, 768, 3072)]
+    at_w1 = [ff.comm_programs_for(132, i, 1) for i in (2048, 768, 3072)]
+    assert at_w2 == [9, 21, 6] and at_w1 == [6, 15, 4]
+    assert ff.comm_programs_for(132, 2048, 8) == at_w2[0]
+    assert ff.comm_programs_for(4, 1, 2) == 3 and ff.comm_programs_for(2, 64, 1) == 1
+
+
 # ------------------------------------------------------------------------------ W = 2
 
 def _ep_problem(seed: int, routing: str, i_s: int):

@@ -46,14 +46,17 @@ MAX_WORLD_SIZE = None
 _LOCAL: dict[tuple, object] = {}
 
 
-def resolved_tunables(config: MoEConfig, device: torch.device) -> dict[str, int | None]:
-    """The tunables as the kernel uses them on ``device``: derived comm programs for None.
-    (``down_lag`` None stays None: it also depends on the ring and the schedule's rows.)"""
+def resolved_tunables(config: MoEConfig, device: torch.device,
+                      world_size: int) -> dict[str, int | None]:
+    """The tunables as the kernel uses them on ``device`` at ``world_size``: derived comm
+    programs for None. (``down_lag`` None stays None: it also depends on the ring and the
+    schedule's rows.)"""
     from ..kernels.fused_forward import comm_programs_for
     from ..kernels.runtime import persistent_programs
     num_comm = config.comm_programs
     if num_comm is None:
-        num_comm = comm_programs_for(persistent_programs(device), config.intermediate_size)
+        num_comm = comm_programs_for(persistent_programs(device), config.intermediate_size,
+                                     world_size)
     return {"comm_programs": num_comm}
 
 
@@ -64,7 +67,8 @@ def _experts(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tens
     config = schedule.config
     shared = ((x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None)
     out = fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
-                        num_comm=resolved_tunables(config, ws.device)["comm_programs"],
+                        num_comm=resolved_tunables(config, ws.device,
+                                                   ws.world_size)["comm_programs"],
                         minibatch_rows=config.minibatch_rows,
                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag,
                         trace=trace)

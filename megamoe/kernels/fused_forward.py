@@ -84,7 +84,10 @@ FUSED_WARPS = 8
 FUSED_STAGES = 4
 # What one program does on an H200 at dsv3 shapes (BENCHMARKS.md, 2026-11-30): a pull program
 # moves ~12 GB/s of rows over NVLink (291 GB/s with 24), a GEMM program ~5 TFLOP/s (660 / 132).
+# At W = 1 every pulled row is local: 9 programs copied dsv3's 470 MB in 2.85 ms inside the
+# kernel (fused_trace, one H200), 18 GB/s each.
 PULL_GBPS_PER_PROGRAM = 12.0
+LOCAL_PULL_GBPS_PER_PROGRAM = 18.0
 GEMM_TFLOPS_PER_PROGRAM = 5.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
@@ -299,12 +302,14 @@ def gate_up_start(block, num_blocks, n1, n2, LAG: tl.constexpr):
     return tl.where(block < num_blocks, pos, num_blocks * (n1 + n2))
 
 
-def comm_programs_for(programs: int, intermediate: int) -> int:
+def comm_programs_for(programs: int, intermediate: int, world_size: int) -> int:
     """Pull programs for a grid of ``programs``: enough that the rows arrive as fast as the
     others compute them. A row of H bf16 (2H bytes) brings 6·H·I FLOPs, so pulls keep up when
     c / (programs - c) >= 2 * GEMM rate / (6 * I * pull rate) per program; the smallest such c.
+    The pull rate is NVLink's at W > 1 and a local copy's at W = 1.
     """
-    ratio = 2 * GEMM_TFLOPS_PER_PROGRAM * 1e12 / (6 * intermediate * PULL_GBPS_PER_PROGRAM * 1e9)
+    pull = PULL_GBPS_PER_PROGRAM if world_size > 1 else LOCAL_PULL_GBPS_PER_PROGRAM
+    ratio = 2 * GEMM_TFLOPS_PER_PROGRAM * 1e12 / (6 * intermediate * pull * 1e9)
     return max(1, min(programs - 1, math.ceil(programs * ratio / (1 + ratio))))
 
 
@@ -644,7 +649,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     outputs hold only the ring (``FusedOutputs.full`` is False). ``shared``: (x [T, H] local
     tokens, s_gate [Is, H], s_up [Is, H], s_down [H, Is]) runs the shared expert as the first
     tasks. ``flags`` (int32, zeroed, :func:`flag_layout`) is a test hook: a pre-set counter
-    reproduces a missing signal. ``num_comm`` None: :func:`comm_programs_for` the grid and I.
+    reproduces a missing signal. ``num_comm`` None: :func:`comm_programs_for` the grid, I and W.
     ``down_lag``: groups (of one minibatch of row blocks) between a
     group's gate/up tiles and its down tiles in the task list (:func:`grouped_task`; speed only;
     None: :func:`down_lag_for` the grid and shapes). ``trace`` (GPU only; :func:`new_trace`):
@@ -653,7 +658,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     """
     comm._check_schedule(ws, sched)
     if num_comm is None:
-        num_comm = comm_programs_for(persistent_programs(ws.device), w_gate.shape[1])
+        num_comm = comm_programs_for(persistent_programs(ws.device), w_gate.shape[1],
+                                     ws.world_size)
     _check_int("num_comm", num_comm, 1)
     if down_lag is not None:
         _check_int("down_lag", down_lag, 0)

@@ -219,7 +219,9 @@ def test_trace_records_every_task_and_pull_and_changes_no_bits() -> None:
     traced = launch(trace)
     torch.cuda.synchronize()
     check_errors(ws)
-    assert _bits_equal(traced.z, plain.z) and _bits_equal(traced.shared_out, plain.shared_out)
+    used = int(sched.row_start[-1])  # rows past the used ones are never written (torch.empty)
+    assert _bits_equal(traced.z[:used], plain.z[:used])
+    assert _bits_equal(traced.shared_out, plain.shared_out)
     assert _bits_equal(ws.combine_buffer, plain_slots)
     ev = trace.cpu()
     written = ev[:, :, 0] >= 0
