@@ -40,11 +40,12 @@ pull_sig = {"src_table": "*i64", "scale_table": "*i64", "dst_ptr": "*bf16", "row
             "num_blocks_ptr": "*i32", "T": "i32", "H": "i32", "TOP_K": "constexpr",
             "BLOCK_ROWS": "constexpr", "SCALE": "constexpr", "ROWS": "constexpr",
             "COLS": "constexpr", "UPCAST": "constexpr"}
+pull_rows, pull_cols = comm.copy_tile(7168, 2, comm.PULL_TILE_BYTES)  # dispatch_pull's defaults
 for scale in (False, True):
     out[f"pull_scale{int(scale)}"] = build(
-        comm._pull_kernel, pull_sig, {"TOP_K": 8, "BLOCK_ROWS": 128, "SCALE": scale, "ROWS": rows,
-                                      "COLS": cols, "UPCAST": False},
-        [0, 1, 2, 3, 4, 5, 6], comm.COPY_WARPS)
+        comm._pull_kernel, pull_sig, {"TOP_K": 8, "BLOCK_ROWS": 128, "SCALE": scale,
+                                      "ROWS": pull_rows, "COLS": pull_cols, "UPCAST": False},
+        [0, 1, 2, 3, 4, 5, 6], comm.PULL_WARPS)
 push_sig = {"src_ptr": "*bf16", "dst_table": "*i64", "row_src_ptr": "*i32", "num_blocks_ptr": "*i32",
             "T": "i32", "H": "i32", "TOP_K": "constexpr", "BLOCK_ROWS": "constexpr",
             "ROWS": "constexpr", "COLS": "constexpr"}
