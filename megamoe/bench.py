@@ -426,7 +426,8 @@ def tunable_fields(backend: str, config: MoEConfig, world_size: int,
     if fields and backend in BACKENDS and device is not None and device.type == "cuda":
         resolve = getattr(get_backend(backend), "resolved_tunables", None)
         if resolve is not None:
-            fields.update({k: v for k, v in resolve(config, device, world_size).items() if k in fields})
+            resolved = resolve(config, device, world_size)
+            fields.update({k: v for k, v in resolved.items() if k in fields})
     return fields
 
 

@@ -54,11 +54,11 @@ SPIN_BUDGET_ENV = "MEGAMOE_SPIN_BUDGET"
 COPY_TILE_BYTES = 64 * 1024
 _MAX_COLS = 1024
 COPY_WARPS = 8
-# Pulls are latency bound (a load round trip over NVLink per tile), so they want more bytes in
-# flight than pushes: the 2026-11-30 H200x2 sweep (benchmarks/results/comm_h200x2_2026-11-30.json)
-# gave 294 GB/s with 128 KB / 16 warps vs 249 with 64 KB / 8 warps at 24 programs; pushes peaked
-# at 64 KB / 8 warps (319 GB/s). A pull program's rate grows with the warps issuing loads, not
-# with bytes in flight: 32 warps on the same 128 KB gave 314 GB/s vs 291 with 16 (one run,
+# Pulls wait for a load round trip over NVLink per tile and want bigger tiles than pushes: the
+# 2026-11-30 H200x2 sweep (benchmarks/results/comm_h200x2_2026-11-30.json) gave 294 GB/s with
+# 128 KB / 16 warps vs 249 with 64 KB / 8 warps at 24 programs; pushes peaked at 64 KB / 8 warps
+# (319 GB/s). Past 128 KB a pull program's rate grew with the warps issuing the loads, not with
+# more bytes in flight: 32 warps gave 314 GB/s vs 291 with 16 (one run,
 # benchmarks/results/comm_h200x2_warps_9abc9dd_2026-11-30.json); 256 KB tiles and cp.async
 # pipelines (tl.range num_stages) were slower (docs/comm.md).
 PULL_TILE_BYTES = 128 * 1024
