@@ -27,6 +27,13 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _require_multiple(name: str, value: int, base_name: str, base: int) -> None:
+    """``value`` (an int >= ``base``) must be a whole number of ``base``-sized pieces."""
+    _require_int(name, value, base)
+    if value % base:
+        raise ValueError(f"{name} must be a multiple of {base_name} ({base}), got {value}")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Model shape of one MoE layer plus the tunables of the fused kernels.
@@ -91,19 +98,9 @@ class MoEConfig:
         _require_int("block_rows", self.block_rows, 16)
         if self.block_rows & (self.block_rows - 1):
             raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
-        _require_int("minibatch_rows", self.minibatch_rows, self.block_rows)
-        if self.minibatch_rows % self.block_rows:
-            raise ValueError(
-                f"minibatch_rows must be a multiple of block_rows ({self.block_rows}), "
-                f"got {self.minibatch_rows}"
-            )
+        _require_multiple("minibatch_rows", self.minibatch_rows, "block_rows", self.block_rows)
         if self.ring_rows is not None:
-            _require_int("ring_rows", self.ring_rows, self.minibatch_rows)
-            if self.ring_rows % self.minibatch_rows:
-                raise ValueError(
-                    f"ring_rows must be a multiple of minibatch_rows ({self.minibatch_rows}), "
-                    f"got {self.ring_rows}"
-                )
+            _require_multiple("ring_rows", self.ring_rows, "minibatch_rows", self.minibatch_rows)
         if self.down_lag is not None:
             _require_int("down_lag", self.down_lag, 0)
         if not isinstance(self.overlap_shared, bool):
