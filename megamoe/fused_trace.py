@@ -8,8 +8,8 @@ then runs one forward with a trace buffer (``fused_forward(trace=...)``: every p
 event per pulled minibatch or task: kind, index, start and end in GPU nanoseconds) and one more
 timed plain forward. Rank 0 prints, per event kind, the count, the summed time, the median and
 10th-percentile duration and the *excess* (time beyond the 10th percentile, summed: mostly
-waiting on flags, since tiles of one kind do the same work); then the compute programs' busy
-fraction over the kernel span, when the last pull ended, the launch skew and the forward time
+waiting on flags, since tiles of one kind do the same work); then the fraction of the
+programs' time over the kernel span spent in pulls or tasks (busy), when the last pull ended, the launch skew and the forward time
 outside the kernel's span (the other launches and the gaps between them); ``--profile`` lists
 each launch's GPU time per forward and the idle gaps between launches (``megamoe.profile``). ``--out`` gets
 ``trace_rank{r}.json`` (the summary and the events) and ``timeline_rank0.png``.
@@ -81,18 +81,18 @@ def summarize(trace: torch.Tensor, num_comm: int) -> dict[str, Any]:
             "excess_ms": sum(d - fast for d in durations) / _NS_PER_MS,
         }
     programs = trace.shape[0]
-    compute = [e for e in events if e[0] >= num_comm]
+    compute = [e for e in events if e[1] != PULL]  # the comm programs compute after pulling
     pulls = [e for e in events if e[1] == PULL]
     first_start = {}
     for e in events:
         first_start[e[0]] = min(first_start.get(e[0], e[3]), e[3])
-    busy = sum(e[4] - e[3] for e in compute)
+    busy = sum(e[4] - e[3] for e in events)
     return {
         "programs": programs,
         "comm_programs": num_comm,
         "span_ms": span / _NS_PER_MS,
         "kinds": kinds,
-        "compute_busy": busy / (span * max(1, programs - num_comm)) if span else 0.0,
+        "busy": busy / (span * programs) if span else 0.0,
         "last_pull_end_ms": (max(e[4] for e in pulls) - t0) / _NS_PER_MS if pulls else None,
         "last_task_end_ms": (max(e[4] for e in compute) - t0) / _NS_PER_MS if compute else None,
         "launch_skew_us": (max(first_start.values()) - t0) / _NS_PER_US,
@@ -101,7 +101,7 @@ def summarize(trace: torch.Tensor, num_comm: int) -> dict[str, Any]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"kernel span {summary['span_ms']:.3f} ms, {summary['programs']} programs "
-             f"({summary['comm_programs']} pull), compute busy {100 * summary['compute_busy']:.1f}%"]
+             f"({summary['comm_programs']} pull first), busy {100 * summary['busy']:.1f}%"]
     if summary["last_pull_end_ms"] is not None:
         lines.append(f"last pull ended at {summary['last_pull_end_ms']:.3f} ms")
     lines.append(f"launch skew (latest first event) {summary['launch_skew_us']:.1f} us")

@@ -37,11 +37,11 @@ def test_summary_counts_times_and_excess():
     assert gate_up["count"] == 2 and gate_up["p10_us"] == pytest.approx(50)
     assert gate_up["excess_ms"] == pytest.approx(0.030)  # the 80 us tile waited 30 us
     assert s["kinds"]["down"]["excess_ms"] == pytest.approx(0.0)
-    assert s["compute_busy"] == pytest.approx((70 + 100) / (105 * 2))
+    assert s["busy"] == pytest.approx((25 + 70 + 100) / (105 * 3))
     assert s["last_pull_end_ms"] == pytest.approx(0.025)
     assert s["launch_skew_us"] == pytest.approx(5)
     text = format_summary(s)
-    assert "kernel span 0.105 ms" in text and "gate/up" in text and "compute busy 81.0%" in text
+    assert "kernel span 0.105 ms" in text and "gate/up" in text and "busy 61.9%" in text
 
 
 def test_empty_trace_is_an_error():

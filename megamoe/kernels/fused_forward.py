@@ -442,18 +442,18 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                  BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
                 LAG: tl.constexpr,
                  SHARED_LAG: tl.constexpr, SHARED: tl.constexpr, trace_ptr, max_events,
-                 TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
+                 first_event, TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
                  UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
     (``SHARED``), then the routed part. Traced: one event per task (its kind, its position in
-    the list), the wait included."""
+    the list), the wait included, from trace slot ``first_event`` on."""
     if SHARED:
         shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tl.cdiv(H, BN2), MB // BM)
     else:
         shared_total = 0
     task = take_task(ticket_ptr, limit, PHASED)
     alive = True
-    n = 0
+    n = first_event
     while (task < limit) & alive:
         trace_start(trace_ptr, max_events, n, TRACE)
         if SHARED:
@@ -491,6 +491,30 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
 
 
 @triton.jit
+def flag_pointers(flags_ptr, max_mb, max_blocks):
+    """The counters in the flag buffer (zeroed per launch, :func:`flag_layout`):
+    ``[ticket | ready[max_mb] | z_done[max_mb] | h_done[max_blocks] | sh_done[shared blocks]]``."""
+    ready_ptr = flags_ptr + _FLAG_WORDS
+    z_done_ptr = ready_ptr + max_mb
+    h_done_ptr = z_done_ptr + max_mb
+    return flags_ptr, ready_ptr, z_done_ptr, h_done_ptr, h_done_ptr + max_blocks
+
+
+@triton.jit
+def task_counts(num_blocks_ptr, T, H, I, IS, MB: tl.constexpr, BM: tl.constexpr,
+                BN1: tl.constexpr, BN2: tl.constexpr, SHARED: tl.constexpr):
+    """(routed row blocks, shared row blocks, shared tasks, all tasks) of this launch."""
+    num_blocks = tl.load(num_blocks_ptr)
+    shared_blocks = tl.cdiv(T, BM)
+    if SHARED:
+        shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tl.cdiv(H, BN2), MB // BM)
+    else:
+        shared_total = 0
+    total = shared_total + part_length(num_blocks, tl.cdiv(I, BN1), tl.cdiv(H, BN2), MB // BM)
+    return num_blocks, shared_blocks, shared_total, total
+
+
+@triton.jit
 def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr,
                           xs_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                           wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
@@ -503,25 +527,15 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                           LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
                           PUSH_CHUNK: tl.constexpr, TRACE: tl.constexpr, PHASED: tl.constexpr,
                           GPU: tl.constexpr, UPCAST: tl.constexpr):
-    # Flag buffer (zeroed per launch, flag_layout):
-    # [ticket | ready[max_mb] | z_done[max_mb] | h_done[max_blocks] | sh_done[shared blocks]].
-    ticket_ptr = flags_ptr
-    ready_ptr = flags_ptr + _FLAG_WORDS
-    z_done_ptr = ready_ptr + max_mb
-    h_done_ptr = z_done_ptr + max_mb
-    sh_done_ptr = h_done_ptr + max_blocks
-    num_blocks = tl.load(num_blocks_ptr)
+    ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
+        flags_ptr, max_mb, max_blocks)
+    num_blocks, shared_blocks, shared_total, total = task_counts(
+        num_blocks_ptr, T, H, I, IS, MB, BM, BN1, BN2, SHARED)
     used_rows = num_blocks * BM
     n_mb = tl.cdiv(used_rows, MB)
     tiles_down = tl.cdiv(H, BN2)
     n1 = tl.cdiv(I, BN1)
-    shared_blocks = tl.cdiv(T, BM)
     G = MB // BM  # row blocks per task-list group: one minibatch
-    if SHARED:
-        shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tiles_down, G)
-    else:
-        shared_total = 0
-    total = shared_total + part_length(num_blocks, n1, tiles_down, G)
     if PHASED:  # the interpreter: one program plays every role, in rounds of one minibatch
         m = 0
         while m < n_mb:
@@ -540,31 +554,38 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
                          err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG,
-                         SHARED, trace_ptr, max_events, TRACE, PHASED, GPU, UPCAST)
+                         SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
             m += 1
         compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                      wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                      sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                      ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                      shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM,
-                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG, SHARED, trace_ptr, max_events, TRACE, PHASED, GPU,
+                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU,
                      UPCAST)
     else:
-        pid = tl.program_id(0)
-        # Comm programs only pull: letting them compute after their last pull (one more code
-        # path into the GEMM tiles) made ptxas spill (255 registers vs 202).
-        if pid < NUM_COMM:
+        # Comm programs pull, then take compute tasks like the others (the ticket hands out
+        # what is left). They re-derive the compute role's values after their pulls: values
+        # kept live across the pull loop made ptxas spill (255 registers; 210 without). A pull
+        # that gave up left the error record, which makes the compute waits give up at once.
+        first_event = 0
+        if tl.program_id(0) < NUM_COMM:
             comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots,
-                      pid, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb, trace_ptr,
-                      max_events, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, TRACE, UPCAST)
-        else:
-            compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
-                         wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                         sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
-                         block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
-                         sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
-                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                         SHARED_LAG, SHARED, trace_ptr, max_events, TRACE, PHASED, GPU, UPCAST)
+                      tl.program_id(0), T, H, rank, budget, err_ptr, tiles_down, 0, n_mb,
+                      trace_ptr, max_events, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, TRACE, UPCAST)
+            first_event = n_mb  # trace slots 0..n_mb-1 hold the pulls
+            ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
+                flags_ptr, max_mb, max_blocks)
+            num_blocks, shared_blocks, shared_total, total = task_counts(
+                num_blocks_ptr, T, H, I, IS, MB, BM, BN1, BN2, SHARED)
+        compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
+                     wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                     sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
+                     block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
+                     sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
+                     err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
+                     SHARED_LAG, SHARED, trace_ptr, max_events, first_event, TRACE, PHASED,
+                     GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
