@@ -96,23 +96,26 @@ def record_stall(err_ptr, stage, index, peer, rank, seen, wanted, budget):
 
 
 @triton.jit
-def wait_at_least(flag_ptrs, live, who, wanted, budget, err_ptr, stage, index, rank):
+def wait_at_least(flag_ptrs, live, who, wanted, budget, err_ptr, stage, index, rank,
+                  SCOPE: tl.constexpr):
     """Spin until every live int32 flag is >= ``wanted`` (mod 2**32); True if they all got there.
 
-    Polls are acquire loads at system scope (``atom.acquire.sys.add 0``), so whatever the signaller
-    wrote before its release is visible to this program afterwards. After ``budget`` polls the
+    Polls are acquire loads (``atom.acquire.<SCOPE>.add 0``), so whatever the signaller wrote
+    before its release is visible to this program afterwards. System scope for flags other GPUs
+    set (the barrier); "gpu" suffices when producer and consumer run on this GPU (the fused
+    kernel's counters) and spares each poll the system-wide ordering. After ``budget`` polls the
     wait gives up, records (stage, index, first missing peer ``who``, rank) and returns False. If an
     earlier wait of this rank already gave up, it does not spin at all: a broken step ends quickly
     everywhere and the host raises at its next check.
     """
     earlier = tl.load(err_ptr, volatile=True)
     budget = tl.where(earlier != 0, 0, budget)
-    seen = tl.atomic_add(flag_ptrs, 0, mask=live, sem="acquire", scope="sys")
+    seen = tl.atomic_add(flag_ptrs, 0, mask=live, sem="acquire", scope=SCOPE)
     behind = live & ((seen - wanted) < 0)
     missing = tl.sum(behind.to(tl.int32), axis=0)
     spins = 0
     while (missing > 0) & (spins < budget):
-        seen = tl.atomic_add(flag_ptrs, 0, mask=live, sem="acquire", scope="sys")
+        seen = tl.atomic_add(flag_ptrs, 0, mask=live, sem="acquire", scope=SCOPE)
         behind = live & ((seen - wanted) < 0)
         missing = tl.sum(behind.to(tl.int32), axis=0)
         spins += 1
@@ -150,7 +153,7 @@ def barrier_wait(signal_table, epoch, err_ptr, channel, rank, budget, W: tl.cons
     live = ranks < W
     pad = tl.load(signal_table + rank).to(tl.pointer_type(tl.int32))
     ok = wait_at_least(pad + channel * W + ranks, live, ranks, epoch, budget, err_ptr,
-                       _STAGE_BARRIER, channel, rank)
+                       _STAGE_BARRIER, channel, rank, "sys")
     tl.debug_barrier()
     return ok
 

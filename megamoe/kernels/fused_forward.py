@@ -181,11 +181,12 @@ def trace_end(trace_ptr, max_events, slot, kind, index, TRACE: tl.constexpr):
 def wait_count(flag_ptr, wanted, err_ptr, stage, index, rank, budget):
     """Spin (acquire) until ``flag >= wanted``; False (and a stall record) if the budget ran out.
 
-    ``comm.wait_at_least`` on one local flag; the record names this rank as the 'peer'.
+    ``comm.wait_at_least`` on one local flag (GPU scope: every counter of the kernel is set by
+    this GPU's programs); the record names this rank as the 'peer'.
     """
     one = tl.arange(0, 1)
     return comm.wait_at_least(flag_ptr + one, one == 0, one + rank, wanted, budget, err_ptr,
-                              stage, index, rank)
+                              stage, index, rank, "gpu")
 
 
 # --------------------------------------------------------------------------------------------
