@@ -363,12 +363,15 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                 z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
                 NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
                 BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, TOP_K: tl.constexpr,
-                PUSH_CHUNK: tl.constexpr, LAG: tl.constexpr, GPU: tl.constexpr,
-                UPCAST: tl.constexpr):
+                PUSH_CHUNK: tl.constexpr, LAG: tl.constexpr, RING_WRAPS: tl.constexpr,
+                GPU: tl.constexpr, UPCAST: tl.constexpr):
     """Routed task t (of the routed part); False if its wait gave up.
 
     A down tile stores its z tile (TMA), waits for it, and pushes its rows from there (L2) into
-    the source ranks' combine slots (``comm.push_tile``)."""
+    the source ranks' combine slots (``comm.push_tile``). It counts itself into its minibatch's
+    ``z_done`` only when the ring wraps (``RING_WRAPS``: the pulls of a later minibatch wait for
+    it); otherwise nobody reads the count, and a release there may wait for the pushed rows
+    to land on the peer."""
     n1 = tl.cdiv(I, BN1)
     is_gate_up, b, j, real = grouped_task(t, num_blocks, n1, tl.cdiv(H, BN2), LAG, MB // BM)
     expert = tl.load(block_expert_ptr + b, mask=real, other=0)
@@ -398,7 +401,8 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
             tl.debug_barrier()
             comm.push_tile(z_ptr + at.to(tl.int64) * H, H, combine_table, row_src_ptr, row,
                            col, T, H, TOP_K, BM, BN2, PUSH_CHUNK)
-            signal(z_done_ptr + mb)
+            if RING_WRAPS:
+                signal(z_done_ptr + mb)
     return alive
 
 
@@ -441,8 +445,8 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                  T, H, I, IS, rank, budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr,
                  BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
                  BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
-                LAG: tl.constexpr,
-                 SHARED_LAG: tl.constexpr, SHARED: tl.constexpr, trace_ptr, max_events,
+                 LAG: tl.constexpr, RING_WRAPS: tl.constexpr, SHARED_LAG: tl.constexpr,
+                 SHARED: tl.constexpr, trace_ptr, max_events,
                  first_event, TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
                  UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
@@ -469,13 +473,13 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                                     z_ptr, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
                                     z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
                                     NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                                    GPU, UPCAST)
+                                    RING_WRAPS, GPU, UPCAST)
         else:
             alive = routed_task(task, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
                                 h_in_desc, wd_desc, z_desc, combine_table, z_ptr, row_src_ptr,
                                 block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks,
                                 ring, T, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1,
-                                BN2, BK2, TOP_K, PUSH_CHUNK, LAG, GPU, UPCAST)
+                                BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, GPU, UPCAST)
         if TRACE:
             trace_end(trace_ptr, max_events, n, task_kind(task, shared_total, shared_blocks,
                                                           num_blocks, tl.cdiv(IS, BN1),
@@ -526,7 +530,8 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                           BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
                           TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                           LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
-                          PUSH_CHUNK: tl.constexpr, TRACE: tl.constexpr, PHASED: tl.constexpr,
+                          PUSH_CHUNK: tl.constexpr, RING_WRAPS: tl.constexpr,
+                          TRACE: tl.constexpr, PHASED: tl.constexpr,
                           GPU: tl.constexpr, UPCAST: tl.constexpr):
     ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
         flags_ptr, max_mb, max_blocks)
@@ -554,15 +559,15 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
-                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG,
-                         SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
+                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS,
+                         SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
             m += 1
         compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                      wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                      sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                      ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                      shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM,
-                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU,
+                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU,
                      UPCAST)
     else:
         # Comm programs pull, then take compute tasks like the others (the ticket hands out
@@ -585,7 +590,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                      block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                      sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
                      err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                     SHARED_LAG, SHARED, trace_ptr, max_events, first_event, TRACE, PHASED,
+                     RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, first_event, TRACE, PHASED,
                      GPU, UPCAST)
 
 
@@ -759,7 +764,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         ring_rows, slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
-        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), TRACE=trace is not None, PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
+        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, TRACE=trace is not None, PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
         launch_cooperative_grid=not interpreting())
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
