@@ -5,7 +5,8 @@
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
-#   tests-1gpu  python -m pytest tests/gpu/test_triton_backend.py   (one GPU)
+#   tests-1gpu  python -m pytest $MEGAMOE_1GPU_TESTS (one GPU; default
+#               tests/gpu/test_triton_backend.py tests/gpu/test_fused.py: the fused kernel at W = 1)
 #   tests-ep    torchrun --nproc-per-node=$NGPU -m pytest $MEGAMOE_EP_TESTS (>= 2 GPUs; default
 #               tests/gpu/test_ep_reference.py tests/gpu/test_triton_ep.py tests/gpu/test_comm.py
 #               tests/gpu/test_fused.py; one NCCL group for the session: tests/gpu/conftest.py)
@@ -20,6 +21,7 @@
 #   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); the device tool
 #                        brings back 8 files: pick the parts (or copy what matters) accordingly
 #   MEGAMOE_PRESETS      default "dsv3 qwen3-30b mok-v4"
+#   MEGAMOE_1GPU_TESTS   the test files (or file::test ids) of tests-1gpu
 #   MEGAMOE_EP_TESTS     the EP test files (or file::test ids) of tests-ep
 #   MEGAMOE_BACKENDS     default: every available backend + torch-a2a (bench's own default)
 #   MEGAMOE_ITERS        timed iterations (default 20); MEGAMOE_WARMUP (default 3)
@@ -113,8 +115,10 @@ fi
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
 
 EP_TESTS="${MEGAMOE_EP_TESTS:-tests/gpu/test_ep_reference.py tests/gpu/test_triton_ep.py tests/gpu/test_comm.py tests/gpu/test_fused.py}"
+ONE_GPU_TESTS="${MEGAMOE_1GPU_TESTS:-tests/gpu/test_triton_backend.py tests/gpu/test_fused.py}"
 if want tests-1gpu; then
-    step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" "$PY" -m pytest -q tests/gpu/test_triton_backend.py
+    # shellcheck disable=SC2086
+    step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" "$PY" -m pytest -q -p no:cacheprovider $ONE_GPU_TESTS
 fi
 if want tests-ep; then
     if [ "$NGPU" -ge 2 ]; then
