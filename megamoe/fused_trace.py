@@ -10,9 +10,10 @@ timed plain forward. Rank 0 prints, per event kind, the count, the summed time, 
 10th-percentile duration and the *excess* (time beyond the 10th percentile, summed: mostly
 waiting on flags, since tiles of one kind do the same work); then the fraction of the
 programs' time over the kernel span spent in pulls or tasks (busy), when the last pull ended,
-the launch skew and the forward time outside the kernel's span (the other launches and the gaps between them); ``--profile`` lists
-each launch's GPU time per forward and the idle gaps between launches (``megamoe.profile``). ``--out`` gets
-``trace_rank{r}.json`` (the summary and the events) and ``timeline_rank0.png``.
+the launch skew and the forward time outside the kernel's span (the other launches and the gaps
+between them); ``--profile`` lists each launch's GPU time per forward and the idle gaps between
+launches (``megamoe.profile``). ``--out`` gets ``trace_rank{r}.json`` (the summary and the
+events) and ``timeline_rank0.png``.
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ EP_TESTS="${MEGAMOE_EP_TESTS:-tests/gpu/test_ep_reference.py tests/gpu/test_trit
 ONE_GPU_TESTS="${MEGAMOE_1GPU_TESTS:-tests/gpu/test_triton_backend.py tests/gpu/test_fused.py}"
 if want tests-1gpu; then
     # shellcheck disable=SC2086
-    step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" "$PY" -m pytest -q -p no:cacheprovider $ONE_GPU_TESTS
+    step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" \
+        "$PY" -m pytest -q -p no:cacheprovider $ONE_GPU_TESTS
 fi
 if want tests-ep; then
     if [ "$NGPU" -ge 2 ]; then

@@ -52,7 +52,10 @@ consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, 
               TOP_K=TOP_K, ROWS=rows, COLS=cols,
               LAG=ff.routed_lag(ff.down_lag_for(132, MB // BM, H, I, t1.bn, t2.bn), RING // MB, 1,
                                 10**6),
-              SHARED_LAG=ff.down_lag_for(132, MB // BM, H, 2048, t1.bn, t2.bn), SHARED=True, PUSH_CHUNK=ff.PUSH_CHUNK_ROWS, RING_WRAPS=True, TRACE=sys.argv[2] == "trace", PHASED=False,
+              SHARED_LAG=ff.down_lag_for(132, MB // BM, H, 2048, t1.bn, t2.bn), SHARED=True,
+              PUSH_CHUNK=ff.PUSH_CHUNK_ROWS,
+              RING_WRAPS=True,  # with the z_done release: a superset of the default's code
+              TRACE=sys.argv[2] == "trace", PHASED=False,
               GPU=True, UPCAST=False)
 fn = ff._fused_forward_kernel
 sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}

@@ -559,16 +559,17 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
-                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS,
-                         SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
+                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
+                         RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED,
+                         GPU, UPCAST)
             m += 1
         compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                      wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                      sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                      ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                      shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM,
-                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED, GPU,
-                     UPCAST)
+                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED,
+                     trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
     else:
         # Comm programs pull, then take compute tasks like the others (the ticket hands out
         # what is left). They re-derive the compute role's values after their pulls: values
@@ -590,8 +591,8 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                      block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                      sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
                      err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                     RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, first_event, TRACE, PHASED,
-                     GPU, UPCAST)
+                     RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, first_event, TRACE,
+                     PHASED, GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -764,7 +765,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         ring_rows, slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
-        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, TRACE=trace is not None, PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
+        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, TRACE=trace is not None,
+        PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
         launch_cooperative_grid=not interpreting())
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
