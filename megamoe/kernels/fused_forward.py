@@ -542,6 +542,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
     tiles_down = tl.cdiv(H, BN2)
     n1 = tl.cdiv(I, BN1)
     G = MB // BM  # row blocks per task-list group: one minibatch
+    first_event = 0
     if PHASED:  # the interpreter: one program plays every role, in rounds of one minibatch
         m = 0
         while m < n_mb:
@@ -563,19 +564,11 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED,
                          GPU, UPCAST)
             m += 1
-        compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
-                     wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                     sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
-                     ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
-                     shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM,
-                     BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED,
-                     trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
     else:
         # Comm programs pull, then take compute tasks like the others (the ticket hands out
         # what is left). They re-derive the compute role's values after their pulls: values
         # kept live across the pull loop made ptxas spill (255 registers; 210 without). A pull
         # that gave up left the error record, which makes the compute waits give up at once.
-        first_event = 0
         if tl.program_id(0) < NUM_COMM:
             comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots,
                       tl.program_id(0), T, H, rank, budget, err_ptr, tiles_down, 0, n_mb,
@@ -585,14 +578,14 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                 flags_ptr, max_mb, max_blocks)
             num_blocks, shared_blocks, shared_total, total = task_counts(
                 num_blocks_ptr, T, H, I, IS, MB, BM, BN1, BN2, SHARED)
-        compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
-                     wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                     sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
-                     block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
-                     sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
-                     err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                     RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, first_event, TRACE,
-                     PHASED, GPU, UPCAST)
+    # every program (PHASED: the one, after its rounds) takes the tasks that are left
+    compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
+                 z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
+                 sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
+                 ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
+                 shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1,
+                 BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, trace_ptr,
+                 max_events, first_event, TRACE, PHASED, GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
