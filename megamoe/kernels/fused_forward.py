@@ -441,8 +441,9 @@ def shared_task(t, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_
 def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
                  z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
                  sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr, ticket_ptr,
-                 ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, ring,
-                 T, H, I, IS, rank, budget, err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr,
+                 ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks,
+                 shared_total, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM: tl.constexpr,
+                 MB: tl.constexpr,
                  BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
                  BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
                  LAG: tl.constexpr, RING_WRAPS: tl.constexpr, SHARED_LAG: tl.constexpr,
@@ -450,12 +451,9 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                  first_event, TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
                  UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
-    (``SHARED``), then the routed part. Traced: one event per task (its kind, its position in
-    the list), the wait included, from trace slot ``first_event`` on."""
-    if SHARED:
-        shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tl.cdiv(H, BN2), MB // BM)
-    else:
-        shared_total = 0
+    (``SHARED``: its first ``shared_total`` positions, :func:`task_counts`), then the routed
+    part. Traced: one event per task (its kind, its position in the list), the wait included,
+    from trace slot ``first_event`` on."""
     task = take_task(ticket_ptr, limit, PHASED)
     alive = True
     n = first_event
@@ -559,10 +557,10 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                          sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
-                         sh_done_ptr, num_blocks, shared_blocks, ring, T, H, I, IS, rank, budget,
-                         err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                         RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, 0, TRACE, PHASED,
-                         GPU, UPCAST)
+                         sh_done_ptr, num_blocks, shared_blocks, shared_total, ring, T, H, I, IS,
+                         rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K,
+                         PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, 0,
+                         TRACE, PHASED, GPU, UPCAST)
             m += 1
     else:
         # Comm programs pull, then take compute tasks like the others (the ticket hands out
@@ -583,9 +581,9 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                  z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
                  sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                  ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
-                 shared_blocks, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1,
-                 BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, trace_ptr,
-                 max_events, first_event, TRACE, PHASED, GPU, UPCAST)
+                 shared_blocks, shared_total, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM,
+                 MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG,
+                 SHARED, trace_ptr, max_events, first_event, TRACE, PHASED, GPU, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
