@@ -46,6 +46,7 @@ the backward replays the routed forward (backends/fused.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,13 +70,15 @@ __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
 # Stage codes of the fused forward's spin-waits in the error record (workspace.STAGE_NAMES).
 STAGE_ROWS_READY = 10
 STAGE_H_READY = 11
-STAGE_RING_FREE = 13  # 12 ("down tiles of a minibatch", waited by comm pushes) is retired
+STAGE_Z_READY = 12  # the split comm kernel's pushes wait for a minibatch's down tiles
+STAGE_RING_FREE = 13
 STAGE_SHARED_H_READY = 14
 register_stage(STAGE_ROWS_READY, "fused forward: pulled rows of a minibatch")
 register_stage(STAGE_H_READY, "fused forward: h tiles of a row block")
 register_stage(STAGE_RING_FREE, "fused forward: ring slot freed by the down tiles of its "
                                 "previous minibatch (index = the minibatch to pull into it)")
 register_stage(STAGE_SHARED_H_READY, "fused forward: shared-expert h tiles of a row block")
+register_stage(STAGE_Z_READY, "fused forward (split comm kernel): down tiles of a minibatch")
 
 # One warp count and pipeline depth for every role: the gate/up and down tiles must use the
 # unfused kernels' warp count (8), which fixes the wgmma shapes and hence the bits. Stages only
@@ -92,6 +95,45 @@ GEMM_TFLOPS_PER_PROGRAM = 5.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
+# Experiment (branch wip/comm-ctas): MEGAMOE_SPLIT_COMM=1 moves the pulls and pushes into a
+# second kernel with one small program per SM beside the compute kernel's.
+SPLIT_COPY_BYTES = 16 * 1024
+SPLIT_WARPS = 4
+
+
+def SPLIT_ENV_ON() -> bool:
+    import os
+    return os.environ.get("MEGAMOE_SPLIT_COMM", "0") == "1"
+
+
+def SPLIT_PROGRAMS(programs: int) -> int:
+    import os
+    return int(os.environ.get("MEGAMOE_SPLIT_PROGRAMS", programs))
+
+
+_PREFERRED = set()
+
+
+def _prefer_shared(kernel) -> None:
+    """Ask for the largest shared-memory carveout for ``kernel`` (as Triton does for kernels
+    with > 48 KB): its programs must share SMs with the compute kernel's 197 KB ones, and an
+    SM configured with a small carveout for it could not take those."""
+    import ctypes
+    kernel._init_handles()
+    if kernel.function in _PREFERRED:
+        return
+    cuda = ctypes.CDLL("libcuda.so.1")
+    fn = ctypes.c_void_p(kernel.function)
+    assert cuda.cuFuncSetCacheConfig(fn, 1) == 0  # CU_FUNC_CACHE_PREFER_SHARED
+    assert cuda.cuFuncSetAttribute(fn, 9, 100) == 0  # PREFERRED_SHARED_MEMORY_CARVEOUT = 100%
+    _PREFERRED.add(kernel.function)
+
+
+@functools.lru_cache(maxsize=None)
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 # Words before the counters in the flag buffer: the compute task ticket.
 FLAG_WORDS = 1
 
@@ -106,6 +148,7 @@ _TRACE_DOWN = tl.constexpr(4)
 _STAGE_ROWS = tl.constexpr(STAGE_ROWS_READY)
 _STAGE_H = tl.constexpr(STAGE_H_READY)
 _STAGE_RING = tl.constexpr(STAGE_RING_FREE)
+_STAGE_Z = tl.constexpr(STAGE_Z_READY)
 _STAGE_SHARED_H = tl.constexpr(STAGE_SHARED_H_READY)
 
 
@@ -364,7 +407,7 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                 NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
                 BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, TOP_K: tl.constexpr,
                 PUSH_CHUNK: tl.constexpr, LAG: tl.constexpr, RING_WRAPS: tl.constexpr,
-                GPU: tl.constexpr, UPCAST: tl.constexpr):
+                SPLIT: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
     """Routed task t (of the routed part); False if its wait gave up.
 
     A down tile stores its z tile (TMA), waits for it, and pushes its rows from there (L2) into
@@ -398,11 +441,14 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                          col, H, I, BK2, BN2, False, UPCAST)
             z_desc.store([at, col], cast(acc, z_desc.dtype, UPCAST))
             publish_writes(GPU)  # the TMA store is done and visible to the generic loads
-            tl.debug_barrier()
-            comm.push_tile(z_ptr + at.to(tl.int64) * H, H, combine_table, row_src_ptr, row,
-                           col, T, H, TOP_K, BM, BN2, PUSH_CHUNK)
-            if RING_WRAPS:
+            if SPLIT:  # the comm kernel pushes the minibatch once all its tiles are stored
                 signal(z_done_ptr + mb)
+            else:
+                tl.debug_barrier()
+                comm.push_tile(z_ptr + at.to(tl.int64) * H, H, combine_table, row_src_ptr, row,
+                               col, T, H, TOP_K, BM, BN2, PUSH_CHUNK)
+                if RING_WRAPS:
+                    signal(z_done_ptr + mb)
     return alive
 
 
@@ -447,7 +493,7 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                  BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
                  BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
                  LAG: tl.constexpr, RING_WRAPS: tl.constexpr, SHARED_LAG: tl.constexpr,
-                 SHARED: tl.constexpr, trace_ptr, max_events,
+                 SHARED: tl.constexpr, SPLIT: tl.constexpr, trace_ptr, max_events,
                  first_event, TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
                  UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
@@ -471,13 +517,13 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                                     z_ptr, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
                                     z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
                                     NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                                    RING_WRAPS, GPU, UPCAST)
+                                    RING_WRAPS, SPLIT, GPU, UPCAST)
         else:
             alive = routed_task(task, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
                                 h_in_desc, wd_desc, z_desc, combine_table, z_ptr, row_src_ptr,
                                 block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks,
                                 ring, T, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1,
-                                BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, GPU, UPCAST)
+                                BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SPLIT, GPU, UPCAST)
         if TRACE:
             trace_end(trace_ptr, max_events, n, task_kind(task, shared_total, shared_blocks,
                                                           num_blocks, tl.cdiv(IS, BN1),
@@ -529,7 +575,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                           TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                           LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
                           PUSH_CHUNK: tl.constexpr, RING_WRAPS: tl.constexpr,
-                          TRACE: tl.constexpr, PHASED: tl.constexpr,
+                          SPLIT: tl.constexpr, TRACE: tl.constexpr, PHASED: tl.constexpr,
                           GPU: tl.constexpr, UPCAST: tl.constexpr):
     ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
         flags_ptr, max_mb, max_blocks)
@@ -559,23 +605,24 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, shared_total, ring, T, H, I, IS,
                          rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K,
-                         PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, trace_ptr, max_events, 0,
-                         TRACE, PHASED, GPU, UPCAST)
+                         PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, False, trace_ptr,
+                         max_events, 0, TRACE, PHASED, GPU, UPCAST)
             m += 1
     else:
         # Comm programs pull, then take compute tasks like the others (the ticket hands out
         # what is left). They re-derive the compute role's values after their pulls: values
         # kept live across the pull loop made ptxas spill (255 registers; 210 without). A pull
         # that gave up left the error record, which makes the compute waits give up at once.
-        if tl.program_id(0) < NUM_COMM:
-            comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots,
-                      tl.program_id(0), T, H, rank, budget, err_ptr, tiles_down, 0, n_mb,
-                      trace_ptr, max_events, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, TRACE, UPCAST)
-            first_event = n_mb  # trace slots 0..n_mb-1 hold the pulls
-            ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
-                flags_ptr, max_mb, max_blocks)
-            num_blocks, shared_blocks, shared_total, total = task_counts(
-                num_blocks_ptr, T, H, I, IS, MB, BM, BN1, BN2, SHARED)
+        if not SPLIT:  # (split: the comm kernel pulls)
+            if tl.program_id(0) < NUM_COMM:
+                comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, ring, slots,
+                          tl.program_id(0), T, H, rank, budget, err_ptr, tiles_down, 0, n_mb,
+                          trace_ptr, max_events, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, TRACE, UPCAST)
+                first_event = n_mb  # trace slots 0..n_mb-1 hold the pulls
+                ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
+                    flags_ptr, max_mb, max_blocks)
+                num_blocks, shared_blocks, shared_total, total = task_counts(
+                    num_blocks_ptr, T, H, I, IS, MB, BM, BN1, BN2, SHARED)
     # every program (PHASED: the one, after its rounds) takes the tasks that are left
     compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
                  z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
@@ -583,7 +630,41 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                  ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                  shared_blocks, shared_total, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM,
                  MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG,
-                 SHARED, trace_ptr, max_events, first_event, TRACE, PHASED, GPU, UPCAST)
+                 SHARED, SPLIT, trace_ptr, max_events, first_event, TRACE, PHASED, GPU, UPCAST)
+
+
+@triton.jit
+def _fused_comm_kernel(x_table, combine_table, z_ptr, row_src_ptr, num_blocks_ptr, xs_ptr,
+                       flags_ptr, err_ptr, T, H, rank, budget, max_mb, max_blocks,
+                       NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+                       BN2: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+                       COLS: tl.constexpr):
+    """The split variant's communication, in a small kernel whose programs sit on the SMs next
+    to the compute kernel's (one each): pull every minibatch (strided copy tasks, as the comm
+    role), then push each minibatch's z rows once all of its down tiles are stored. The ring
+    holds every row (no slot reuse)."""
+    ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
+        flags_ptr, max_mb, max_blocks)
+    num_blocks = tl.load(num_blocks_ptr)
+    used_rows = num_blocks * BM
+    n_mb = tl.cdiv(used_rows, MB)
+    tiles_down = tl.cdiv(H, BN2)
+    role = tl.program_id(0)
+    big = n_mb * MB + MB  # a ring that never wraps
+    alive = comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, big,
+                      n_mb + 1, role, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb, flags_ptr,
+                      0, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, False, False)
+    m = 0
+    while (m < n_mb) & alive:
+        blocks = tl.minimum(MB // BM, num_blocks - m * (MB // BM))
+        alive = wait_count(z_done_ptr + m, blocks * tiles_down, err_ptr, _STAGE_Z, m, rank,
+                           budget)
+        if alive:
+            row_begin = m * MB
+            comm.push_rows(z_ptr + row_begin.to(tl.int64) * H, H, combine_table, row_src_ptr,
+                           row_begin, tl.minimum(row_begin + MB, used_rows), role, NUM_COMM, T,
+                           H, TOP_K, ROWS, COLS)
+        m += 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -748,6 +829,20 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
                      down_lag_for(computing, group, h, i, t1.bn, t2.bn), slots, 1, max_mb)
     shared_lag = (down_lag if down_lag is not None or shared is None else
                   down_lag_for(computing, group, h, i_s, t1.bn, t2.bn))
+    split = (SPLIT_ENV_ON() and full and trace is None and not interpreting())
+    if split:
+        cr, cc = comm.copy_tile(h, dtype.itemsize, SPLIT_COPY_BYTES)
+        num_comm = SPLIT_PROGRAMS(grid[0])
+        main = torch.cuda.current_stream(dev)
+        side = _comm_stream(dev)
+        side.wait_stream(main)
+        cargs = (ws.peers.x, ws.peers.combine, z, sched.row_src, sched.num_blocks, xs, flags,
+                 ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks)
+        ckw = dict(NUM_COMM=num_comm, MB=minibatch_rows, BM=bm, BN2=t2.bn, TOP_K=ws.top_k,
+                   ROWS=cr, COLS=cc, num_warps=SPLIT_WARPS)
+        _prefer_shared(_fused_comm_kernel.warmup(*cargs, grid=(num_comm,), **ckw))
+        with torch.cuda.stream(side):
+            _fused_comm_kernel[(num_comm,)](*cargs, **ckw)
     _fused_forward_kernel[grid](
         ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
@@ -756,9 +851,12 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         ring_rows, slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
-        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, TRACE=trace is not None,
+        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, SPLIT=split,
+        TRACE=trace is not None,
         PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
         launch_cooperative_grid=not interpreting())
+    if split:
+        main.wait_stream(side)
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
                         None if shared is None else (sg, su, sh), shared_out)
