@@ -106,6 +106,13 @@ def SPLIT_ENV_ON() -> bool:
     return os.environ.get("MEGAMOE_SPLIT_COMM", "0") == "1"
 
 
+def SPLIT_NO_COOP() -> bool:
+    """MEGAMOE_SPLIT_COOP=0: launch the compute kernel without the cooperative flag (does a
+    cooperative launch keep it from sharing the SMs with the comm kernel?)."""
+    import os
+    return os.environ.get("MEGAMOE_SPLIT_COOP", "1") == "0"
+
+
 def SPLIT_PROGRAMS(programs: int) -> int:
     import os
     return int(os.environ.get("MEGAMOE_SPLIT_PROGRAMS", programs))
@@ -855,7 +862,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         TRACE=trace is not None,
         PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
-        launch_cooperative_grid=not interpreting())
+        launch_cooperative_grid=not interpreting() and not (split and SPLIT_NO_COOP()))
     if split:
         main.wait_stream(side)
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
