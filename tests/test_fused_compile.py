@@ -46,7 +46,7 @@ types = dict(
     sdw_desc=desc([t2.bn, t2.bk]), so_desc=desc([BM, t2.bn]), flags_ptr="*i32", err_ptr="*i32",
     trace_ptr="*i64", max_events="i32",
     T="i32", H="i32", I="i32", IS="i32", rank="i32", budget="i32", ring="i32", slots="i32",
-    max_mb="i32", max_blocks="i32")
+    max_mb="i32", max_blocks="i32", everyone="i32")
 rows, cols = comm.copy_tile(H, 2, comm.COPY_TILE_BYTES)
 consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk,
               TOP_K=TOP_K, ROWS=rows, COLS=cols,

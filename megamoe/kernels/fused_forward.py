@@ -72,6 +72,7 @@ STAGE_ROWS_READY = 10
 STAGE_H_READY = 11
 STAGE_Z_READY = 12  # the split comm kernel's pushes wait for a minibatch's down tiles
 STAGE_RING_FREE = 13
+STAGE_CORESIDENT = 15  # split: every program of both kernels running at once
 STAGE_SHARED_H_READY = 14
 register_stage(STAGE_ROWS_READY, "fused forward: pulled rows of a minibatch")
 register_stage(STAGE_H_READY, "fused forward: h tiles of a row block")
@@ -79,6 +80,9 @@ register_stage(STAGE_RING_FREE, "fused forward: ring slot freed by the down tile
                                 "previous minibatch (index = the minibatch to pull into it)")
 register_stage(STAGE_SHARED_H_READY, "fused forward: shared-expert h tiles of a row block")
 register_stage(STAGE_Z_READY, "fused forward (split comm kernel): down tiles of a minibatch")
+register_stage(STAGE_CORESIDENT, "fused forward (split): every program of the compute and the "
+                                 "comm kernel running at once (the flag counts the programs that "
+                                 "started; the GPU did not run the two kernels side by side)")
 
 # One warp count and pipeline depth for every role: the gate/up and down tiles must use the
 # unfused kernels' warp count (8), which fixes the wgmma shapes and hence the bits. Stages only
@@ -142,7 +146,7 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 # Words before the counters in the flag buffer: the compute task ticket.
-FLAG_WORDS = 1
+FLAG_WORDS = 2  # the compute task ticket, then (split) the programs that arrived
 
 _FLAG_WORDS = tl.constexpr(FLAG_WORDS)
 # Event kinds of a traced launch (fused_forward(trace=...), megamoe.fused_trace).
@@ -156,6 +160,16 @@ _STAGE_ROWS = tl.constexpr(STAGE_ROWS_READY)
 _STAGE_H = tl.constexpr(STAGE_H_READY)
 _STAGE_RING = tl.constexpr(STAGE_RING_FREE)
 _STAGE_Z = tl.constexpr(STAGE_Z_READY)
+_STAGE_CORESIDENT = tl.constexpr(STAGE_CORESIDENT)
+
+
+@triton.jit
+def arrive_all(flags_ptr, everyone, err_ptr, rank, budget):
+    """Count this program as started and wait until ``everyone`` did (both kernels of the split
+    variant): programs that wait on each other must all be resident; if the GPU does not run
+    them side by side, this stalls first and names that."""
+    tl.atomic_add(flags_ptr + 1, 1, sem="relaxed", scope="gpu")
+    return wait_count(flags_ptr + 1, everyone, err_ptr, _STAGE_CORESIDENT, 0, rank, budget)
 _STAGE_SHARED_H = tl.constexpr(STAGE_SHARED_H_READY)
 
 
@@ -576,7 +590,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                           wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                           sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr, trace_ptr,
                           max_events, T, H, I, IS, rank, budget, ring, slots, max_mb, max_blocks,
-                          NUM_COMM: tl.constexpr,
+                          everyone, NUM_COMM: tl.constexpr,
                           MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
                           BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
                           TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
@@ -584,6 +598,8 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                           PUSH_CHUNK: tl.constexpr, RING_WRAPS: tl.constexpr,
                           SPLIT: tl.constexpr, TRACE: tl.constexpr, PHASED: tl.constexpr,
                           GPU: tl.constexpr, UPCAST: tl.constexpr):
+    if SPLIT:
+        arrive_all(flags_ptr, everyone, err_ptr, rank, budget)
     ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
         flags_ptr, max_mb, max_blocks)
     num_blocks, shared_blocks, shared_total, total = task_counts(
@@ -642,7 +658,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
 
 @triton.jit
 def _fused_comm_kernel(x_table, combine_table, z_ptr, row_src_ptr, num_blocks_ptr, xs_ptr,
-                       flags_ptr, err_ptr, T, H, rank, budget, max_mb, max_blocks,
+                       flags_ptr, err_ptr, T, H, rank, budget, max_mb, max_blocks, everyone,
                        NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                        BN2: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
                        COLS: tl.constexpr):
@@ -658,6 +674,7 @@ def _fused_comm_kernel(x_table, combine_table, z_ptr, row_src_ptr, num_blocks_pt
     tiles_down = tl.cdiv(H, BN2)
     role = tl.program_id(0)
     big = n_mb * MB + MB  # a ring that never wraps
+    arrive_all(flags_ptr, everyone, err_ptr, rank, budget)  # a stall makes every wait give up
     alive = comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, big,
                       n_mb + 1, role, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb, flags_ptr,
                       0, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, False, False)
@@ -844,7 +861,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         side = _comm_stream(dev)
         side.wait_stream(main)
         cargs = (ws.peers.x, ws.peers.combine, z, sched.row_src, sched.num_blocks, xs, flags,
-                 ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks)
+                 ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks,
+                 grid[0] + num_comm)
         ckw = dict(NUM_COMM=num_comm, MB=minibatch_rows, BM=bm, BN2=t2.bn, TOP_K=ws.top_k,
                    ROWS=cr, COLS=cc, num_warps=SPLIT_WARPS)
         _prefer_shared(_fused_comm_kernel.warmup(*cargs, grid=(num_comm,), **ckw))
@@ -855,7 +873,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
         *shared_descs, flags, ws.errors, flags if trace is None else trace,
         0 if trace is None else trace.shape[1], t, h, i, i_s, ws.rank, comm._budget(budget),
-        ring_rows, slots, max_mb, sched.max_blocks, NUM_COMM=num_comm,
+        ring_rows, slots, max_mb, sched.max_blocks, grid[0] + num_comm if split else 0,
+        NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
         PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, SPLIT=split,
