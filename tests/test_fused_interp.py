@@ -287,6 +287,30 @@ def test_ep_forward_is_bitwise_unfused(world: int, routing: str, num_comm: int,
         assert several, "meant to need several macrobatches on some rank"
 
 
+def test_capacity_overflow_gives_nan_like_triton() -> None:
+    """backend="auto" takes "fused" with expert parallelism, so its forward must handle an
+    overflowed schedule as "triton" does: nothing computed, y (and the backward's d_x) NaN on
+    every rank, a CapacityError at the check; with room for the load, "triton"'s bits."""
+    shape, weights, ranks = _ep_problem(3, "one-rank", 32)  # every token to the last rank
+    world, t, h, i, e_local, k, i_s = shape
+    cfg = _config(h, i, e_local * world, k, i_s, 2, 1).replace(capacity_factor=1.25)
+    with poisoned_buffers():
+        out, scheds = _ep_step(cfg, shape, weights, ranks, fused=True)
+    for r in range(world):
+        assert scheds[r].routed.num_blocks.item() == 0 and scheds[r].ep.invalid.tolist() == [1]
+        assert out[r][0].isnan().all(), f"rank {r}: y"
+        assert out[r][2].x.isnan().all(), f"rank {r}: d_x"
+        with pytest.raises(backend.CapacityError, match=f"rank {world - 1} was routed"):
+            backend.check(scheds[r])
+    fits = cfg.replace(capacity_factor=None)
+    with poisoned_buffers():
+        ref, _ = _ep_step(fits, shape, weights, ranks, fused=False)
+        out, _ = _ep_step(fits, shape, weights, ranks, fused=True)
+    for r in range(world):
+        assert torch.equal(out[r][0], ref[r][0]), f"rank {r}: y"
+        _assert_same_grads(out[r][2], ref[r][2], f"rank {r}")
+
+
 # ------------------------------------------------------------------------------ watchdog
 
 def _stall(skip_tasks: int, ring_blocks: int | None = None, never_pulled: bool = False) -> str:
