@@ -32,7 +32,7 @@ BACKENDS: dict[str, str] = {
 
 # backend="auto" takes the first available backend of these, by world size. Measured on the
 # H200s (BENCHMARKS.md, commit d099350, every preset): with expert parallelism (W = 2) "fused"
-# is faster than "triton" in the forward (1.09-1.24x) and in the training step (1.05-1.08x);
+# is faster than "triton" in the forward (1.09-1.24x) and in the training step (1.04-1.08x);
 # on one GPU "triton" is faster on dsv3 and qwen3-30b (the fused kernel has no communication
 # to hide there, and gives SMs to the local row copies).
 _AUTO_ONE_GPU = ("triton", "fused", "reference")
