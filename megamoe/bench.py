@@ -171,12 +171,13 @@ def default_backends(device: torch.device) -> list[str]:
     return [*names, BASELINE]
 
 
-def expand_backends(names: list[str], device: torch.device) -> list[str]:
-    """Resolve "auto" as ``MoE(backend="auto")`` does; keep order, drop repeats."""
+def expand_backends(names: list[str], device: torch.device, world_size: int = 1) -> list[str]:
+    """Resolve "auto" as ``MoE(backend="auto")`` does at this world size; keep order, drop
+    repeats."""
     out: list[str] = []
     for name in names:
         if name == "auto":
-            name = resolve_backend("auto", device)
+            name = resolve_backend("auto", device, world_size)
         if name not in out:
             out.append(name)
     return out

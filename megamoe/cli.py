@@ -143,10 +143,10 @@ def apply_settings(config: MoEConfig, specs: list[str],
     return config
 
 
-def _options(args: argparse.Namespace, device: torch.device) -> BenchOptions:
+def _options(args: argparse.Namespace, device: torch.device, world_size: int) -> BenchOptions:
     return BenchOptions(
         presets=args.preset or default_presets(device),
-        backends=expand_backends(args.backend or default_backends(device), device),
+        backends=expand_backends(args.backend or default_backends(device), device, world_size),
         iters=args.iters, warmup=args.warmup, tokens=args.tokens, routing=args.routing,
         check=not args.no_check, seed=args.seed, tune=parse_tune(args.tune),
     )
@@ -169,7 +169,7 @@ def _kernel_records(iters: int, env: DistEnv) -> list[dict]:
 def cmd_bench(args: argparse.Namespace) -> int:
     env = init_distributed()
     try:
-        opts = _options(args, env.device)
+        opts = _options(args, env.device, env.world_size)
         bar = ProgressBar(total_steps(opts, env.world_size), enabled=env.is_main)
         records = run_bench(opts, env, progress=bar)
         bar.close()

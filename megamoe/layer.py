@@ -32,7 +32,8 @@ class MoE(nn.Module):
     Args:
         config: layer shape and kernel tunables.
         group: expert-parallel process group (None: one process owns every expert).
-        backend: "auto" (best available for the input's device), "reference" or "triton".
+        backend: "auto" (best available for the input's device and the group's size:
+            ``backends.auto_order``), "triton", "fused" or "reference".
         device, dtype: of the weights; the kernels want bfloat16.
         seed: global expert e is initialized from a generator seeded by (seed, e), and the
             shared expert from (seed, -1), so a seed builds the same model whatever the world size

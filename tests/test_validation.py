@@ -219,6 +219,10 @@ def test_auto_falls_back_when_the_kernels_do_not_support_the_call(monkeypatch):
     dev = torch.device("cpu")
     good = MoEConfig(128, 64, 4, 2)
     assert resolve_backend("auto", dev, 1, good, torch.bfloat16) == "triton"
+    # With expert parallelism the fused forward is measured faster (backends.auto_order).
+    assert resolve_backend("auto", dev, 2, good, torch.bfloat16) == "fused"
+    assert resolve_backend("auto", dev, 8, good, torch.bfloat16) == "fused"
+    assert resolve_backend("auto", dev, 2, good, torch.float32) == "reference"
     assert resolve_backend("auto", dev, 1, good, torch.float32) == "reference"
     assert resolve_backend("auto", dev, 1, MoEConfig(100, 64, 4, 2), torch.bfloat16) == "reference"
     with pytest.raises(RuntimeError, match="hidden_size must be a multiple of 8 .* got 100"):

@@ -21,15 +21,27 @@ import torch
 
 from ..config import MoEConfig
 
-__all__ = ["BACKENDS", "get_backend", "available_backends", "resolve_backend"]
+__all__ = ["BACKENDS", "get_backend", "available_backends", "resolve_backend", "auto_order"]
 
-# name -> module path; order is the preference of backend="auto" (best first).
+# name -> module path (listing order).
 BACKENDS: dict[str, str] = {
     "triton": "megamoe.backends.triton",
-    # After "triton" until the fused kernel is measured faster on the GPU ("auto" takes the first).
     "fused": "megamoe.backends.fused",
     "reference": "megamoe.backends.reference",
 }
+
+# backend="auto" takes the first available backend of these, by world size. Measured on the
+# H200s (BENCHMARKS.md, commit d099350, every preset): with expert parallelism (W = 2) "fused"
+# is faster than "triton" in the forward (1.09-1.24x) and in the training step (1.04-1.08x);
+# on one GPU "triton" is faster on dsv3 and qwen3-30b (the fused kernel has no communication
+# to hide there, and gives SMs to the local row copies).
+_AUTO_ONE_GPU = ("triton", "fused", "reference")
+_AUTO_EXPERT_PARALLEL = ("fused", "triton", "reference")
+
+
+def auto_order(world_size: int) -> tuple[str, ...]:
+    """The backends backend="auto" tries at this expert-parallel world size, best first."""
+    return _AUTO_ONE_GPU if world_size <= 1 else _AUTO_EXPERT_PARALLEL
 
 
 def get_backend(name: str) -> ModuleType:
@@ -64,11 +76,11 @@ def available_backends(device: torch.device | None = None, world_size: int = 1,
 
 def resolve_backend(name: str, device: torch.device, world_size: int = 1,
                     config: MoEConfig | None = None, dtype: torch.dtype | None = None) -> str:
-    """Map "auto" to the best backend available on ``device`` at this expert-parallel size (and
-    for this config and dtype when given); check an explicit name."""
+    """Map "auto" to the best backend available on ``device`` at this expert-parallel size
+    (:func:`auto_order`; and for this config and dtype when given); check an explicit name."""
     if name == "auto":
-        for candidate, (ok, _) in available_backends(device, world_size, config, dtype).items():
-            if ok:
+        for candidate in auto_order(world_size):
+            if _availability(candidate, device, world_size, config, dtype)[0]:
                 return candidate
         raise RuntimeError("no megamoe backend is available")  # reference is always available
     get_backend(name)  # raises for an unknown name
