@@ -72,7 +72,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "note", "torch",
     # Where they apply (else null): GB/s of the NVLink copies and the config tunables used.
     "dispatch_gbps", "combine_gbps", "dispatch_bwd_gbps", "combine_bwd_gbps", "comm_programs",
-    "minibatch_rows", "ring_rows", "down_lag", "copy_programs", "overlap_shared",
+    "minibatch_rows", "ring_rows", "down_lag", "copy_programs", "overlap_shared", "comm_kernel",
 )
 DEFAULT_SEED = 1234
 # Worst relative error (norm-wise, output and every gradient) a bf16 layer may have vs float64.
@@ -85,16 +85,17 @@ FWDBWD_FLOP_FACTOR = 3
 _RANK_SEED_STRIDE = 7919
 # Config tunables each backend reads, recorded with its results (DESIGN.md: "where they apply")
 # and swept by ``--tune``. The unfused "triton" backend moves rows with copy_programs programs
-# at W > 1 (nothing moves at W = 1); the fused kernel reads its four at any W (MoEConfig), and
+# at W > 1 (nothing moves at W = 1); the fused kernel reads its five at any W (MoEConfig), and
 # copy_programs for the pull of its backward replay (a ring smaller than the rows). Both run
 # the shared expert beside the copies (overlap_shared), "fused" in its (unfused) backward.
 BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
     "triton": ("copy_programs", "overlap_shared"),
-    "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag", "overlap_shared"),
+    "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag", "overlap_shared",
+              "comm_kernel"),
 }
 # The tunables that matter at W = 1 too (no copies there), per backend.
 _TUNED_AT_W1: dict[str, tuple[str, ...]] = {
-    "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag"),
+    "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag", "comm_kernel"),
 }
 
 
@@ -434,7 +435,7 @@ def tunable_fields(backend: str, config: MoEConfig, world_size: int,
 
 def parse_tune(specs: list[str] | None) -> dict[str, list[int]]:
     """``["comm_programs=8,16", "down_lag=auto,2"]`` -> {name: [values]} (``--tune``; "auto" is
-    None: derived, for down_lag; 0 / 1 for overlap_shared)."""
+    None: derived, for down_lag; 0 / 1 for overlap_shared and comm_kernel)."""
     tune: dict[str, list[int]] = {}
     for spec in specs or ():
         name, sep, values = spec.partition("=")

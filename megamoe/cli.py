@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per rank, one case per value (default: the preset's)")
     p.add_argument("--tune", action="append", metavar="NAME=V1,V2,...",
                    help="sweep a config tunable (comm_programs, minibatch_rows, ring_rows, down_lag "
-                        "(or auto), copy_programs, overlap_shared (0 or 1)) for "
+                        "(or auto), copy_programs, overlap_shared, comm_kernel (0 or 1)) for "
                         "the backends that read it; repeat for a grid (default: config values)")
     p.add_argument("--routing", choices=ROUTING_KINDS, default="uniform")
     p.add_argument("--seed", type=int, default=1234)

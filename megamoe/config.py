@@ -15,7 +15,7 @@ __all__ = ["MoEConfig", "Preset", "PRESETS", "TUNABLES", "get_preset"]
 # The config fields that change speed, never results (MoEConfig's docstring): benchmark records
 # carry them and `megamoe bench --tune` sweeps them.
 TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows", "down_lag",
-                             "copy_programs", "overlap_shared")
+                             "copy_programs", "overlap_shared", "comm_kernel")
 # The GEMM tile height that pads each expert's rows; the Triton kernels use it too.
 DEFAULT_BLOCK_ROWS = 128
 
@@ -25,6 +25,17 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    """A bool tunable: True / False, or the ints 1 / 0 (``--set`` and ``--tune`` give ints)."""
+    if isinstance(value, bool):
+        return value
+    if type(value) is not int:
+        raise TypeError(f"{name} must be a bool (or 0 / 1), got {value!r}")
+    if value not in (0, 1):
+        raise ValueError(f"{name} must be a bool (or 0 / 1), got {value}")
+    return bool(value)
 
 
 def _require_multiple(name: str, value: int, base_name: str, base: int) -> None:
@@ -64,6 +75,10 @@ class MoEConfig:
       down_lag        task-list groups (one minibatch of row blocks each) between a group's
                       gate/up tiles and its down tiles in the fused kernel; None derives it from
                       the grid and the tile work (kernels.fused_forward.down_lag_for)
+      comm_kernel     backend "fused": pull and push in a second, small kernel whose programs
+                      share the SMs with the compute kernel's (one each; all of them compute),
+                      instead of in comm programs of the one kernel (docs/fused.md). Needs the
+                      ring to hold every row (ring_rows None or >= the schedule's rows)
       capacity_factor rows a rank may receive, as a multiple of the balanced load
                       ``T * top_k``; None allows the worst case (every token of every rank).
     """
@@ -81,6 +96,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     down_lag: int | None = None
     overlap_shared: bool = True
+    comm_kernel: bool = False
 
     def __post_init__(self) -> None:
         _require_int("hidden_size", self.hidden_size, 1)
@@ -103,14 +119,8 @@ class MoEConfig:
             _require_multiple("ring_rows", self.ring_rows, "minibatch_rows", self.minibatch_rows)
         if self.down_lag is not None:
             _require_int("down_lag", self.down_lag, 0)
-        if not isinstance(self.overlap_shared, bool):
-            if type(self.overlap_shared) is not int:
-                raise TypeError(f"overlap_shared must be a bool (or 0 / 1), got "
-                                f"{self.overlap_shared!r}")
-            if self.overlap_shared not in (0, 1):
-                raise ValueError(f"overlap_shared must be a bool (or 0 / 1), got "
-                                 f"{self.overlap_shared}")
-            object.__setattr__(self, "overlap_shared", bool(self.overlap_shared))
+        for name in ("overlap_shared", "comm_kernel"):
+            object.__setattr__(self, name, _as_bool(name, getattr(self, name)))
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf >= 1.0:

@@ -120,6 +120,7 @@ _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
     ("ring rows", "ring_rows"),
     ("down lag", "down_lag"),
     ("overlap shared", "overlap_shared"),
+    ("comm kernel", "comm_kernel"),
 )
 
 

@@ -54,7 +54,9 @@ consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, 
                                 10**6),
               SHARED_LAG=ff.down_lag_for(132, MB // BM, H, 2048, t1.bn, t2.bn), SHARED=True,
               PUSH_CHUNK=ff.PUSH_CHUNK_ROWS,
-              RING_WRAPS=True,  # with the z_done release: a superset of the default's code
+              # with the z_done release: a superset of the default's code (the comm kernel
+              # variant needs a ring of every row)
+              RING_WRAPS=sys.argv[2] != "split", SPLIT=sys.argv[2] == "split",
               TRACE=sys.argv[2] == "trace", PHASED=False,
               GPU=True, UPCAST=False)
 fn = ff._fused_forward_kernel
@@ -72,7 +74,28 @@ with tempfile.TemporaryDirectory() as tmp:
     open(src, "w").write(ptx)
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
                           capture_output=True, text=True, check=True).stderr
-json.dump({"ptx": ptx, "shared": k.metadata.shared, "ptxas": info,
+out = {}
+if sys.argv[2] == "split":  # and the comm kernel that runs beside it
+    fn2 = ff._fused_comm_kernel
+    types2 = {n: types.get(n, "i32") for n in fn2.arg_names}
+    r2, c2 = comm.copy_tile(H, 2, ff.COMM_KERNEL_TILE_BYTES)
+    consts2 = dict(NUM_COMM=132, MB=MB, BM=BM, BN2=t2.bn, TOP_K=TOP_K, ROWS=r2, COLS=c2,
+                   PHASE=ff.COMM_BOTH, UPCAST=False)
+    sig2 = {n: "constexpr" if n in consts2 else types2[n] for n in fn2.arg_names}
+    attrs2 = {(fn2.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
+              if n in fn2.arg_names}
+    k2 = triton.compile(ASTSource(fn2, sig2, constexprs=consts2, attrs=attrs2),
+                        target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=ff.COMM_KERNEL_WARPS))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        open(src, "w").write(k2.asm["ptx"])
+        out["comm"] = {"shared": k2.metadata.shared, "warps": ff.COMM_KERNEL_WARPS,
+                       "ptxas": subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o",
+                                                os.path.join(tmp, "k.cubin")],
+                                               capture_output=True, text=True,
+                                               check=True).stderr}
+json.dump({**out, "ptx": ptx, "shared": k.metadata.shared, "ptxas": info,
            "warps": ff.FUSED_WARPS}, open(sys.argv[1], "w"))
 """
 
@@ -142,3 +165,30 @@ def test_traced_variant_reads_the_global_timer_and_fits(tmp_path_factory) -> Non
 
 def test_plain_variant_has_no_timer(compiled: dict) -> None:
     assert "%globaltimer" not in compiled["ptx"]
+
+
+# One SM's registers and shared memory (H100/H200: 228 KB, of which 1 KB is reserved per
+# resident program); registers are allocated in steps of 8 per thread.
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_PROGRAM = 1024
+REGISTER_STEP = 8
+
+
+def _registers(info: str) -> int:
+    return int(re.search(r"Used (\d+) registers", info).group(1))
+
+
+def test_comm_kernel_fits_beside_the_compute_kernel(tmp_path_factory) -> None:
+    """config.comm_kernel: a comm program must fit on every SM next to a compute program, or the
+    two kernels cannot run at once (each waits for the other: the start-up count reports it)."""
+    split = _compile(tmp_path_factory, "split")
+    comm = split["comm"]
+    for info in (split["ptxas"], comm["ptxas"]):
+        assert "0 bytes spill stores" in info and "0 bytes stack frame" in info, info
+    step = lambda r: -(-r // REGISTER_STEP) * REGISTER_STEP  # noqa: E731
+    regs = (step(_registers(split["ptxas"])) * split["warps"] * 32
+            + step(_registers(comm["ptxas"])) * comm["warps"] * 32)
+    smem = split["shared"] + comm["shared"] + 2 * SMEM_RESERVED_PER_PROGRAM
+    assert regs <= REGISTERS_PER_SM, f"{regs} registers per SM"
+    assert smem <= SMEM_PER_SM, f"{smem} B of shared memory per SM"
+    print(f"compute + comm program: {regs} registers, {smem} B of shared memory")

@@ -71,7 +71,7 @@ def _experts(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tens
                                                    ws.world_size)["comm_programs"],
                         minibatch_rows=config.minibatch_rows,
                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag,
-                        trace=trace)
+                        trace=trace, comm_kernel=config.comm_kernel)
     routed = (out.xs, out.g, out.u, out.h, out.z) if out.full else (None,) * 5
     return routed, out.shared, out.shared_out
 

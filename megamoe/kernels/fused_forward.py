@@ -99,44 +99,35 @@ GEMM_TFLOPS_PER_PROGRAM = 5.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
-# Experiment (branch wip/comm-ctas): MEGAMOE_SPLIT_COMM=1 moves the pulls and pushes into a
-# second kernel with one small program per SM beside the compute kernel's.
-SPLIT_COPY_BYTES = 16 * 1024
-SPLIT_WARPS = 4
-
-
-def SPLIT_ENV_ON() -> bool:
-    import os
-    return os.environ.get("MEGAMOE_SPLIT_COMM", "0") == "1"
-
-
-def SPLIT_NO_COOP() -> bool:
-    """MEGAMOE_SPLIT_COOP=0: launch the compute kernel without the cooperative flag (does a
-    cooperative launch keep it from sharing the SMs with the comm kernel?)."""
-    import os
-    return os.environ.get("MEGAMOE_SPLIT_COOP", "1") == "0"
-
-
-def SPLIT_PROGRAMS(programs: int) -> int:
-    import os
-    return int(os.environ.get("MEGAMOE_SPLIT_PROGRAMS", programs))
-
-
-_PREFERRED = set()
+# The comm kernel (config.comm_kernel): one small program per SM beside the compute kernel's.
+# Its registers and shared memory must fit next to a compute program (206-208 registers x 256
+# threads, 197 KB): 4 warps x 80 registers and 16 KB copy tiles do (the compile test checks).
+COMM_KERNEL_TILE_BYTES = 16 * 1024
+COMM_KERNEL_WARPS = 4
+# Phases of the comm kernel (bit flags, constexpr): the interpreter runs the pulls, then the
+# compute kernel, then the pushes; a GPU runs both phases in one launch beside the compute kernel.
+COMM_PULL, COMM_PUSH, COMM_BOTH = 1, 2, 3
+_CU_FUNC_CACHE_PREFER_SHARED = 1
+_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+_PREFERRED: set[int] = set()
 
 
 def _prefer_shared(kernel) -> None:
-    """Ask for the largest shared-memory carveout for ``kernel`` (as Triton does for kernels
-    with > 48 KB): its programs must share SMs with the compute kernel's 197 KB ones, and an
-    SM configured with a small carveout for it could not take those."""
+    """Ask the driver for the largest shared-memory carveout for ``kernel`` (as Triton does for
+    kernels with > 48 KB): its programs share SMs with the compute kernel's 197 KB ones, which
+    an SM configured for a small carveout could not take."""
     import ctypes
     kernel._init_handles()
     if kernel.function in _PREFERRED:
         return
     cuda = ctypes.CDLL("libcuda.so.1")
     fn = ctypes.c_void_p(kernel.function)
-    assert cuda.cuFuncSetCacheConfig(fn, 1) == 0  # CU_FUNC_CACHE_PREFER_SHARED
-    assert cuda.cuFuncSetAttribute(fn, 9, 100) == 0  # PREFERRED_SHARED_MEMORY_CARVEOUT = 100%
+    for what, err in (("cache config", cuda.cuFuncSetCacheConfig(
+            fn, _CU_FUNC_CACHE_PREFER_SHARED)), ("carveout", cuda.cuFuncSetAttribute(
+            fn, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))):
+        if err:
+            raise RuntimeError(f"setting the comm kernel's shared-memory {what} failed: CUDA "
+                               f"error {err}")
     _PREFERRED.add(kernel.function)
 
 
@@ -598,7 +589,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                           PUSH_CHUNK: tl.constexpr, RING_WRAPS: tl.constexpr,
                           SPLIT: tl.constexpr, TRACE: tl.constexpr, PHASED: tl.constexpr,
                           GPU: tl.constexpr, UPCAST: tl.constexpr):
-    if SPLIT:
+    if SPLIT:  # (unconditional: a runtime test around it made ptxas spill)
         arrive_all(flags_ptr, everyone, err_ptr, rank, budget)
     ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
         flags_ptr, max_mb, max_blocks)
@@ -610,7 +601,7 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
     n1 = tl.cdiv(I, BN1)
     G = MB // BM  # row blocks per task-list group: one minibatch
     first_event = 0
-    if PHASED:  # the interpreter: one program plays every role, in rounds of one minibatch
+    if PHASED and not SPLIT:  # the interpreter: one program plays every role, in rounds
         m = 0
         while m < n_mb:
             # every task before the first gate/up tile of minibatch m ran: the down tiles of
@@ -661,11 +652,13 @@ def _fused_comm_kernel(x_table, combine_table, z_ptr, row_src_ptr, num_blocks_pt
                        flags_ptr, err_ptr, T, H, rank, budget, max_mb, max_blocks, everyone,
                        NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                        BN2: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-                       COLS: tl.constexpr):
-    """The split variant's communication, in a small kernel whose programs sit on the SMs next
-    to the compute kernel's (one each): pull every minibatch (strided copy tasks, as the comm
-    role), then push each minibatch's z rows once all of its down tiles are stored. The ring
-    holds every row (no slot reuse)."""
+                       COLS: tl.constexpr, PHASE: tl.constexpr, UPCAST: tl.constexpr):
+    """``config.comm_kernel``: the forward's communication in a small kernel whose programs sit
+    on the SMs beside the compute kernel's (one each), so that the copies overlap the MMAs on
+    every SM instead of taking SMs of their own: pull every minibatch (strided copy tasks, the
+    comm role's), then push each minibatch's z rows once all of its down tiles are stored. The
+    ring holds every row (no slot reuse). ``PHASE``: pulls, pushes or both (the interpreter
+    runs the pulls, the compute kernel, then the pushes)."""
     ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
         flags_ptr, max_mb, max_blocks)
     num_blocks = tl.load(num_blocks_ptr)
@@ -673,13 +666,16 @@ def _fused_comm_kernel(x_table, combine_table, z_ptr, row_src_ptr, num_blocks_pt
     n_mb = tl.cdiv(used_rows, MB)
     tiles_down = tl.cdiv(H, BN2)
     role = tl.program_id(0)
-    big = n_mb * MB + MB  # a ring that never wraps
-    arrive_all(flags_ptr, everyone, err_ptr, rank, budget)  # a stall makes every wait give up
-    alive = comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows, big,
-                      n_mb + 1, role, T, H, rank, budget, err_ptr, tiles_down, 0, n_mb, flags_ptr,
-                      0, NUM_COMM, MB, BM, TOP_K, ROWS, COLS, False, False)
+    alive = True
+    if everyone > 0:  # a stall here makes every later wait give up at once
+        alive = arrive_all(flags_ptr, everyone, err_ptr, rank, budget)
+    if PHASE & 1:  # COMM_PULL (literals: the interpreter passes PHASE as a plain int)
+        alive = comm_role(x_table, xs_ptr, row_src_ptr, ready_ptr, z_done_ptr, used_rows,
+                          n_mb * MB + MB, n_mb + 1, role, T, H, rank, budget, err_ptr,
+                          tiles_down, 0, n_mb, flags_ptr, 0, NUM_COMM, MB, BM, TOP_K, ROWS,
+                          COLS, False, UPCAST)  # a ring of every row: no slot waits
     m = 0
-    while (m < n_mb) & alive:
+    while (m < n_mb) & alive & ((PHASE & 2) != 0):  # COMM_PUSH
         blocks = tl.minimum(MB // BM, num_blocks - m * (MB // BM))
         alive = wait_count(z_done_ptr + m, blocks * tiles_down, err_ptr, _STAGE_Z, m, rank,
                            budget)
@@ -764,7 +760,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
                   ring_rows: int | None = None,
                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
                   = None, budget: int | None = None, flags: torch.Tensor | None = None,
-                  down_lag: int | None = None, trace: torch.Tensor | None = None) -> FusedOutputs:
+                  down_lag: int | None = None, trace: torch.Tensor | None = None,
+                  comm_kernel: bool = False) -> FusedOutputs:
     """Shared expert, pull, routed expert GEMMs and push of this rank in one launch (no host sync).
 
     Call after the barrier that follows every rank's publish of x; the source ranks may read
@@ -779,6 +776,9 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     None: :func:`down_lag_for` the grid and shapes). ``trace`` (GPU only; :func:`new_trace`):
     int64 ``[programs, events, 3]`` that receives one (kind << 32 | index, start ns, end ns) per
     pulled minibatch or task of each program (``megamoe.fused_trace`` reads it).
+    ``comm_kernel`` (``MoEConfig.comm_kernel``): pull and push in :func:`_fused_comm_kernel`
+    beside this kernel (on a side stream, joined before returning; ``num_comm`` unused), every
+    program of this kernel computing; needs a ring of every row, no trace.
     """
     comm._check_schedule(ws, sched)
     if num_comm is None:
@@ -847,42 +847,58 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
                 or trace.shape[2] != 3:
             raise ValueError(f"trace must be int64 [{grid[0]}, events, 3] (new_trace), got "
                              f"{trace.dtype} {list(trace.shape)}")
+    if comm_kernel and not full:
+        raise ValueError(f"comm_kernel needs a ring that holds every row: ring_rows None or >= "
+                         f"{rows}, got {ring_rows}")
+    if comm_kernel and trace is not None:
+        raise ValueError("trace does not record the comm kernel: run it with comm_kernel off")
     group = minibatch_rows // bm  # row blocks per task-list group
-    computing = max(1, grid[0] - num_comm)
+    computing = grid[0] if comm_kernel else max(1, grid[0] - num_comm)
     lag = routed_lag(down_lag if down_lag is not None else
                      down_lag_for(computing, group, h, i, t1.bn, t2.bn), slots, 1, max_mb)
     shared_lag = (down_lag if down_lag is not None or shared is None else
                   down_lag_for(computing, group, h, i_s, t1.bn, t2.bn))
-    split = (SPLIT_ENV_ON() and full and trace is None and not interpreting())
-    if split:
-        cr, cc = comm.copy_tile(h, dtype.itemsize, SPLIT_COPY_BYTES)
-        num_comm = SPLIT_PROGRAMS(grid[0])
-        main = torch.cuda.current_stream(dev)
-        side = _comm_stream(dev)
-        side.wait_stream(main)
+    if comm_kernel:
+        num_comm = persistent_programs(dev)  # one small comm program per SM
         cargs = (ws.peers.x, ws.peers.combine, z, sched.row_src, sched.num_blocks, xs, flags,
-                 ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks,
-                 grid[0] + num_comm)
+                 ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks)
+        cr, cc = comm.copy_tile(h, dtype.itemsize, COMM_KERNEL_TILE_BYTES)
         ckw = dict(NUM_COMM=num_comm, MB=minibatch_rows, BM=bm, BN2=t2.bn, TOP_K=ws.top_k,
-                   ROWS=cr, COLS=cc, num_warps=SPLIT_WARPS)
-        _prefer_shared(_fused_comm_kernel.warmup(*cargs, grid=(num_comm,), **ckw))
-        with torch.cuda.stream(side):
-            _fused_comm_kernel[(num_comm,)](*cargs, **ckw)
+                   ROWS=cr, COLS=cc, UPCAST=interpreting(), num_warps=COMM_KERNEL_WARPS)
+        if interpreting():
+            _fused_comm_kernel[(num_comm,)](*cargs, 0, PHASE=COMM_PULL, **ckw)
+        else:
+            main = torch.cuda.current_stream(dev)
+            side = _comm_stream(dev)
+            side.wait_stream(main)
+            everyone = (grid[0] + num_comm,)
+            _prefer_shared(_fused_comm_kernel.warmup(*cargs, *everyone, grid=(num_comm,),
+                                                     PHASE=COMM_BOTH, **ckw))
+            with torch.cuda.stream(side):
+                _fused_comm_kernel[(num_comm,)](*cargs, *everyone, PHASE=COMM_BOTH, **ckw)
     _fused_forward_kernel[grid](
         ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
         *shared_descs, flags, ws.errors, flags if trace is None else trace,
         0 if trace is None else trace.shape[1], t, h, i, i_s, ws.rank, comm._budget(budget),
-        ring_rows, slots, max_mb, sched.max_blocks, grid[0] + num_comm if split else 0,
+        # the programs that count in at the start (comm kernel: a GPU runs both side by side;
+        # the interpreter runs the comm kernel's phases before and after this one)
+        ring_rows, slots, max_mb, sched.max_blocks,
+        (grid[0] if interpreting() else grid[0] + num_comm) if comm_kernel else 0,
         NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
-        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, SPLIT=split,
+        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, SPLIT=comm_kernel,
         TRACE=trace is not None,
         PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
-        launch_cooperative_grid=not interpreting() and not (split and SPLIT_NO_COOP()))
-    if split:
-        main.wait_stream(side)
+        # the comm kernel's programs must run beside these: a cooperative launch waited for
+        # the comm kernel to end (the start-up count reports programs that are not resident)
+        launch_cooperative_grid=not interpreting() and not comm_kernel)
+    if comm_kernel:
+        if interpreting():
+            _fused_comm_kernel[(num_comm,)](*cargs, 0, PHASE=COMM_PUSH, **ckw)
+        else:
+            main.wait_stream(side)
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
                         None if shared is None else (sg, su, sh), shared_out)

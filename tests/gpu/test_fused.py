@@ -14,6 +14,7 @@ into a StallError instead of a hang. Parametrizations are few on purpose: every 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -126,6 +127,14 @@ def test_single_gpu_bits_do_not_depend_on_tunables(num_comm: int, minibatch_rows
                      f"differ from triton")
 
 
+def test_single_gpu_comm_kernel_bits() -> None:
+    """config.comm_kernel on one GPU: the comm kernel's programs beside the compute kernel's."""
+    for name in ("dsv3", "sizes_not_tile_multiples"):
+        p = _single_problem(name, num_comm=16)
+        p = dataclasses.replace(p, config=p.config.replace(comm_kernel=True))
+        assert not _differences(_run_fused(p), run_backend(p)), name
+
+
 def test_single_gpu_shared_expert_and_ring_bits() -> None:
     """dsv3 (shared expert as the first tasks) with a ring smaller than the rows."""
     p = _single_problem("dsv3", num_comm=16, minibatch_rows=256, ring_rows=2048)
@@ -186,13 +195,16 @@ def test_ep_bits_equal_triton_for_every_num_comm(ep, routing: str) -> None:
                                 routing=routing, device=device)
     expected = _triton_step(x, ids, w, weights, base, group, dy)
     problems = []
-    for num_comm, minibatch, ring in TUNABLES[:3]:
-        cfg = base.replace(comm_programs=num_comm, minibatch_rows=minibatch, ring_rows=ring)
+    # and the comm kernel beside the compute kernel (config.comm_kernel; a ring of every row)
+    sets = [dict(comm_programs=n, minibatch_rows=mb, ring_rows=ring) for n, mb, ring in
+            TUNABLES[:3]] + [dict(comm_kernel=True, minibatch_rows=512, ring_rows=LARGE_RING)]
+    for tunables in sets:
+        cfg = base.replace(**tunables)
         out = _fused_step(x, ids, w, weights, cfg, group, dy)
         triton_backend.check(out[2])
         bad = _differences(out, expected)
         if bad:
-            problems.append(f"num_comm={num_comm} minibatch={minibatch} ring={ring}: {bad}")
+            problems.append(f"{tunables}: {bad}")
     agree(not problems, "; ".join(problems))
 
 
