@@ -99,11 +99,23 @@ GEMM_TFLOPS_PER_PROGRAM = 5.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
-# The comm kernel (config.comm_kernel): one small program per SM beside the compute kernel's.
-# Its registers and shared memory must fit next to a compute program (206-208 registers x 256
-# threads, 197 KB): 4 warps x 80 registers and 16 KB copy tiles do (the compile test checks).
+# The comm kernel (config.comm_kernel): small programs beside the compute kernel's, at most one
+# per SM. Its registers and shared memory must fit next to a compute program (208 registers x
+# 256 threads, 192 KB): 4 warps capped at 80 registers and 16 KB copy tiles do (at dsv3 it
+# needs 78; a row width that is not a multiple of the tile's 1024 columns wanted 159 uncapped).
 COMM_KERNEL_TILE_BYTES = 16 * 1024
 COMM_KERNEL_WARPS = 4
+COMM_KERNEL_REGISTERS = 80
+# One comm program per this many SMs: the rest of the SMs run MMAs undisturbed. dsv3 at W = 2
+# (BENCHMARKS.md): 16 programs 7.45 ms (the copies finish last), 24: 6.03, 33: 5.97, 48: 5.94,
+# 66: 5.95, 132: 6.16; one kernel with 9 comm programs: 6.27-6.29.
+COMM_KERNEL_SM_SHARE = 2
+# Per-SM limits of sm_90 that a compute and a comm program must share (CUDA occupancy rules):
+# registers are given per warp in units of 256, and each program reserves 1 KB of shared memory.
+SM90_REGISTERS_PER_SM = 64 * 1024
+SM90_REGISTER_UNIT = 256
+SM90_SHARED_PER_SM = 228 * 1024
+SM90_SHARED_RESERVED_PER_PROGRAM = 1024
 # Phases of the comm kernel (bit flags, constexpr): the interpreter runs the pulls, then the
 # compute kernel, then the pushes; a GPU runs both phases in one launch beside the compute kernel.
 COMM_PULL, COMM_PUSH, COMM_BOTH = 1, 2, 3
@@ -112,23 +124,43 @@ _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 _PREFERRED: set[int] = set()
 
 
-def _prefer_shared(kernel) -> None:
-    """Ask the driver for the largest shared-memory carveout for ``kernel`` (as Triton does for
-    kernels with > 48 KB): its programs share SMs with the compute kernel's 197 KB ones, which
-    an SM configured for a small carveout could not take."""
+def _prefer_shared(kernel):
+    """Load ``kernel`` and ask the driver for the largest shared-memory carveout for it: the
+    compute and the comm kernel share SMs only if both run with the same one."""
     import ctypes
     kernel._init_handles()
     if kernel.function in _PREFERRED:
-        return
+        return kernel
     cuda = ctypes.CDLL("libcuda.so.1")
     fn = ctypes.c_void_p(kernel.function)
     for what, err in (("cache config", cuda.cuFuncSetCacheConfig(
             fn, _CU_FUNC_CACHE_PREFER_SHARED)), ("carveout", cuda.cuFuncSetAttribute(
             fn, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))):
         if err:
-            raise RuntimeError(f"setting the comm kernel's shared-memory {what} failed: CUDA "
+            raise RuntimeError(f"setting a split kernel's shared-memory {what} failed: CUDA "
                                f"error {err}")
     _PREFERRED.add(kernel.function)
+    return kernel
+
+
+def sm_usage(programs: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """(registers, shared memory bytes) that programs given as (registers per thread, warps,
+    shared bytes) hold together on one sm_90 SM."""
+    regs = sum(-(-r * 32 // SM90_REGISTER_UNIT) * SM90_REGISTER_UNIT * w for r, w, _ in programs)
+    return regs, sum(b + SM90_SHARED_RESERVED_PER_PROGRAM for _, _, b in programs)
+
+
+def _check_side_by_side(compute, comm_kernel) -> None:
+    """Refuse a pair of programs that cannot share an SM: the compute kernel's programs would
+    wait at the start-up count for comm programs the GPU never places."""
+    pair = [(k.n_regs, k.metadata.num_warps, k.metadata.shared) for k in (compute, comm_kernel)]
+    regs, smem = sm_usage(pair)
+    if regs > SM90_REGISTERS_PER_SM or smem > SM90_SHARED_PER_SM:
+        raise RuntimeError(
+            f"comm_kernel: a compute program and a comm program (registers per thread, warps, "
+            f"shared bytes: {pair[0]} and {pair[1]}) need {regs} registers and {smem} B of "
+            f"shared memory per SM, more than the {SM90_REGISTERS_PER_SM} and "
+            f"{SM90_SHARED_PER_SM} B an SM has: run with config.comm_kernel=False")
 
 
 @functools.lru_cache(maxsize=None)
@@ -859,24 +891,22 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     shared_lag = (down_lag if down_lag is not None or shared is None else
                   down_lag_for(computing, group, h, i_s, t1.bn, t2.bn))
     if comm_kernel:
-        num_comm = persistent_programs(dev)  # one small comm program per SM
+        num_comm = max(1, persistent_programs(dev) // COMM_KERNEL_SM_SHARE)
         cargs = (ws.peers.x, ws.peers.combine, z, sched.row_src, sched.num_blocks, xs, flags,
                  ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks)
         cr, cc = comm.copy_tile(h, dtype.itemsize, COMM_KERNEL_TILE_BYTES)
         ckw = dict(NUM_COMM=num_comm, MB=minibatch_rows, BM=bm, BN2=t2.bn, TOP_K=ws.top_k,
-                   ROWS=cr, COLS=cc, UPCAST=interpreting(), num_warps=COMM_KERNEL_WARPS)
+                   ROWS=cr, COLS=cc, UPCAST=interpreting(), num_warps=COMM_KERNEL_WARPS,
+                   maxnreg=COMM_KERNEL_REGISTERS)
         if interpreting():
             _fused_comm_kernel[(num_comm,)](*cargs, 0, PHASE=COMM_PULL, **ckw)
         else:
+            # the side stream waits for this stream's work so far (the inputs), not for the
+            # compute kernel launched next
             main = torch.cuda.current_stream(dev)
             side = _comm_stream(dev)
             side.wait_stream(main)
-            everyone = (grid[0] + num_comm,)
-            _prefer_shared(_fused_comm_kernel.warmup(*cargs, *everyone, grid=(num_comm,),
-                                                     PHASE=COMM_BOTH, **ckw))
-            with torch.cuda.stream(side):
-                _fused_comm_kernel[(num_comm,)](*cargs, *everyone, PHASE=COMM_BOTH, **ckw)
-    _fused_forward_kernel[grid](
+    fargs = (
         ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
         *shared_descs, flags, ws.errors, flags if trace is None else trace,
@@ -884,7 +914,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         # the programs that count in at the start (comm kernel: a GPU runs both side by side;
         # the interpreter runs the comm kernel's phases before and after this one)
         ring_rows, slots, max_mb, sched.max_blocks,
-        (grid[0] if interpreting() else grid[0] + num_comm) if comm_kernel else 0,
+        (grid[0] if interpreting() else grid[0] + num_comm) if comm_kernel else 0)
+    fkw = dict(
         NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
@@ -895,10 +926,23 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         # the comm kernel's programs must run beside these: a cooperative launch waited for
         # the comm kernel to end (the start-up count reports programs that are not resident)
         launch_cooperative_grid=not interpreting() and not comm_kernel)
+    if comm_kernel and not interpreting():
+        # Both kernels compiled, loaded and given the largest carveout before either starts:
+        # loading a module waits for running kernels (the first forward stalled at the start-up
+        # count while the comm kernel loaded), and an SM set up for a small carveout takes no
+        # program of the other kernel (probe on an H200: the two ran side by side only so).
+        everyone = (grid[0] + num_comm,)
+        _check_side_by_side(
+            _prefer_shared(_fused_forward_kernel.warmup(*fargs, grid=grid, **fkw)),
+            _prefer_shared(_fused_comm_kernel.warmup(*cargs, *everyone, grid=(num_comm,),
+                                                     PHASE=COMM_BOTH, **ckw)))
+    _fused_forward_kernel[grid](*fargs, **fkw)
     if comm_kernel:
         if interpreting():
             _fused_comm_kernel[(num_comm,)](*cargs, 0, PHASE=COMM_PUSH, **ckw)
         else:
+            with torch.cuda.stream(side):
+                _fused_comm_kernel[(num_comm,)](*cargs, *everyone, PHASE=COMM_BOTH, **ckw)
             main.wait_stream(side)
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
                         None if shared is None else (sg, su, sh), shared_out)
