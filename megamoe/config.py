@@ -76,9 +76,11 @@ class MoEConfig:
                       gate/up tiles and its down tiles in the fused kernel; None derives it from
                       the grid and the tile work (kernels.fused_forward.down_lag_for)
       comm_kernel     backend "fused": pull and push in a second, small kernel whose programs
-                      share the SMs with the compute kernel's (one each; all of them compute),
-                      instead of in comm programs of the one kernel (docs/fused.md). Needs the
-                      ring to hold every row (ring_rows None or >= the schedule's rows)
+                      share SMs with the compute kernel's (one per two SMs; all 132 compute
+                      programs compute) instead of in comm programs of the one kernel
+                      (docs/fused.md). Needs the ring to hold every row (ring_rows None or >=
+                      the schedule's rows). None: on with expert parallelism (W > 1) when
+                      ring_rows is None (faster on every preset there, BENCHMARKS.md), else off
       capacity_factor rows a rank may receive, as a multiple of the balanced load
                       ``T * top_k``; None allows the worst case (every token of every rank).
     """
@@ -96,7 +98,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     down_lag: int | None = None
     overlap_shared: bool = True
-    comm_kernel: bool = False
+    comm_kernel: bool | None = None
 
     def __post_init__(self) -> None:
         _require_int("hidden_size", self.hidden_size, 1)
@@ -119,8 +121,10 @@ class MoEConfig:
             _require_multiple("ring_rows", self.ring_rows, "minibatch_rows", self.minibatch_rows)
         if self.down_lag is not None:
             _require_int("down_lag", self.down_lag, 0)
-        for name in ("overlap_shared", "comm_kernel"):
-            object.__setattr__(self, name, _as_bool(name, getattr(self, name)))
+        object.__setattr__(self, "overlap_shared", _as_bool("overlap_shared",
+                                                            self.overlap_shared))
+        if self.comm_kernel is not None:
+            object.__setattr__(self, "comm_kernel", _as_bool("comm_kernel", self.comm_kernel))
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf >= 1.0:

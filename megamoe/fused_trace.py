@@ -183,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         routing=args.routing, check=False)
     case = make_case(args.preset, opts, env)
     config = apply_settings(case.config, args.set, parser)
+    if config.comm_kernel is None:  # the trace records the one-kernel forward's programs
+        config = config.replace(comm_kernel=False)
     num_comm = fused.resolved_tunables(config, env.device, env.world_size)["comm_programs"]
     x, ids, w = case.x.detach(), case.topk_ids, case.topk_weights.detach()
     weights = type(case.weights)(*(None if t is None else t.detach() for t in case.weights))

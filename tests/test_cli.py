@@ -248,14 +248,24 @@ def test_fused_records_the_comm_programs_it_uses():
     from megamoe.backends.fused import resolved_tunables
     from megamoe.bench import tunable_fields
     from megamoe.config import get_preset
-    from megamoe.kernels.fused_forward import comm_programs_for
+    from megamoe.kernels.fused_forward import comm_kernel_programs, comm_programs_for
     from megamoe.kernels.runtime import persistent_programs
 
     config = get_preset("dsv3").config(2)
     cpu = torch.device("cpu")
+    # W = 2 with a ring of every row: the comm kernel, with one program per two SMs
     assert resolved_tunables(config, cpu, 2) == {
-        "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 2)}
-    assert resolved_tunables(config.replace(comm_programs=12), cpu, 2) == {"comm_programs": 12}
+        "comm_programs": comm_kernel_programs(cpu), "comm_kernel": True}
+    assert resolved_tunables(config.replace(comm_programs=12), cpu, 2) == {
+        "comm_programs": 12, "comm_kernel": True}
+    # one kernel: at W = 1, with a bounded ring, or when asked
+    one = {"comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 2),
+           "comm_kernel": False}
+    assert resolved_tunables(config.replace(comm_kernel=False), cpu, 2) == one
+    assert resolved_tunables(config.replace(ring_rows=4096), cpu, 2) == one
+    assert resolved_tunables(config, cpu, 1) == {
+        "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 1),
+        "comm_kernel": False}
     # no GPU: the record keeps the config's None (derived) rather than a CPU-grid number
     assert tunable_fields("fused", config, 2, cpu)["comm_programs"] is None
 

@@ -46,18 +46,28 @@ MAX_WORLD_SIZE = None
 _LOCAL: dict[tuple, object] = {}
 
 
+def uses_comm_kernel(config: MoEConfig, world_size: int) -> bool:
+    """``config.comm_kernel``, None resolved: on with expert parallelism when the ring holds
+    every row (the comm kernel needs that; a bounded ring keeps the one-kernel forward)."""
+    if config.comm_kernel is not None:
+        return config.comm_kernel
+    return world_size > 1 and config.ring_rows is None
+
+
 def resolved_tunables(config: MoEConfig, device: torch.device,
                       world_size: int) -> dict[str, int | None]:
-    """The tunables as the kernel uses them on ``device`` at ``world_size``: derived comm
-    programs for None. (``down_lag`` None stays None: it also depends on the ring and the
-    schedule's rows.)"""
-    from ..kernels.fused_forward import comm_programs_for
+    """The tunables as the kernel uses them on ``device`` at ``world_size``: the comm kernel on
+    or off, and the derived comm programs (the comm kernel's, or the one kernel's) for None.
+    (``down_lag`` None stays None: it also depends on the ring and the schedule's rows.)"""
+    from ..kernels.fused_forward import comm_kernel_programs, comm_programs_for
     from ..kernels.runtime import persistent_programs
+    split = uses_comm_kernel(config, world_size)
     num_comm = config.comm_programs
     if num_comm is None:
-        num_comm = comm_programs_for(persistent_programs(device), config.intermediate_size,
-                                     world_size)
-    return {"comm_programs": num_comm}
+        num_comm = (comm_kernel_programs(device) if split else
+                    comm_programs_for(persistent_programs(device), config.intermediate_size,
+                                      world_size))
+    return {"comm_programs": num_comm, "comm_kernel": split}
 
 
 def _experts(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor,
@@ -66,12 +76,11 @@ def _experts(ws, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tens
     from ..kernels.fused_forward import fused_forward
     config = schedule.config
     shared = ((x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None)
+    tunables = resolved_tunables(config, ws.device, ws.world_size)
     out = fused_forward(ws, schedule.routed, weights.w_gate, weights.w_up, weights.w_down,
-                        num_comm=resolved_tunables(config, ws.device,
-                                                   ws.world_size)["comm_programs"],
-                        minibatch_rows=config.minibatch_rows,
+                        num_comm=tunables["comm_programs"], minibatch_rows=config.minibatch_rows,
                         ring_rows=config.ring_rows, shared=shared, down_lag=config.down_lag,
-                        trace=trace, comm_kernel=config.comm_kernel)
+                        trace=trace, comm_kernel=tunables["comm_kernel"])
     routed = (out.xs, out.g, out.u, out.h, out.z) if out.full else (None,) * 5
     return routed, out.shared, out.shared_out
 

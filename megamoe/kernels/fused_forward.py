@@ -64,7 +64,7 @@ from .tiles import cast
 __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
            "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
            "task_of", "grouped_task", "gate_up_start", "routed_lag", "down_lag_for",
-           "comm_programs_for", "fused_grid", "new_trace", "TRACE_KINDS",
+           "comm_programs_for", "comm_kernel_programs", "fused_grid", "new_trace", "TRACE_KINDS",
            "flag_layout", "FlagLayout", "FUSED_WARPS", "FUSED_STAGES"]
 
 # Stage codes of the fused forward's spin-waits in the error record (workspace.STAGE_NAMES).
@@ -141,6 +141,11 @@ def _prefer_shared(kernel):
                                f"error {err}")
     _PREFERRED.add(kernel.function)
     return kernel
+
+
+def comm_kernel_programs(device: torch.device) -> int:
+    """Programs of the comm kernel when the config leaves them to the kernel."""
+    return max(1, persistent_programs(device) // COMM_KERNEL_SM_SHARE)
 
 
 def sm_usage(programs: list[tuple[int, int, int]]) -> tuple[int, int]:
@@ -809,13 +814,15 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     int64 ``[programs, events, 3]`` that receives one (kind << 32 | index, start ns, end ns) per
     pulled minibatch or task of each program (``megamoe.fused_trace`` reads it).
     ``comm_kernel`` (``MoEConfig.comm_kernel``): pull and push in :func:`_fused_comm_kernel`
-    beside this kernel (on a side stream, joined before returning; ``num_comm`` unused), every
-    program of this kernel computing; needs a ring of every row, no trace.
+    beside this kernel (on a side stream, joined before returning; ``num_comm`` of its programs,
+    None: :func:`comm_kernel_programs`), every program of this kernel computing; needs a ring of
+    every row, no trace.
     """
     comm._check_schedule(ws, sched)
     if num_comm is None:
-        num_comm = comm_programs_for(persistent_programs(ws.device), w_gate.shape[1],
-                                     ws.world_size)
+        num_comm = (comm_kernel_programs(ws.device) if comm_kernel else
+                    comm_programs_for(persistent_programs(ws.device), w_gate.shape[1],
+                                      ws.world_size))
     _check_int("num_comm", num_comm, 1)
     if down_lag is not None:
         _check_int("down_lag", down_lag, 0)
@@ -891,7 +898,6 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     shared_lag = (down_lag if down_lag is not None or shared is None else
                   down_lag_for(computing, group, h, i_s, t1.bn, t2.bn))
     if comm_kernel:
-        num_comm = max(1, persistent_programs(dev) // COMM_KERNEL_SM_SHARE)
         cargs = (ws.peers.x, ws.peers.combine, z, sched.row_src, sched.num_blocks, xs, flags,
                  ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks)
         cr, cc = comm.copy_tile(h, dtype.itemsize, COMM_KERNEL_TILE_BYTES)
