@@ -121,6 +121,7 @@ SM90_SHARED_RESERVED_PER_PROGRAM = 1024
 COMM_PULL, COMM_PUSH, COMM_BOTH = 1, 2, 3
 _CU_FUNC_CACHE_PREFER_SHARED = 1
 _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+_CARVEOUT_ALL_SHARED = 100  # percent of the SM's L1 / shared memory that is shared memory
 _PREFERRED: set[int] = set()
 
 
@@ -135,7 +136,7 @@ def _prefer_shared(kernel):
     fn = ctypes.c_void_p(kernel.function)
     for what, err in (("cache config", cuda.cuFuncSetCacheConfig(
             fn, _CU_FUNC_CACHE_PREFER_SHARED)), ("carveout", cuda.cuFuncSetAttribute(
-            fn, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))):
+            fn, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, _CARVEOUT_ALL_SHARED))):
         if err:
             raise RuntimeError(f"setting a split kernel's shared-memory {what} failed: CUDA "
                                f"error {err}")
@@ -189,6 +190,7 @@ _STAGE_H = tl.constexpr(STAGE_H_READY)
 _STAGE_RING = tl.constexpr(STAGE_RING_FREE)
 _STAGE_Z = tl.constexpr(STAGE_Z_READY)
 _STAGE_CORESIDENT = tl.constexpr(STAGE_CORESIDENT)
+_STAGE_SHARED_H = tl.constexpr(STAGE_SHARED_H_READY)
 
 
 @triton.jit
@@ -198,7 +200,6 @@ def arrive_all(flags_ptr, everyone, err_ptr, rank, budget):
     them side by side, this stalls first and names that."""
     tl.atomic_add(flags_ptr + 1, 1, sem="relaxed", scope="gpu")
     return wait_count(flags_ptr + 1, everyone, err_ptr, _STAGE_CORESIDENT, 0, rank, budget)
-_STAGE_SHARED_H = tl.constexpr(STAGE_SHARED_H_READY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -691,8 +692,8 @@ def _fused_comm_kernel(x_table, combine_table, z_ptr, row_src_ptr, num_blocks_pt
                        BN2: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr,
                        COLS: tl.constexpr, PHASE: tl.constexpr, UPCAST: tl.constexpr):
     """``config.comm_kernel``: the forward's communication in a small kernel whose programs sit
-    on the SMs beside the compute kernel's (one each), so that the copies overlap the MMAs on
-    every SM instead of taking SMs of their own: pull every minibatch (strided copy tasks, the
+    on SMs beside the compute kernel's (at most one per SM), so that the copies overlap the MMAs
+    instead of taking SMs of their own: pull every minibatch (strided copy tasks, the
     comm role's), then push each minibatch's z rows once all of its down tiles are stored. The
     ring holds every row (no slot reuse). ``PHASE``: pulls, pushes or both (the interpreter
     runs the pulls, the compute kernel, then the pushes)."""
@@ -929,8 +930,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         TRACE=trace is not None,
         PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,
-        # the comm kernel's programs must run beside these: a cooperative launch waited for
-        # the comm kernel to end (the start-up count reports programs that are not resident)
+        # not cooperative with the comm kernel: its programs run beside these (the start-up
+        # count reports programs that are not resident)
         launch_cooperative_grid=not interpreting() and not comm_kernel)
     if comm_kernel and not interpreting():
         # Both kernels compiled, loaded and given the largest carveout before either starts:
