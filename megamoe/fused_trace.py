@@ -5,7 +5,8 @@
 
 Runs backend "fused"'s forward (no grad) ``--warmup`` times, times ``--iters`` plain forwards,
 then runs one forward with a trace buffer (``fused_forward(trace=...)``: every program writes one
-event per pulled minibatch or task: kind, index, start and end in GPU nanoseconds) and one more
+event per pulled minibatch or task: kind, index, start and end in GPU nanoseconds; with the comm
+kernel, the default at W > 1, the compute kernel's tasks only) and one more
 timed plain forward. Rank 0 prints, per event kind, the count, the summed time, the median and
 10th-percentile duration and the *excess* (time beyond the 10th percentile, summed: mostly
 waiting on flags, since tiles of one kind do the same work); then the fraction of the
@@ -56,8 +57,10 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(trace: torch.Tensor, num_comm: int) -> dict[str, Any]:
+def summarize(trace: torch.Tensor, num_comm: int, comm_kernel: bool = False) -> dict[str, Any]:
     """Per-kind and per-role totals of one traced launch (``trace [programs, events, 3]``).
+    ``num_comm``: the kernel's programs that pull first, or with ``comm_kernel`` the programs of
+    the comm kernel beside it (its pulls are not in the trace).
 
     Times are relative to the earliest event start; ``excess_ms`` of a kind sums each event's
     duration beyond the kind's 10th-percentile duration (an estimate of its waiting).
@@ -91,6 +94,7 @@ def summarize(trace: torch.Tensor, num_comm: int) -> dict[str, Any]:
     return {
         "programs": programs,
         "comm_programs": num_comm,
+        "comm_kernel": comm_kernel,
         "span_ms": span / _NS_PER_MS,
         "kinds": kinds,
         "busy": busy / (span * programs) if span else 0.0,
@@ -101,8 +105,10 @@ def summarize(trace: torch.Tensor, num_comm: int) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    comm = (f"the comm kernel's {summary['comm_programs']} programs beside them"
+            if summary.get("comm_kernel") else f"{summary['comm_programs']} pull first")
     lines = [f"kernel span {summary['span_ms']:.3f} ms, {summary['programs']} programs "
-             f"({summary['comm_programs']} pull first), busy {100 * summary['busy']:.1f}%"]
+             f"({comm}), busy {100 * summary['busy']:.1f}%"]
     if summary["last_pull_end_ms"] is not None:
         lines.append(f"last pull ended at {summary['last_pull_end_ms']:.3f} ms")
     lines.append(f"launch skew (latest first event) {summary['launch_skew_us']:.1f} us")
@@ -183,9 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         routing=args.routing, check=False)
     case = make_case(args.preset, opts, env)
     config = apply_settings(case.config, args.set, parser)
-    if config.comm_kernel is None:  # the trace records the one-kernel forward's programs
-        config = config.replace(comm_kernel=False)
-    num_comm = fused.resolved_tunables(config, env.device, env.world_size)["comm_programs"]
+    tunables = fused.resolved_tunables(config, env.device, env.world_size)
     x, ids, w = case.x.detach(), case.topk_ids, case.topk_weights.detach()
     weights = type(case.weights)(*(None if t is None else t.detach() for t in case.weights))
     schedule = fused.build_schedule(ids, config, env.group)
@@ -201,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = new_trace(env.device, args.events)
         traced_ms = _timed_forward(lambda: forward(trace), env.device)
         profile = profile_calls(forward, args.iters, env.device) if args.profile else None
-    summary = summarize(trace.cpu(), num_comm)
+    summary = summarize(trace.cpu(), tunables["comm_programs"], tunables["comm_kernel"])
     plain_ms = statistics.median(plain)
     summary.update(preset=args.preset, tokens_per_rank=case.tokens, world_size=env.world_size,
                    rank=env.rank, plain_fwd_ms=plain_ms, traced_fwd_ms=traced_ms,

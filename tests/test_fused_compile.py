@@ -33,7 +33,7 @@ from megamoe.kernels import fused_forward as ff
 
 VARIANT = sys.argv[2]
 ODD = VARIANT == "split_odd"  # a row width that is not a multiple of the copy tile's
-SPLIT = VARIANT in ("split", "split_odd")
+SPLIT = VARIANT in ("split", "split_odd", "split_trace")
 H, I, BM, TOP_K, NUM_COMM, MB = 7168, 2048, 128, 8, 24, 256  # dsv3, the config defaults
 if ODD:
     H, I = 520, 200
@@ -61,7 +61,7 @@ consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, 
               PUSH_CHUNK=ff.PUSH_CHUNK_ROWS,
               # with the z_done release: a superset of the default's code (the comm kernel
               # variant needs a ring of every row)
-              RING_WRAPS=not SPLIT, SPLIT=SPLIT, TRACE=VARIANT == "trace", PHASED=False,
+              RING_WRAPS=not SPLIT, SPLIT=SPLIT, TRACE=VARIANT in ("trace", "split_trace"), PHASED=False,
               GPU=True, UPCAST=False)
 fn = ff._fused_forward_kernel
 sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
@@ -176,12 +176,14 @@ def _registers(info: str) -> int:
     return int(re.search(r"Used (\d+) registers", info).group(1))
 
 
-@pytest.mark.parametrize("variant", ["split", "split_odd"])
+@pytest.mark.parametrize("variant", ["split", "split_odd", "split_trace"])
 def test_comm_kernel_fits_beside_the_compute_kernel(tmp_path_factory, variant: str) -> None:
     """config.comm_kernel: a comm program must fit on every SM next to a compute program, or the
     two kernels cannot run at once (each waits for the other: the start-up count reports it).
     At a row width that is not a multiple of the copy tile the comm kernel would take 159
-    registers uncapped (the pair did not run side by side on an H200); the cap keeps it at 80."""
+    registers uncapped (the pair did not run side by side on an H200); the cap keeps it at 80.
+    The traced compute kernel (fused_trace at W > 1) needs 212 registers at dsv3: the pair then
+    fills the register file exactly."""
     from megamoe.kernels import fused_forward as ff
     split = _compile(tmp_path_factory, variant)
     comm = split["comm"]

@@ -44,6 +44,15 @@ def test_summary_counts_times_and_excess():
     assert "kernel span 0.105 ms" in text and "gate/up" in text and "busy 61.9%" in text
 
 
+def test_summary_with_the_comm_kernel():
+    # the compute kernel's tasks only: its pulls ran in the comm kernel beside it
+    tasks = _trace(2, [(0, 3, 0, 100, 150), (1, 4, 5, 150, 170)])
+    s = summarize(tasks, num_comm=66, comm_kernel=True)
+    assert s["last_pull_end_ms"] is None and "pull" not in s["kinds"]
+    assert s["busy"] == pytest.approx(70 / (70 * 2))
+    assert "(the comm kernel's 66 programs beside them)" in format_summary(s)
+
+
 def test_empty_trace_is_an_error():
     with pytest.raises(ValueError, match="trace holds no events"):
         summarize(torch.full((2, 4, 3), -1, dtype=torch.int64), num_comm=1)

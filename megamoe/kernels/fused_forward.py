@@ -817,7 +817,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     ``comm_kernel`` (``MoEConfig.comm_kernel``): pull and push in :func:`_fused_comm_kernel`
     beside this kernel (on a side stream, joined before returning; ``num_comm`` of its programs,
     None: :func:`comm_kernel_programs`), every program of this kernel computing; needs a ring of
-    every row, no trace.
+    every row; a ``trace`` then records the compute kernel's tasks (no pulls).
     """
     comm._check_schedule(ws, sched)
     if num_comm is None:
@@ -890,8 +890,6 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     if comm_kernel and not full:
         raise ValueError(f"comm_kernel needs a ring that holds every row: ring_rows None or >= "
                          f"{rows}, got {ring_rows}")
-    if comm_kernel and trace is not None:
-        raise ValueError("trace does not record the comm kernel: run it with comm_kernel off")
     group = minibatch_rows // bm  # row blocks per task-list group
     computing = grid[0] if comm_kernel else max(1, grid[0] - num_comm)
     lag = routed_lag(down_lag if down_lag is not None else
