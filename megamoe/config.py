@@ -56,7 +56,8 @@ class MoEConfig:
     Tunables (they never change results, only speed):
       comm_programs   programs of the fused kernel that pull tokens from the GPUs (the rest
                       compute); None derives it from the intermediate size, the FLOPs a row
-                      brings per byte pulled (kernels.fused_forward.comm_programs_for)
+                      brings per byte pulled (kernels.fused_forward.comm_programs_for). With
+                      the comm kernel: its programs (None: one per two SMs)
       copy_programs   programs of backend "triton"'s standalone NVLink copies (dispatch pull,
                       combine push and their backward)
       overlap_shared  (W > 1) run the shared expert's GEMMs on a second stream while those

@@ -36,7 +36,8 @@
 #                        is unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the cache into
 #                        $OUT/triton_cache.tgz at the end (bring it back as .triton_cache.tgz)
 #   MEGAMOE_SWEEP_PRESET default dsv3
-#   MEGAMOE_SWEEP_TUNE   default "comm_programs=8,16,32 minibatch_rows=256,1024" (--tune each)
+#   MEGAMOE_SWEEP_TUNE   default "comm_programs=33,66,132 minibatch_rows=256,1024" (--tune
+#                        each; at W > 1 comm_programs are the comm kernel's programs)
 #   MEGAMOE_SWEEP_TOKENS default "1024 2048 4096 8192"
 #
 # The package is used from this checkout through PYTHONPATH (no install: the GPU machine may have
@@ -162,7 +163,7 @@ if want sweep; then
     if [ "$NGPU" -ge 2 ]; then
         sweep_preset="${MEGAMOE_SWEEP_PRESET:-dsv3}"
         tune_args=()
-        for spec in ${MEGAMOE_SWEEP_TUNE:-comm_programs=8,16,32 minibatch_rows=256,1024}; do
+        for spec in ${MEGAMOE_SWEEP_TUNE:-comm_programs=33,66,132 minibatch_rows=256,1024}; do
             tune_args+=(--tune "$spec")
         done
         sweep_common=(bench --iters "$ITERS" --warmup "$WARMUP" --preset "$sweep_preset")

@@ -771,12 +771,16 @@ def flag_layout(max_minibatches: int, max_blocks: int, shared_blocks: int) -> Fl
     return FlagLayout(0, ready, z_done, h_done, sh_done, sh_done + shared_blocks)
 
 
-def fused_grid(num_comm: int, device: torch.device) -> int:
-    """Programs of the launch: one per SM on a GPU (comm + compute); one program when phased."""
+def fused_grid(num_comm: int, device: torch.device, comm_kernel: bool = False) -> int:
+    """Programs of the launch: one per SM on a GPU (comm + compute, or all computing beside the
+    comm kernel's ``num_comm``); one program when phased."""
     if interpreting():
         return 1
     programs = persistent_programs(device)
-    if num_comm >= programs:
+    if comm_kernel and num_comm > programs:
+        raise ValueError(f"num_comm ({num_comm}) comm kernel programs must sit at most one per "
+                         f"SM: the GPU has {programs} SMs")
+    if not comm_kernel and num_comm >= programs:
         raise ValueError(f"num_comm ({num_comm}) must leave compute programs: the GPU has "
                          f"{programs} SMs")
     return programs
@@ -879,7 +883,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     elif flags.numel() < layout.words or flags.dtype != torch.int32:
         raise ValueError(f"flags must be int32 with >= {layout.words} words")
     copy_r, copy_c = comm.copy_tile(h, dtype.itemsize, comm.COPY_TILE_BYTES)
-    grid = (fused_grid(num_comm, dev),)
+    grid = (fused_grid(num_comm, dev, comm_kernel),)
     if trace is not None:
         if interpreting():
             raise ValueError("trace needs a GPU (the interpreter runs the phased schedule)")
