@@ -77,8 +77,8 @@ class MoEConfig:
                       gate/up tiles and its down tiles in the fused kernel; None derives it from
                       the grid and the tile work (kernels.fused_forward.down_lag_for)
       comm_kernel     backend "fused": pull and push in a second, small kernel whose programs
-                      share SMs with the compute kernel's (one per two SMs; all 132 compute
-                      programs compute) instead of in comm programs of the one kernel
+                      share SMs with the compute kernel's (one per two SMs; every compute
+                      kernel program computes) instead of in comm programs of the one kernel
                       (docs/fused.md). Needs the ring to hold every row (ring_rows None or >=
                       the schedule's rows). None: on with expert parallelism (W > 1) when
                       ring_rows is None (faster on every preset there, BENCHMARKS.md), else off

@@ -91,6 +91,8 @@ def test_value_checks_can_be_skipped():
     (dict(down_lag=-1), ValueError, "down_lag must be >= 0, got -1"),
     (dict(overlap_shared=2), ValueError, r"overlap_shared must be a bool \(or 0 / 1\), got 2"),
     (dict(overlap_shared=None), TypeError, r"overlap_shared must be a bool \(or 0 / 1\), got None"),
+    (dict(comm_kernel=2), ValueError, r"comm_kernel must be a bool \(or 0 / 1\), got 2"),
+    (dict(comm_kernel="on"), TypeError, r"comm_kernel must be a bool \(or 0 / 1\), got 'on'"),
     (dict(capacity_factor=0.5), ValueError, "capacity_factor must be a number >= 1.0 or None, got 0.5"),
 ])
 def test_config_validation(kwargs, error, pattern):
@@ -99,10 +101,12 @@ def test_config_validation(kwargs, error, pattern):
         MoEConfig(**{**base, **kwargs})
 
 
-def test_overlap_shared_takes_0_and_1_as_bools():
+def test_bool_tunables_take_0_and_1_as_bools():
     base = dict(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2)
     assert MoEConfig(**base, overlap_shared=0).overlap_shared is False
     assert MoEConfig(**base, overlap_shared=1) == MoEConfig(**base)
+    assert MoEConfig(**base, comm_kernel=1).comm_kernel is True
+    assert MoEConfig(**base).comm_kernel is None  # resolved per world size by backend "fused"
 
 
 def test_config_world_size_and_capacity():
