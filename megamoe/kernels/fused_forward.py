@@ -900,7 +900,12 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
                      down_lag_for(computing, group, h, i, t1.bn, t2.bn), slots, 1, max_mb)
     shared_lag = (down_lag if down_lag is not None or shared is None else
                   down_lag_for(computing, group, h, i_s, t1.bn, t2.bn))
+    # Programs that count themselves in at the start: with the comm kernel on a GPU those of both
+    # kernels (they must run side by side); the interpreter runs the comm kernel's phases before
+    # and after this one, which counts its own program only.
+    arrivals = 0
     if comm_kernel:
+        arrivals = grid[0] if interpreting() else grid[0] + num_comm
         cargs = (ws.peers.x, ws.peers.combine, z, sched.row_src, sched.num_blocks, xs, flags,
                  ws.errors, t, h, ws.rank, comm._budget(budget), max_mb, sched.max_blocks)
         cr, cc = comm.copy_tile(h, dtype.itemsize, COMM_KERNEL_TILE_BYTES)
@@ -920,10 +925,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
         *shared_descs, flags, ws.errors, flags if trace is None else trace,
         0 if trace is None else trace.shape[1], t, h, i, i_s, ws.rank, comm._budget(budget),
-        # the programs that count in at the start (comm kernel: a GPU runs both side by side;
-        # the interpreter runs the comm kernel's phases before and after this one)
-        ring_rows, slots, max_mb, sched.max_blocks,
-        (grid[0] if interpreting() else grid[0] + num_comm) if comm_kernel else 0)
+        ring_rows, slots, max_mb, sched.max_blocks, arrivals)
     fkw = dict(
         NUM_COMM=num_comm,
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
@@ -940,10 +942,9 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         # loading a module waits for running kernels (the first forward stalled at the start-up
         # count while the comm kernel loaded), and an SM set up for a small carveout takes no
         # program of the other kernel (probe on an H200: the two ran side by side only so).
-        everyone = (grid[0] + num_comm,)
         _check_side_by_side(
             _prefer_shared(_fused_forward_kernel.warmup(*fargs, grid=grid, **fkw)),
-            _prefer_shared(_fused_comm_kernel.warmup(*cargs, *everyone, grid=(num_comm,),
+            _prefer_shared(_fused_comm_kernel.warmup(*cargs, arrivals, grid=(num_comm,),
                                                      PHASE=COMM_BOTH, **ckw)))
     _fused_forward_kernel[grid](*fargs, **fkw)
     if comm_kernel:
@@ -951,7 +952,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
             _fused_comm_kernel[(num_comm,)](*cargs, 0, PHASE=COMM_PUSH, **ckw)
         else:
             with torch.cuda.stream(side):
-                _fused_comm_kernel[(num_comm,)](*cargs, *everyone, PHASE=COMM_BOTH, **ckw)
+                _fused_comm_kernel[(num_comm,)](*cargs, arrivals, PHASE=COMM_BOTH, **ckw)
             main.wait_stream(side)
     return FusedOutputs(xs, g, u, hh, z, full, ring_rows,
                         None if shared is None else (sg, su, sh), shared_out)
