@@ -11,8 +11,9 @@ timed plain forward. Rank 0 prints, per event kind, the count, the summed time, 
 10th-percentile duration and the *excess* (time beyond the 10th percentile, summed: mostly
 waiting on flags, since tiles of one kind do the same work); then the fraction of the
 programs' time over the kernel span spent in pulls or tasks (busy), when the last pull ended,
-the launch skew and the forward time outside the kernel's span (the other launches and the gaps
-between them); ``--profile`` lists each launch's GPU time per forward and the idle gaps between
+the launch skew and the traced forward's time outside the kernel's span (the other launches and
+the gaps between them; the plain forwards, each timed alone, also wait for the other ranks'
+hosts); ``--profile`` lists each launch's GPU time per forward and the idle gaps between
 launches (``megamoe.profile``). ``--out`` gets ``trace_rank{r}.json`` (the summary and the
 events) and ``timeline_rank0.png``.
 """
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain_ms = statistics.median(plain)
     summary.update(preset=args.preset, tokens_per_rank=case.tokens, world_size=env.world_size,
                    rank=env.rank, plain_fwd_ms=plain_ms, traced_fwd_ms=traced_ms,
-                   outside_kernel_ms=plain_ms - summary["span_ms"], profile=profile,
+                   outside_kernel_ms=traced_ms - summary["span_ms"], profile=profile,
                    config={name: getattr(config, name) for name in TUNABLES})
     if env.is_main:
         print(f"{args.preset}, W = {env.world_size}, {case.tokens} tokens/rank: forward "

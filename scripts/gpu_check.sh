@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
-#   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [comm] [bench] [kernels] [sweep] [all]
+#   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [comm] [bench] [kernels] [sustained]
+#                        [sweep] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -13,6 +14,8 @@
 #   comm     torchrun: the dispatch/combine bandwidth sweep (>= 2 GPUs)
 #   bench    megamoe bench on $MEGAMOE_PRESETS at W=1, and under torchrun at W=$NGPU (>= 2 GPUs)
 #   kernels  adds --kernels (grouped-GEMM kernel records) to the W=1 bench
+#   sustained  megamoe.sustained on $MEGAMOE_PRESETS at W=$NGPU: backends $MEGAMOE_SUSTAINED_BACKENDS
+#            back to back for $MEGAMOE_SUSTAINED_SECONDS s each, 3 rounds, with power and SM clock
 #   sweep    (not part of all) W=$NGPU on $MEGAMOE_SWEEP_PRESET: backend fused over the tunable
 #            grid $MEGAMOE_SWEEP_TUNE next to triton and torch-a2a, then every backend over
 #            $MEGAMOE_SWEEP_TOKENS tokens per rank (the time-vs-tokens plot)
@@ -35,6 +38,7 @@
 #                        $ROOT/.triton_cache.tgz exists (git-ignored; carry it to the machine) it
 #                        is unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the cache into
 #                        $OUT/triton_cache.tgz at the end (bring it back as .triton_cache.tgz)
+#   MEGAMOE_SUSTAINED_BACKENDS  default "triton fused"; MEGAMOE_SUSTAINED_SECONDS default 2.5
 #   MEGAMOE_SWEEP_PRESET default dsv3
 #   MEGAMOE_SWEEP_TUNE   default "comm_programs=33,66,132 minibatch_rows=256,1024" (--tune
 #                        each; at W > 1 comm_programs are the comm kernel's programs)
@@ -67,8 +71,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | comm | bench | kernels | sweep) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, comm, bench, kernels, sweep or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | comm | bench | kernels | sustained | sweep) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, comm, bench, kernels, sustained, sweep or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -157,6 +161,17 @@ fi
 if want bench && [ "$NGPU" -ge 2 ]; then
     step "bench W=$NGPU" "$OUT/bench_w$NGPU.log" \
         "${TORCHRUN[@]}" -m megamoe "${bench_args[@]}" --out "$OUT/bench_w$NGPU.json"
+fi
+
+if want sustained; then
+    run_sustained=("$PY" -m megamoe.sustained)
+    [ "$NGPU" -ge 2 ] && run_sustained=("${TORCHRUN[@]}" -m megamoe.sustained)
+    for preset in $PRESETS; do
+        # shellcheck disable=SC2086
+        step "sustained $preset W=$NGPU" "$OUT/sustained_$preset.log" "${run_sustained[@]}" \
+            --preset "$preset" --backend ${MEGAMOE_SUSTAINED_BACKENDS:-triton fused} \
+            --seconds "${MEGAMOE_SUSTAINED_SECONDS:-2.5}" --out "$OUT/sustained_$preset.json"
+    done
 fi
 
 if want sweep; then
