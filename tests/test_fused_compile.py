@@ -46,6 +46,9 @@ types = dict(
     wg_desc=desc([t1.bn, t1.bk]), wu_desc=desc([t1.bn, t1.bk]), g_desc=desc([BM, t1.bn]),
     u_desc=desc([BM, t1.bn]), h_desc=desc([BM, t1.bn]), h_in_desc=desc([BM, t2.bk]),
     wd_desc=desc([t2.bn, t2.bk]), z_desc=desc([BM, t2.bn]), x_desc=desc([BM, t1.bk]),
+    xs_half_desc=desc([BM // 2, t1.bk]), g_half_desc=desc([BM // 2, t1.bn]),
+    u_half_desc=desc([BM // 2, t1.bn]), h_half_desc=desc([BM // 2, t1.bn]),
+    h_in_half_desc=desc([BM // 2, t2.bk]), z_half_desc=desc([BM // 2, t2.bn]),
     sgw_desc=desc([t1.bn, t1.bk]), suw_desc=desc([t1.bn, t1.bk]), sg_desc=desc([BM, t1.bn]),
     su_desc=desc([BM, t1.bn]), sh_desc=desc([BM, t1.bn]), sh_in_desc=desc([BM, t2.bk]),
     sdw_desc=desc([t2.bn, t2.bk]), so_desc=desc([BM, t2.bn]), flags_ptr="*i32", err_ptr="*i32",
@@ -61,7 +64,7 @@ consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, 
               PUSH_CHUNK=ff.PUSH_CHUNK_ROWS,
               # with the z_done release: a superset of the default's code (the comm kernel
               # variant needs a ring of every row)
-              RING_WRAPS=not SPLIT, SPLIT=SPLIT, TRACE=VARIANT in ("trace", "split_trace"), PHASED=False,
+              RING_WRAPS=not SPLIT, SPLIT=SPLIT, HALF=True, TRACE=VARIANT in ("trace", "split_trace"), PHASED=False,
               GPU=True, UPCAST=False)
 fn = ff._fused_forward_kernel
 sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}

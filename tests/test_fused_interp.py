@@ -342,6 +342,43 @@ def test_comm_kernel_is_bitwise_unfused(world: int) -> None:
         _assert_same_grads(out[r][2], ref[r][2], f"rank {r}")
 
 
+# Row blocks of 32: their half blocks (16 rows) are the smallest the kernel runs as half tiles.
+HALF_BLOCK_ROWS = 32
+
+
+@pytest.mark.parametrize("comm_kernel", [False, True], ids=["one-kernel", "comm-kernel"])
+def test_half_padded_blocks_give_the_full_tiles_bits(comm_kernel: bool) -> None:
+    """An expert's last row block with at most half its rows real runs half-height gate/up tiles
+    (and down tiles with the comm kernel) and zeros the padding half: y, every saved activation
+    (padding rows included, in poisoned buffers) and every gradient equal "triton"'s full tiles."""
+    gen = torch.Generator().manual_seed(21)
+    t, h, i, e, k, i_s = 37, 64, 40, 4, 2, 24
+    cfg = make_config(h, i, e, k, i_s, HALF_BLOCK_ROWS).replace(
+        comm_programs=2, minibatch_rows=HALF_BLOCK_ROWS, ring_rows=1024 * HALF_BLOCK_ROWS,
+        comm_kernel=comm_kernel)
+    weights = _weights(gen, e, h, i, i_s)
+    ids, w = make_routing(t, e, k, kind="zipf", generator=gen)
+    x, dy = _rnd(gen, t, h), _rnd(gen, t, h)
+    fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device).combine_buffer.fill_(
+        float("nan"))
+    with poisoned_buffers():
+        sched = backend.build_schedule(ids, cfg, None)
+        used = _used_rows(sched.routed)
+        blocks = sched.routed.row_src[:used].view(-1, HALF_BLOCK_ROWS)
+        half = blocks[:, HALF_BLOCK_ROWS // 2] < 0
+        assert half.any() and not half.all(), "meant to have half-padded and fuller blocks"
+        y_ref, ctx_ref = backend.forward(x, ids, w, weights, cfg, None, sched)
+        y, ctx = fused_backend.forward(x, ids, w, weights, cfg, None, sched)
+        assert torch.equal(y, y_ref)
+        _assert_same_activations(ctx, ctx_ref, used, "half blocks")
+        for name in ("g", "u", "h"):  # the padding halves hold zeros, not the poison
+            rows = getattr(ctx, name)[:used].view(-1, HALF_BLOCK_ROWS, i)
+            assert torch.equal(rows[half, HALF_BLOCK_ROWS // 2:],
+                               torch.zeros_like(rows[half, HALF_BLOCK_ROWS // 2:])), name
+        _assert_same_grads(fused_backend.backward(ctx, dy), backend.backward(ctx_ref, dy),
+                           "half blocks")
+
+
 # ------------------------------------------------------------------------------ watchdog
 
 def _stall(skip_tasks: int, ring_blocks: int | None = None, never_pulled: bool = False) -> str:

@@ -59,7 +59,7 @@ from . import comm
 from .gemm import _weight_2d, gate_up_tile, mm_acc, tiles_for
 from .runtime import descriptor, empty, interpreting, persistent_programs
 from .schedule import RowSchedule
-from .tiles import cast
+from .tiles import cast, store_zeros
 
 __all__ = ["FusedOutputs", "fused_forward", "STAGE_ROWS_READY", "STAGE_H_READY",
            "STAGE_RING_FREE", "STAGE_SHARED_H_READY", "FLAG_WORDS",
@@ -99,6 +99,8 @@ GEMM_TFLOPS_PER_PROGRAM = 5.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
+# Smallest half block that runs as half tiles (routed_task's HALF): tl.dot needs 16 rows.
+MIN_HALF_ROWS = 16
 # The comm kernel (config.comm_kernel): small programs beside the compute kernel's, at most one
 # per SM. Its registers and shared memory must fit next to a compute program (208 registers x
 # 256 threads, 192 KB): 4 warps capped at 80 registers and 16 KB copy tiles do (at dsv3 it
@@ -451,14 +453,31 @@ def take_task(ticket_ptr, limit, PHASED: tl.constexpr):
 
 
 @triton.jit
+def half_padding(row_src_ptr, row, HALF: tl.constexpr, BM: tl.constexpr):
+    """With ``HALF``: is the second half of the row block at layout row ``row`` padding? (An
+    expert's padding sits at the end of its last block, so its first padding row decides.)"""
+    if HALF:
+        return tl.load(row_src_ptr + row + BM // 2) < 0
+    else:
+        return False
+
+
+@triton.jit
 def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
-                combine_table, z_ptr, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
-                z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
+                half_descs, combine_table, z_ptr, row_src_ptr, block_expert_ptr, ready_ptr,
+                h_done_ptr, z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
                 NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
                 BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, TOP_K: tl.constexpr,
                 PUSH_CHUNK: tl.constexpr, LAG: tl.constexpr, RING_WRAPS: tl.constexpr,
-                SPLIT: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
+                SPLIT: tl.constexpr, HALF: tl.constexpr, GPU: tl.constexpr,
+                UPCAST: tl.constexpr):
     """Routed task t (of the routed part); False if its wait gave up.
+
+    ``HALF``: a block whose second half is padding (an expert's last block with at most BM / 2
+    rows) runs its gate/up tiles (and with ``SPLIT`` its down tiles) BM / 2 rows high
+    (``half_descs``: xs, g, u, h, h_in and z with BM / 2-row boxes) and stores zeros into the
+    padding half, as the full tile would have (the backward reads those rows): the same bits,
+    half the MMAs.
 
     A down tile stores its z tile (TMA), waits for it, and pushes its rows from there (L2) into
     the source ranks' combine slots (``comm.push_tile``). It counts itself into its minibatch's
@@ -474,12 +493,23 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
     alive = True
     if not real:
         pass
+    if not real:
+        pass
     elif is_gate_up:
         alive = wait_count(ready_ptr + mb, NUM_COMM, err_ptr, _STAGE_ROWS, mb, rank, budget)
         if alive:
             acquire_for_tma(GPU)
-            gate_up_tile(xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, expert, at, j * BN1,
-                         I, H, BM, BN1, BK1, UPCAST)
+            col = j * BN1
+            if half_padding(row_src_ptr, row, HALF, BM):
+                xs_h, g_h, u_h, h_h, _, _ = half_descs
+                gate_up_tile(xs_h, wg_desc, wu_desc, g_h, u_h, h_h, expert, at, col, I, H,
+                             BM // 2, BN1, BK1, UPCAST)
+                store_zeros(g_h, at + BM // 2, col, BM // 2, BN1)
+                store_zeros(u_h, at + BM // 2, col, BM // 2, BN1)
+                store_zeros(h_h, at + BM // 2, col, BM // 2, BN1)
+            else:
+                gate_up_tile(xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, expert, at, col,
+                             I, H, BM, BN1, BK1, UPCAST)
             publish_writes(GPU)
             signal(h_done_ptr + b)
     else:
@@ -487,9 +517,18 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
         if alive:
             acquire_for_tma(GPU)
             col = j * BN2
-            acc = mm_acc(tl.zeros([BM, BN2], dtype=tl.float32), h_in_desc, wd_desc, expert, at,
-                         col, H, I, BK2, BN2, False, UPCAST)
-            z_desc.store([at, col], cast(acc, z_desc.dtype, UPCAST))
+            # (only with the comm kernel: a half down tile that pushes its rows itself made
+            # ptxas spill)
+            if half_padding(row_src_ptr, row, HALF and SPLIT, BM):
+                _, _, _, _, h_in_h, z_h = half_descs
+                acc_h = mm_acc(tl.zeros([BM // 2, BN2], dtype=tl.float32), h_in_h, wd_desc,
+                               expert, at, col, H, I, BK2, BN2, False, UPCAST)
+                z_h.store([at, col], cast(acc_h, z_h.dtype, UPCAST))
+                store_zeros(z_h, at + BM // 2, col, BM // 2, BN2)
+            else:
+                acc = mm_acc(tl.zeros([BM, BN2], dtype=tl.float32), h_in_desc, wd_desc, expert,
+                             at, col, H, I, BK2, BN2, False, UPCAST)
+                z_desc.store([at, col], cast(acc, z_desc.dtype, UPCAST))
             publish_writes(GPU)  # the TMA store is done and visible to the generic loads
             if SPLIT:  # the comm kernel pushes the minibatch once all its tiles are stored
                 signal(z_done_ptr + mb)
@@ -535,7 +574,7 @@ def shared_task(t, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_
 
 @triton.jit
 def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
-                 z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
+                 z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
                  sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr, ticket_ptr,
                  ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks,
                  shared_total, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM: tl.constexpr,
@@ -543,9 +582,9 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                  BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
                  BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
                  LAG: tl.constexpr, RING_WRAPS: tl.constexpr, SHARED_LAG: tl.constexpr,
-                 SHARED: tl.constexpr, SPLIT: tl.constexpr, trace_ptr, max_events,
-                 first_event, TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 SHARED: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr, trace_ptr,
+                 max_events, first_event, TRACE: tl.constexpr, PHASED: tl.constexpr,
+                 GPU: tl.constexpr, UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
     (``SHARED``: its first ``shared_total`` positions, :func:`task_counts`), then the routed
     part. Traced: one event per task (its kind, its position in the list), the wait included,
@@ -563,17 +602,18 @@ def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_
                                     SHARED_LAG, MB // BM, GPU, UPCAST)
             else:
                 alive = routed_task(task - shared_total, xs_desc, wg_desc, wu_desc, g_desc,
-                                    u_desc, h_desc, h_in_desc, wd_desc, z_desc, combine_table,
-                                    z_ptr, row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr,
-                                    z_done_ptr, num_blocks, ring, T, H, I, rank, budget, err_ptr,
-                                    NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG,
-                                    RING_WRAPS, SPLIT, GPU, UPCAST)
+                                    u_desc, h_desc, h_in_desc, wd_desc, z_desc, half_descs,
+                                    combine_table, z_ptr, row_src_ptr, block_expert_ptr,
+                                    ready_ptr, h_done_ptr, z_done_ptr, num_blocks, ring, T, H, I,
+                                    rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2,
+                                    TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SPLIT, HALF, GPU, UPCAST)
         else:
             alive = routed_task(task, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc,
-                                h_in_desc, wd_desc, z_desc, combine_table, z_ptr, row_src_ptr,
-                                block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr, num_blocks,
-                                ring, T, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1,
-                                BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SPLIT, GPU, UPCAST)
+                                h_in_desc, wd_desc, z_desc, half_descs, combine_table, z_ptr,
+                                row_src_ptr, block_expert_ptr, ready_ptr, h_done_ptr, z_done_ptr,
+                                num_blocks, ring, T, H, I, rank, budget, err_ptr, NUM_COMM, MB, BM,
+                                BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SPLIT,
+                                HALF, GPU, UPCAST)
         if TRACE:
             trace_end(trace_ptr, max_events, n, task_kind(task, shared_total, shared_blocks,
                                                           num_blocks, tl.cdiv(IS, BN1),
@@ -616,7 +656,8 @@ def task_counts(num_blocks_ptr, T, H, I, IS, MB: tl.constexpr, BM: tl.constexpr,
 @triton.jit
 def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr,
                           xs_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
-                          wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                          wd_desc, z_desc, xs_half_desc, g_half_desc, u_half_desc, h_half_desc,
+                          h_in_half_desc, z_half_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                           sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr, trace_ptr,
                           max_events, T, H, I, IS, rank, budget, ring, slots, max_mb, max_blocks,
                           everyone, NUM_COMM: tl.constexpr,
@@ -625,8 +666,11 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                           TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                           LAG: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
                           PUSH_CHUNK: tl.constexpr, RING_WRAPS: tl.constexpr,
-                          SPLIT: tl.constexpr, TRACE: tl.constexpr, PHASED: tl.constexpr,
-                          GPU: tl.constexpr, UPCAST: tl.constexpr):
+                          SPLIT: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr,
+                          PHASED: tl.constexpr, GPU: tl.constexpr, UPCAST: tl.constexpr):
+    # (separate arguments: Triton 3.6's launcher cannot pass descriptors inside a tuple)
+    half_descs = (xs_half_desc, g_half_desc, u_half_desc, h_half_desc, h_in_half_desc,
+                  z_half_desc)
     if SPLIT:  # (unconditional: a runtime test around it made ptxas spill)
         arrive_all(flags_ptr, everyone, err_ptr, rank, budget)
     ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
@@ -652,13 +696,13 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
             # every task before the first gate/up tile of minibatch m + 1 has its inputs now
             limit = shared_total + gate_up_start(m + 1, n_mb, n1 * G, tiles_down * G, LAG)
             compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
-                         wd_desc, z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                         wd_desc, z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
                          sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
                          block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
                          sh_done_ptr, num_blocks, shared_blocks, shared_total, ring, T, H, I, IS,
                          rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K,
-                         PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, False, trace_ptr,
-                         max_events, 0, TRACE, PHASED, GPU, UPCAST)
+                         PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, False, HALF,
+                         trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
             m += 1
     else:
         # Comm programs pull, then take compute tasks like the others (the ticket hands out
@@ -677,12 +721,13 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                     num_blocks_ptr, T, H, I, IS, MB, BM, BN1, BN2, SHARED)
     # every program (PHASED: the one, after its rounds) takes the tasks that are left
     compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
-                 z_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
+                 z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
                  sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                  ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                  shared_blocks, shared_total, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM,
                  MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG,
-                 SHARED, SPLIT, trace_ptr, max_events, first_event, TRACE, PHASED, GPU, UPCAST)
+                 SHARED, SPLIT, HALF, trace_ptr, max_events, first_event, TRACE, PHASED, GPU,
+                 UPCAST)
 
 
 @triton.jit
@@ -859,6 +904,10 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
     h_in_desc = descriptor(hh, [bm, t2.bk])
     wd_desc = descriptor(_weight_2d(w_down), [t2.bn, t2.bk])
     z_desc = descriptor(z, [bm, t2.bn])
+    half = bm // 2 >= MIN_HALF_ROWS  # (the interpreter's small blocks run whole)
+    hm = bm // 2 if half else bm
+    half_descs = (descriptor(xs, [hm, t1.bk]), *(descriptor(o, [hm, t1.bn]) for o in (g, u, hh)),
+                  descriptor(hh, [hm, t2.bk]), descriptor(z, [hm, t2.bn]))
     if shared is not None:
         x, s_gate, s_up, s_down = shared
         i_s = s_gate.shape[0]
@@ -922,7 +971,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
             side.wait_stream(main)
     fargs = (
         ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
-        xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
+        xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc, *half_descs,
         *shared_descs, flags, ws.errors, flags if trace is None else trace,
         0 if trace is None else trace.shape[1], t, h, i, i_s, ws.rank, comm._budget(budget),
         ring_rows, slots, max_mb, sched.max_blocks, arrivals)
@@ -931,6 +980,7 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
         MB=minibatch_rows, BM=bm, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, BK2=t2.bk, TOP_K=ws.top_k,
         ROWS=copy_r, COLS=copy_c, LAG=lag, SHARED_LAG=shared_lag or 0, SHARED=shared is not None,
         PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm), RING_WRAPS=slots < max_mb, SPLIT=comm_kernel,
+        HALF=half,
         TRACE=trace is not None,
         PHASED=interpreting(), GPU=not interpreting(), UPCAST=interpreting(),
         num_warps=FUSED_WARPS, num_stages=FUSED_STAGES,

@@ -51,6 +51,12 @@ def load_weight_tile(desc, expert, k, n, K, N, BK: tl.constexpr, BN: tl.constexp
 
 
 @triton.jit
+def store_zeros(desc, row, col, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Zero the [ROWS, COLS] box of ``desc``'s tensor at (row, col) (TMA store)."""
+    desc.store([row, col], tl.zeros([ROWS, COLS], dtype=desc.dtype))
+
+
+@triton.jit
 def tile_of(tile_id, tiles_n):
     """Row-block and column-block of a tile; the column is the fast index so that programs
     running at the same time share one row block of A (and one expert's weights) in L2."""
