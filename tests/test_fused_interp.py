@@ -7,8 +7,9 @@ rank's protocol steps in lockstep (tests/test_triton_ep_interp.py).
 Checked: y, the shared activations and every gradient bitwise equal to backend "triton" for
 several num_comm, minibatch sizes and ring sizes (a ring smaller than the work: several
 macrobatches, the backward replays the routed forward; a ring holding every row: the routed
-activations are saved and equal too), with and without a shared expert; a missing signal (h
-tile, pulled rows, a ring slot never freed) ends in a StallError naming the stage.
+activations are saved and equal too), with and without a shared expert, and with the half tiles
+of half-padded row blocks; a missing signal (h tile, pulled rows, a ring slot never freed) ends
+in a StallError naming the stage.
 """
 
 from __future__ import annotations
