@@ -339,6 +339,26 @@ def layer_fn(backend: str) -> MoEFn:
     return run
 
 
+def layer_call(backend: str, case: Case, config: MoEConfig, group: dist.ProcessGroup | None,
+               backward: bool) -> Callable[[], None]:
+    """One call of ``backend``'s layer on ``case``: the forward without grad, or with
+    ``backward`` a training step (grads reset, forward, backward); for the tools that time or
+    profile calls back to back."""
+    fn = layer_fn(backend)
+
+    def call() -> None:
+        if backward:
+            for t in case.leaves():
+                t.grad = None
+            fn(case.x, case.topk_ids, case.topk_weights, case.weights, config,
+               group).backward(case.grad_y)
+        else:
+            with torch.no_grad():
+                fn(case.x, case.topk_ids, case.topk_weights, case.weights, config, group)
+
+    return call
+
+
 def float64_result(case: Case, env: DistEnv) -> RunResult:
     """Output and every gradient of the float64 reference path (the accuracy oracle)."""
     fn = functools.partial(moe_reference, compute_dtype=torch.float64)

@@ -175,7 +175,7 @@ def format_profile(result: dict[str, Any], top_gaps: int = 12) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .bench import BenchOptions, layer_fn, make_case
+    from .bench import BenchOptions, layer_call, make_case
     from .cli import add_set_argument, apply_settings, finish_distributed, init_distributed
     from .config import PRESETS
 
@@ -199,18 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         routing=args.routing, check=False)
     case = make_case(args.preset, opts, env)
     config = apply_settings(case.config, args.set, parser)
-    fn = layer_fn(args.backend)
-
-    def call() -> None:
-        if args.backward:
-            for t in case.leaves():
-                t.grad = None
-            fn(case.x, case.topk_ids, case.topk_weights, case.weights, config,
-               env.group).backward(case.grad_y)
-        else:
-            with torch.no_grad():
-                fn(case.x, case.topk_ids, case.topk_weights, case.weights, config, env.group)
-
+    call = layer_call(args.backend, case, config, env.group, args.backward)
     for _ in range(args.warmup):
         call()
     out = Path(args.out) if args.out else None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["Sample", "GpuTelemetry", "parse_samples", "phase_stats", "run_phase", "summarize",
            "format_summary", "main"]
@@ -111,26 +112,22 @@ class GpuTelemetry:
         self._proc = None
 
 
-def _max_over_ranks(value: float, group) -> float:  # type: ignore[no-untyped-def]
+def _max_over_ranks(value: float, device: torch.device, group: dist.ProcessGroup | None
+                    ) -> float:
     if group is None:
         return value
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.float64,
-                     device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 
-def run_phase(call: Callable[[], None], seconds: float, device: torch.device, group
-              ) -> tuple[int, float, float, float]:  # type: ignore[no-untyped-def]
+def run_phase(call: Callable[[], None], seconds: float, device: torch.device,
+              group: dist.ProcessGroup | None) -> tuple[int, float, float, float]:
     """Run ``call`` back to back until ``seconds`` have passed on the slowest rank (checked every
     CALLS_PER_CHECK calls, after a device sync); (calls, ms per call max over ranks, start, end
     host time of this rank)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     if group is not None:
-        import torch.distributed as dist
-
         dist.barrier(group=group)
     sync(device)
     start = time.time()
@@ -140,10 +137,10 @@ def run_phase(call: Callable[[], None], seconds: float, device: torch.device, gr
             call()
         calls += CALLS_PER_CHECK
         sync(device)
-        if _max_over_ranks(time.time() - start, group) >= seconds:
+        if _max_over_ranks(time.time() - start, device, group) >= seconds:
             break
     end = time.time()
-    return calls, _max_over_ranks((end - start) * 1e3 / calls, group), start, end
+    return calls, _max_over_ranks((end - start) * 1e3 / calls, device, group), start, end
 
 
 def summarize(phases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -178,7 +175,7 @@ def format_summary(summary: dict[str, dict[str, Any]], header: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .bench import BenchOptions, device_name, git_commit, layer_fn, make_case
+    from .bench import BenchOptions, device_name, git_commit, layer_call, make_case
     from .cli import add_set_argument, apply_settings, finish_distributed, init_distributed
     from .config import PRESETS
 
@@ -206,22 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         routing=args.routing, check=False)
     case = make_case(args.preset, opts, env)
     config = apply_settings(case.config, args.set, parser)
-
-    def caller(backend: str) -> Callable[[], None]:
-        fn = layer_fn(backend)
-
-        def call() -> None:
-            if args.backward:
-                for t in case.leaves():
-                    t.grad = None
-                fn(case.x, case.topk_ids, case.topk_weights, case.weights, config,
-                   env.group).backward(case.grad_y)
-            else:
-                with torch.no_grad():
-                    fn(case.x, case.topk_ids, case.topk_weights, case.weights, config, env.group)
-        return call
-
-    calls = {b: caller(b) for b in args.backend}
+    calls = {b: layer_call(b, case, config, env.group, args.backward) for b in args.backend}
     for call in calls.values():
         for _ in range(args.warmup):
             call()
@@ -236,11 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"round {round_ + 1}/{args.rounds} {name}: {ms:.3f} ms/call "
                           f"({n} calls)", flush=True)
     mine = [phase_stats(telemetry.samples, p["start"], p["end"]) for p in timed]
-    per_rank: list[list[Any]] = [mine]
+    per_rank: list[Any] = [mine]
     if env.group is not None:
-        import torch.distributed as dist
-
-        per_rank = [None] * env.world_size  # type: ignore[list-item]
+        per_rank = [None] * env.world_size
         dist.all_gather_object(per_rank, mine, group=env.group)
     phases = [dict(p, gpus=[stats[i] for stats in per_rank]) for i, p in enumerate(timed)]
     summary = summarize(phases)

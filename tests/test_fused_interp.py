@@ -66,6 +66,17 @@ def _config(h, i, e, k, i_s, num_comm: int, minibatch_blocks: int,
                                   ring_blocks) * BLOCK_ROWS)
 
 
+def _single_problem(gen, t: int, h: int, i: int, e: int, k: int, i_s: int):
+    """Weights, zipf routing (ids, w), x and dy of a one-rank forward; the cached one-rank
+    workspace's combine slots poisoned (a slot the kernel forgot to push would keep the NaN)."""
+    weights = _weights(gen, e, h, i, i_s)
+    ids, w = make_routing(t, e, k, kind="zipf", generator=gen)
+    x, dy = _rnd(gen, t, h), _rnd(gen, t, h)
+    fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device).combine_buffer.fill_(
+        float("nan"))
+    return weights, ids, w, x, dy
+
+
 def _used_rows(sched) -> int:
     return int(sched.num_blocks.item()) * sched.block_rows
 
@@ -108,12 +119,7 @@ def test_single_gpu_forward_is_bitwise_unfused(num_comm: int, minibatch_blocks: 
     t, h, i, e, k = 29, 64, 40, 4, 2  # I = 40: a partial gate/up column tile
     cfg = _config(h, i, e, k, i_s, num_comm, minibatch_blocks, ring_blocks)
     cfg = cfg.replace(down_lag=down_lag)
-    weights = _weights(gen, e, h, i, i_s)
-    ids, w = make_routing(t, e, k, kind="zipf", generator=gen)
-    x, dy = _rnd(gen, t, h), _rnd(gen, t, h)
-    # A slot the kernel forgot to push would keep this poison (the workspace is cached).
-    fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device).combine_buffer.fill_(
-        float("nan"))
+    weights, ids, w, x, dy = _single_problem(gen, t, h, i, e, k, i_s)
     with poisoned_buffers():
         sched = backend.build_schedule(ids, cfg, None)
         y_ref, ctx_ref = backend.forward(x, ids, w, weights, cfg, None, sched)
@@ -357,11 +363,7 @@ def test_half_padded_blocks_give_the_full_tiles_bits(comm_kernel: bool) -> None:
     cfg = make_config(h, i, e, k, i_s, HALF_BLOCK_ROWS).replace(
         comm_programs=2, minibatch_rows=HALF_BLOCK_ROWS, ring_rows=1024 * HALF_BLOCK_ROWS,
         comm_kernel=comm_kernel)
-    weights = _weights(gen, e, h, i, i_s)
-    ids, w = make_routing(t, e, k, kind="zipf", generator=gen)
-    x, dy = _rnd(gen, t, h), _rnd(gen, t, h)
-    fused_backend.local_workspace(t, h, k, torch.bfloat16, x.device).combine_buffer.fill_(
-        float("nan"))
+    weights, ids, w, x, dy = _single_problem(gen, t, h, i, e, k, i_s)
     with poisoned_buffers():
         sched = backend.build_schedule(ids, cfg, None)
         used = _used_rows(sched.routed)
