@@ -64,7 +64,8 @@ consts = dict(NUM_COMM=NUM_COMM, MB=MB, BM=BM, BN1=t1.bn, BK1=t1.bk, BN2=t2.bn, 
               PUSH_CHUNK=ff.PUSH_CHUNK_ROWS,
               # with the z_done release: a superset of the default's code (the comm kernel
               # variant needs a ring of every row)
-              RING_WRAPS=not SPLIT, SPLIT=SPLIT, HALF=True, TRACE=VARIANT in ("trace", "split_trace"), PHASED=False,
+              RING_WRAPS=not SPLIT, SPLIT=SPLIT, HALF=True,
+              TRACE=VARIANT in ("trace", "split_trace"), PHASED=False,
               GPU=True, UPCAST=False)
 fn = ff._fused_forward_kernel
 sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}

@@ -493,8 +493,6 @@ def routed_task(t, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
     alive = True
     if not real:
         pass
-    if not real:
-        pass
     elif is_gate_up:
         alive = wait_count(ready_ptr + mb, NUM_COMM, err_ptr, _STAGE_ROWS, mb, rank, budget)
         if alive:
@@ -574,17 +572,17 @@ def shared_task(t, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_
 
 @triton.jit
 def compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
-                 z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
-                 sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr, ticket_ptr,
-                 ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks, shared_blocks,
-                 shared_total, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM: tl.constexpr,
-                 MB: tl.constexpr,
-                 BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
-                 BK2: tl.constexpr, TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr,
-                 LAG: tl.constexpr, RING_WRAPS: tl.constexpr, SHARED_LAG: tl.constexpr,
-                 SHARED: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr, trace_ptr,
-                 max_events, first_event, TRACE: tl.constexpr, PHASED: tl.constexpr,
-                 GPU: tl.constexpr, UPCAST: tl.constexpr):
+                 z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                 sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
+                 block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr,
+                 num_blocks, shared_blocks, shared_total, ring, T, H, I, IS, rank, budget,
+                 err_ptr, NUM_COMM: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+                 BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
+                 TOP_K: tl.constexpr, PUSH_CHUNK: tl.constexpr, LAG: tl.constexpr,
+                 RING_WRAPS: tl.constexpr, SHARED_LAG: tl.constexpr, SHARED: tl.constexpr,
+                 SPLIT: tl.constexpr, HALF: tl.constexpr, trace_ptr, max_events, first_event,
+                 TRACE: tl.constexpr, PHASED: tl.constexpr, GPU: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
     (``SHARED``: its first ``shared_total`` positions, :func:`task_counts`), then the routed
     part. Traced: one event per task (its kind, its position in the list), the wait included,
@@ -657,10 +655,10 @@ def task_counts(num_blocks_ptr, T, H, I, IS, MB: tl.constexpr, BM: tl.constexpr,
 def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr,
                           xs_ptr, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
                           wd_desc, z_desc, xs_half_desc, g_half_desc, u_half_desc, h_half_desc,
-                          h_in_half_desc, z_half_desc, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                          sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr, trace_ptr,
-                          max_events, T, H, I, IS, rank, budget, ring, slots, max_mb, max_blocks,
-                          everyone, NUM_COMM: tl.constexpr,
+                          h_in_half_desc, z_half_desc, x_desc, sgw_desc, suw_desc, sg_desc,
+                          su_desc, sh_desc, sh_in_desc, sdw_desc, so_desc, flags_ptr, err_ptr,
+                          trace_ptr, max_events, T, H, I, IS, rank, budget, ring, slots, max_mb,
+                          max_blocks, everyone, NUM_COMM: tl.constexpr,
                           MB: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr,
                           BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
                           TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
@@ -696,12 +694,12 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
             # every task before the first gate/up tile of minibatch m + 1 has its inputs now
             limit = shared_total + gate_up_start(m + 1, n_mb, n1 * G, tiles_down * G, LAG)
             compute_role(limit, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc,
-                         wd_desc, z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
-                         sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr,
-                         block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr,
-                         sh_done_ptr, num_blocks, shared_blocks, shared_total, ring, T, H, I, IS,
-                         rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2, TOP_K,
-                         PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, False, HALF,
+                         wd_desc, z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc,
+                         su_desc, sh_desc, sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr,
+                         row_src_ptr, block_expert_ptr, ticket_ptr, ready_ptr, h_done_ptr,
+                         z_done_ptr, sh_done_ptr, num_blocks, shared_blocks, shared_total, ring,
+                         T, H, I, IS, rank, budget, err_ptr, NUM_COMM, MB, BM, BN1, BK1, BN2, BK2,
+                         TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG, SHARED, False, HALF,
                          trace_ptr, max_events, 0, TRACE, PHASED, GPU, UPCAST)
             m += 1
     else:
@@ -721,8 +719,8 @@ def _fused_forward_kernel(x_table, combine_table, z_ptr, row_src_ptr, block_expe
                     num_blocks_ptr, T, H, I, IS, MB, BM, BN1, BN2, SHARED)
     # every program (PHASED: the one, after its rounds) takes the tasks that are left
     compute_role(total, xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc,
-                 z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc,
-                 sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
+                 z_desc, half_descs, x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc,
+                 sh_in_desc, sdw_desc, so_desc, combine_table, z_ptr, row_src_ptr, block_expert_ptr,
                  ticket_ptr, ready_ptr, h_done_ptr, z_done_ptr, sh_done_ptr, num_blocks,
                  shared_blocks, shared_total, ring, T, H, I, IS, rank, budget, err_ptr, NUM_COMM,
                  MB, BM, BN1, BK1, BN2, BK2, TOP_K, PUSH_CHUNK, LAG, RING_WRAPS, SHARED_LAG,
@@ -971,8 +969,8 @@ def fused_forward(ws: Workspace, sched: RowSchedule, w_gate: torch.Tensor, w_up:
             side.wait_stream(main)
     fargs = (
         ws.peers.x, ws.peers.combine, z, sched.row_src, sched.block_expert, sched.num_blocks, xs,
-        xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc, *half_descs,
-        *shared_descs, flags, ws.errors, flags if trace is None else trace,
+        xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc,
+        *half_descs, *shared_descs, flags, ws.errors, flags if trace is None else trace,
         0 if trace is None else trace.shape[1], t, h, i, i_s, ws.rank, comm._budget(budget),
         ring_rows, slots, max_mb, sched.max_blocks, arrivals)
     fkw = dict(
