@@ -198,9 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.warmup < 0:
         parser.error(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and "
                      f"{args.warmup}")
+    try:
+        opts = BenchOptions(presets=[args.preset], backends=args.backend, tokens=args.tokens,
+                            routing=args.routing, check=False)
+    except ValueError as err:  # an unknown backend or routing, named
+        parser.error(str(err))
     env = init_distributed()
-    opts = BenchOptions(presets=[args.preset], backends=args.backend, tokens=args.tokens,
-                        routing=args.routing, check=False)
     case = make_case(args.preset, opts, env)
     config = apply_settings(case.config, args.set, parser)
     calls = {b: layer_call(b, case, config, env.group, args.backward) for b in args.backend}

@@ -79,3 +79,6 @@ def test_sustained_runs_on_the_cpu_and_writes_a_record(tmp_path, torchrun):
 def test_bad_arguments_are_named():
     proc = _run("-m", "megamoe.sustained", "--preset", "tiny", "--seconds", "0")
     assert proc.returncode == 2 and "--seconds must be > 0, got 0.0" in proc.stderr
+    proc = _run("-m", "megamoe.sustained", "--preset", "tiny", "--backend", "foo")
+    assert proc.returncode == 2 and "backend must be one of" in proc.stderr
+    assert "got 'foo'" in proc.stderr and "Traceback" not in proc.stderr
