@@ -80,8 +80,8 @@ class MoEConfig:
                       share SMs with the compute kernel's (one per two SMs; every compute
                       kernel program computes) instead of in comm programs of the one kernel
                       (docs/fused.md). Needs the ring to hold every row (ring_rows None or >=
-                      the schedule's rows). None: on with expert parallelism (W > 1) when
-                      ring_rows is None (faster on every preset there, BENCHMARKS.md), else off
+                      the schedule's rows). None: on when ring_rows is None (faster on every
+                      preset at W = 1 and 2, BENCHMARKS.md), else off
       capacity_factor rows a rank may receive, as a multiple of the balanced load
                       ``T * top_k``; None allows the worst case (every token of every rank).
     """

@@ -6,7 +6,7 @@
 Runs backend "fused"'s forward (no grad) ``--warmup`` times, times ``--iters`` plain forwards,
 then runs one forward with a trace buffer (``fused_forward(trace=...)``: every program writes one
 event per pulled minibatch or task: kind, index, start and end in GPU nanoseconds; with the comm
-kernel, the default at W > 1, the compute kernel's tasks only) and one more
+kernel, the default with a ring of every row, the compute kernel's tasks only) and one more
 timed plain forward. Rank 0 prints, per event kind, the count, the summed time, the median and
 10th-percentile duration and the *excess* (time beyond the 10th percentile, summed: mostly
 waiting on flags, since tiles of one kind do the same work); then the fraction of the

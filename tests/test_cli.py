@@ -258,14 +258,17 @@ def test_fused_records_the_comm_programs_it_uses():
         "comm_programs": comm_kernel_programs(cpu), "comm_kernel": True}
     assert resolved_tunables(config.replace(comm_programs=12), cpu, 2) == {
         "comm_programs": 12, "comm_kernel": True}
-    # one kernel: at W = 1, with a bounded ring, or when asked
+    # one kernel: with a bounded ring, or when asked (at W = 1 its pull rate is a local copy's)
     one = {"comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 2),
            "comm_kernel": False}
     assert resolved_tunables(config.replace(comm_kernel=False), cpu, 2) == one
     assert resolved_tunables(config.replace(ring_rows=4096), cpu, 2) == one
-    assert resolved_tunables(config, cpu, 1) == {
+    assert resolved_tunables(config.replace(ring_rows=4096), cpu, 1) == {
         "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 1),
         "comm_kernel": False}
+    # W = 1 with a ring of every row: the comm kernel too
+    assert resolved_tunables(config, cpu, 1) == {
+        "comm_programs": comm_kernel_programs(cpu), "comm_kernel": True}
     # no GPU: the record keeps the config's None (derived) rather than a CPU-grid number
     assert tunable_fields("fused", config, 2, cpu)["comm_programs"] is None
 

@@ -47,11 +47,12 @@ _LOCAL: dict[tuple, object] = {}
 
 
 def uses_comm_kernel(config: MoEConfig, world_size: int) -> bool:
-    """``config.comm_kernel``, None resolved: on with expert parallelism when the ring holds
-    every row (the comm kernel needs that; a bounded ring keeps the one-kernel forward)."""
+    """``config.comm_kernel``, None resolved: on when the ring holds every row (the comm kernel
+    needs that; a bounded ring keeps the one-kernel forward), at any world size: at W = 1 its
+    local copies beside the MMAs also beat copy programs of the one kernel (BENCHMARKS.md)."""
     if config.comm_kernel is not None:
         return config.comm_kernel
-    return world_size > 1 and config.ring_rows is None
+    return config.ring_rows is None
 
 
 def resolved_tunables(config: MoEConfig, device: torch.device,
