@@ -46,6 +46,12 @@ for scale in (False, True):
         comm._pull_kernel, pull_sig, {"TOP_K": 8, "BLOCK_ROWS": 128, "SCALE": scale,
                                       "ROWS": pull_rows, "COLS": pull_cols, "UPCAST": False},
         [0, 1, 2, 3, 4, 5, 6], comm.PULL_WARPS)
+tok_sig = {"src_table": "*i64", "dst_ptr": "*bf16", "dest_row_ptr": "*i32", "row_src_ptr": "*i32",
+           "num_blocks_ptr": "*i32", "W": "i32", "T": "i32", "H": "i32", "TOP_K": "constexpr",
+           "BLOCK_ROWS": "constexpr", "ROWS": "constexpr", "COLS": "constexpr"}
+out["pull_tokens"] = build(comm._pull_tokens_kernel, tok_sig,
+                           {"TOP_K": 8, "BLOCK_ROWS": 128, "ROWS": pull_rows, "COLS": pull_cols},
+                           [0, 1, 2, 3, 4, 7], comm.PULL_WARPS)
 push_sig = {"src_ptr": "*bf16", "dst_table": "*i64", "row_src_ptr": "*i32", "num_blocks_ptr": "*i32",
             "T": "i32", "H": "i32", "TOP_K": "constexpr", "BLOCK_ROWS": "constexpr",
             "ROWS": "constexpr", "COLS": "constexpr"}
@@ -92,7 +98,7 @@ def test_barrier_uses_release_and_acquire_at_system_scope(compiled, world):
     assert _has(ptx, r"atom\.global\.(gpu\.relaxed|relaxed\.gpu)\.cas\.b32"), ptx
 
 
-@pytest.mark.parametrize("name", ["pull_scale0", "pull_scale1"])
+@pytest.mark.parametrize("name", ["pull_scale0", "pull_scale1", "pull_tokens"])
 def test_pull_moves_16_byte_vectors_from_peers(compiled, name):
     ptx = compiled[name]["ptx"]
     # Peer rows come through int64 addresses cast to pointers; without the alignment hint the
@@ -112,5 +118,5 @@ def test_push_moves_16_byte_vectors_to_peers(compiled):
 def test_copies_use_no_shared_memory_pipeline(compiled):
     # Copies keep their bytes in registers (a few hundred bytes of shared memory for layout
     # conversions of the row metadata): nothing competes with the GEMM tiles' shared memory.
-    for name in ("pull_scale0", "pull_scale1", "push"):
+    for name in ("pull_scale0", "pull_scale1", "pull_tokens", "push"):
         assert compiled[name]["shared"] <= 1024, (name, compiled[name]["shared"])

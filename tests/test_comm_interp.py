@@ -7,6 +7,8 @@ so barriers are run in phases: every rank arrives, then every rank waits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,6 +113,17 @@ def test_dispatch_lands_every_row(case):
         assert torch.equal(out[:used][real][:, 1].long(), token[real])
         assert torch.all(out[:used][~real] == 0)  # padding rows are zero-filled
         assert torch.all(out[used:].isnan())  # rows past the used ones are not touched
+
+
+def test_dispatch_of_an_emptied_schedule_writes_nothing(case):
+    """After a capacity overflow the schedule has no used rows but its dest_row is stale: the
+    token-order pull must not store through it."""
+    cl, programs, tile = case
+    for r in range(cl.world):
+        sched = dataclasses.replace(cl.scheds[r], num_blocks=torch.zeros(1, dtype=torch.int32))
+        out = torch.full((sched.rows, cl.h), float("nan"), dtype=torch.bfloat16)
+        comm.dispatch_pull(cl.ws[r], sched, out=out, programs=programs, tile_bytes=tile)
+        assert torch.all(out.isnan()), f"rank {r}"
 
 
 def test_dispatch_scaled_dy_bitwise(case):

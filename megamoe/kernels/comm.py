@@ -5,6 +5,7 @@ Device functions (``@triton.jit``, reusable by the persistent megakernel):
   barrier_arrive  advance this rank's epoch and publish it into every rank's pad (release, sys)
   barrier_wait    wait until every rank published this epoch into our pad
   copy_rows       pull scheduled rows out of the peers' token buffers into a local row buffer
+  pull_tokens     the unscaled pull in token order: one read per (source rank, token)
   push_rows       push local rows into the source ranks' slot buffers (one writer per slot)
   push_tile       push one GEMM tile's rows there (the fused kernel's down tiles)
   push_values     the same for one fp32 per row (router-weight gradients)
@@ -30,7 +31,8 @@ from .tiles import cast
 __all__ = [
     "ARRIVE", "WAIT", "BOTH", "STAGE_BARRIER", "DEFAULT_COMM_PROGRAMS", "DEFAULT_SPIN_BUDGET",
     "COPY_TILE_BYTES", "copy_tile", "wait_at_least", "record_stall", "barrier_arrive",
-    "barrier_wait", "task_slots", "slot_region", "as_rows", "copy_rows", "push_rows",
+    "barrier_wait", "task_slots", "slot_region", "as_rows", "copy_rows", "pull_tokens",
+    "push_rows",
     "push_tile",
     "push_values", "barrier", "gather_routing",
     "dispatch_pull", "combine_push", "push_row_values", "check_errors", "StallError",
@@ -246,6 +248,55 @@ def copy_rows(src_table, scale_table, dst_ptr, dst_stride, row_src_ptr, row_begi
 
 
 @triton.jit
+def pull_tokens(src_table, dst_ptr, dst_stride, dest_row_ptr, row_src_ptr, used_rows, task_begin,
+                task_step, W, T, H, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+                COLS: tl.constexpr):
+    """:func:`copy_rows` (unscaled) in token order: each (source rank, token) with rows here is
+    read once and stored into every layout row it has (``dest_row``, one per k), instead of read
+    once per row. A token routed to several experts of this rank (about 4 of its 8 at dsv3,
+    W = 2) then crosses NVLink once. Padding rows below ``used_rows`` are written with zeros,
+    rows past them are not touched (nor stale ``dest_row`` entries of an overflowed step).
+
+    Tasks: ROWS tokens x COLS columns of one source rank, then ROWS layout rows x COLS columns
+    of padding; this program takes tasks task_begin, task_begin + task_step, ...
+    """
+    ELEM = dst_ptr.dtype.element_ty
+    tk = T * TOP_K
+    n_cols = tl.cdiv(H, COLS)
+    token_tasks = W * tl.cdiv(T, ROWS) * n_cols
+    n_tasks = token_tasks + tl.cdiv(used_rows, ROWS) * n_cols
+    task = task_begin
+    while task < n_tasks:
+        cols = (task % n_cols) * COLS + tl.arange(0, COLS)
+        col_ok = cols < H
+        if task < token_tasks:
+            chunk = task // n_cols
+            src = chunk // tl.cdiv(T, ROWS)
+            tokens = (chunk % tl.cdiv(T, ROWS)) * ROWS + tl.arange(0, ROWS)
+            slots = src * tk + tokens * TOP_K
+            tok_ok = tokens < T
+            wanted = tl.zeros([ROWS], dtype=tl.int1)
+            for k in tl.static_range(TOP_K):
+                row = tl.load(dest_row_ptr + slots + k, mask=tok_ok, other=-1)
+                wanted |= (row >= 0) & (row < used_rows)
+            region = as_rows(tl.load(src_table + src), ELEM)
+            vals = tl.load(region + tokens.to(tl.int64)[:, None] * H + cols[None, :],
+                           mask=wanted[:, None] & col_ok[None, :], other=0.0)
+            for k in tl.static_range(TOP_K):
+                row = tl.load(dest_row_ptr + slots + k, mask=tok_ok, other=-1)
+                here = (row >= 0) & (row < used_rows)
+                dst = dst_ptr + row.to(tl.int64)[:, None] * dst_stride + cols[None, :]
+                tl.store(dst, vals, mask=here[:, None] & col_ok[None, :])
+        else:
+            rows = ((task - token_tasks) // n_cols) * ROWS + tl.arange(0, ROWS)
+            pad = (rows < used_rows) & (tl.load(row_src_ptr + rows, mask=rows < used_rows,
+                                                other=0) < 0)
+            dst = dst_ptr + rows.to(tl.int64)[:, None] * dst_stride + cols[None, :]
+            tl.store(dst, tl.zeros([ROWS, COLS], dtype=ELEM), mask=pad[:, None] & col_ok[None, :])
+        task += task_step
+
+
+@triton.jit
 def push_rows(src_ptr, src_stride, dst_table, row_src_ptr, row_begin, row_end, task_begin,
               task_step, T, H, TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Push rows ``[row_begin, row_end)`` of the layout (``src`` row 0 = layout row ``row_begin``)
@@ -327,6 +378,15 @@ def _pull_kernel(src_table, scale_table, dst_ptr, row_src_ptr, num_blocks_ptr, T
     row_end = tl.load(num_blocks_ptr) * BLOCK_ROWS
     copy_rows(src_table, scale_table, dst_ptr, H, row_src_ptr, 0, row_end, tl.program_id(0),
               tl.num_programs(0), T, H, TOP_K, SCALE, ROWS, COLS, UPCAST)
+
+
+@triton.jit
+def _pull_tokens_kernel(src_table, dst_ptr, dest_row_ptr, row_src_ptr, num_blocks_ptr, W, T, H,
+                        TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr,
+                        COLS: tl.constexpr):
+    pull_tokens(src_table, dst_ptr, H, dest_row_ptr, row_src_ptr,
+                tl.load(num_blocks_ptr) * BLOCK_ROWS, tl.program_id(0), tl.num_programs(0), W, T,
+                H, TOP_K, ROWS, COLS)
 
 
 @triton.jit
@@ -434,7 +494,8 @@ def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
     router weight of their slot (the backward of the weighted combine); ``scale=False`` pulls them
     unscaled (a backward that also needs ``<dy, z>`` for the router-weight gradient). Padding rows
     are zeros; rows past the used ones are left untouched. Call after a barrier that follows the
-    publish.
+    publish. Unscaled pulls go in token order (:func:`pull_tokens`: a token's row crosses NVLink
+    once however many of this rank's experts it was routed to); scaled ones in row order.
     """
     _check_schedule(ws, sched)
     if source not in ("x", "dy"):
@@ -453,10 +514,16 @@ def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
                          f"got {list(out.shape)} {out.dtype}")
     rows, cols = copy_tile(h, ws.dtype.itemsize, tile_bytes)
     table = ws.peers.x if source == "x" else ws.peers.dy
-    _pull_kernel[(_programs(programs),)](
-        table, ws.peers.weights, out, sched.row_src, sched.num_blocks, ws.num_tokens, h,
-        TOP_K=ws.top_k, BLOCK_ROWS=sched.block_rows, SCALE=bool(scale), ROWS=rows, COLS=cols,
-        UPCAST=interpreting(), num_warps=num_warps)
+    if scale:  # each row is scaled by its own slot's weight: row order
+        _pull_kernel[(_programs(programs),)](
+            table, ws.peers.weights, out, sched.row_src, sched.num_blocks, ws.num_tokens, h,
+            TOP_K=ws.top_k, BLOCK_ROWS=sched.block_rows, SCALE=True, ROWS=rows, COLS=cols,
+            UPCAST=interpreting(), num_warps=num_warps)
+    else:
+        _pull_tokens_kernel[(_programs(programs),)](
+            table, out, sched.dest_row, sched.row_src, sched.num_blocks, ws.world_size,
+            ws.num_tokens, h, TOP_K=ws.top_k, BLOCK_ROWS=sched.block_rows, ROWS=rows, COLS=cols,
+            num_warps=num_warps)
     return out
 
 
