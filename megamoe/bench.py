@@ -24,6 +24,7 @@ import functools
 import itertools
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -390,10 +391,24 @@ def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock) -> tuple[Any,
     return m0, m1, m2
 
 
+def iteration_order(iteration: int, num_runs: int) -> list[int]:
+    """The order the runs take in one interleaved iteration: a shuffle seeded by the iteration
+    alone, so every rank draws the same one (the runs are collective).
+
+    A fixed round robin puts each run always after the same other one; at the power cap a run
+    that follows a heavy one starts with less of the power budget (the backward of the run after
+    `triton`'s measured 0.7-0.9 ms slower on a fresh H200 pair, BENCHMARKS.md). Shuffling gives
+    every run every predecessor.
+    """
+    order = list(range(num_runs))
+    random.Random(iteration).shuffle(order)
+    return order
+
+
 def time_interleaved(runs: list[tuple[MoEFn, Case]], opts: BenchOptions, env: DistEnv,
                      tick: Callable[[int], None]) -> list[dict[str, float] | BaseException]:
     """Median over iterations of the per-iteration max over ranks, fwd, bwd and fwd+bwd (ms),
-    of every run, their iterations interleaved (round robin).
+    of every run, their iterations interleaved (each iteration in :func:`iteration_order`).
 
     Interleaving gives every run the same GPU clocks: sustained forward + backward heats an
     H200 and slows its kernels by up to ~20% within ~100 ms (BENCHMARKS.md), so runs timed one
@@ -404,7 +419,8 @@ def time_interleaved(runs: list[tuple[MoEFn, Case]], opts: BenchOptions, env: Di
     marks: list[list[tuple[Any, Any, Any]]] = [[] for _ in runs]
     results: list[dict[str, float] | BaseException | None] = [None] * len(runs)
     for it in range(opts.warmup + opts.iters):
-        for i, (fn, case) in enumerate(runs):
+        for i in iteration_order(it, len(runs)):
+            fn, case = runs[i]
             if results[i] is not None:
                 continue
             try:

@@ -165,11 +165,26 @@ def test_accuracy_check_catches_a_wrong_layer():
     assert bad["check_ok"] is False and bad["check_rel"] > 0.04
 
 
+def test_iteration_order_gives_every_run_every_predecessor():
+    """Each iteration runs every run once, the same order for the same iteration (all ranks
+    agree), and over a benchmark's iterations each run follows each other run."""
+    from megamoe.bench import iteration_order
+
+    orders = [iteration_order(it, 4) for it in range(23)]
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert orders == [iteration_order(it, 4) for it in range(23)]
+    sequence = [i for o in orders for i in o]
+    follows = {(a, b) for a, b in zip(sequence, sequence[1:])}
+    assert follows >= {(a, b) for a in range(4) for b in range(4) if a != b}
+    assert len({tuple(o) for o in orders}) > 4  # not a fixed cycle
+
+
 def test_timed_runs_interleave_and_a_failing_run_leaves_the_others():
-    """Iterations go round robin over the runs (same GPU clocks for all); a run that raises is
-    dropped from the rotation and reported, the others finish."""
+    """Iterations interleave the runs (same GPU clocks for all), in iteration_order; a run that
+    raises is dropped from the rotation and reported, the others finish."""
     from megamoe.baselines import torch_a2a_moe
-    from megamoe.bench import BenchOptions, DistEnv, make_case, time_interleaved
+    from megamoe.bench import (BenchOptions, DistEnv, iteration_order, make_case,
+                               time_interleaved)
 
     opts = BenchOptions(presets=["tiny"], backends=["torch-a2a"], tokens=16, iters=3, warmup=1)
     env = DistEnv()
@@ -187,8 +202,17 @@ def test_timed_runs_interleave_and_a_failing_run_leaves_the_others():
     ticks: list[int] = []
     results = time_interleaved([(named("a"), case), (named("b", fail_at=2), case),
                                 (named("c"), case)], opts, env, ticks.append)
-    assert calls == ["a", "b", "c", "a", "b", "c", "a", "c", "a", "c"]
-    assert ticks == [0, 1, 2, 0, 2, 0, 2, 0, 2]
+    expected: list[tuple[int, bool]] = []  # (run, finished) per call
+    b_calls = 0
+    for it in range(4):  # 1 warm-up + 3 timed
+        for i in iteration_order(it, 3):
+            if i == 1:
+                if b_calls == 2:  # b raised on its second call: out of the rotation
+                    continue
+                b_calls += 1
+            expected.append((i, not (i == 1 and b_calls == 2)))
+    assert calls == ["abc"[i] for i, _ in expected]
+    assert ticks == [i for i, finished in expected if finished]
     assert isinstance(results[1], RuntimeError) and "b broke" in str(results[1])
     for r in (results[0], results[2]):
         assert set(r) == {"fwd_ms", "bwd_ms", "fwdbwd_ms"} and r["fwdbwd_ms"] > 0
