@@ -395,10 +395,11 @@ def iteration_order(iteration: int, num_runs: int) -> list[int]:
     """The order the runs take in one interleaved iteration: a shuffle seeded by the iteration
     alone, so every rank draws the same one (the runs are collective).
 
-    A fixed round robin puts each run always after the same other one; at the power cap a run
-    that follows a heavy one starts with less of the power budget (the backward of the run after
-    `triton`'s measured 0.7-0.9 ms slower on a fresh H200 pair, BENCHMARKS.md). Shuffling gives
-    every run every predecessor.
+    A fixed round robin puts each run always after the same other one, and a run right after a
+    heavy one starts at a lower clock: backend "fused", always after "triton", measured its
+    backward (the same kernels as triton's) 0.7 ms above triton's on dsv3 and 0.3-0.4 ms on
+    mok-v4; shuffled 0.5-0.6 ms and none (fresh H200 pair, BENCHMARKS.md). Shuffling gives every
+    run every predecessor.
     """
     order = list(range(num_runs))
     random.Random(iteration).shuffle(order)

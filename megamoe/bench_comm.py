@@ -6,7 +6,9 @@ Run under torchrun (one process per GPU)::
 
 Every rank moves its rows at the same time (each timed iteration starts right after a device
 barrier). Only bytes that cross NVLink count: rows a rank pulls from a peer (dispatch) or pushes to
-a peer (combine); rows of the rank's own tokens are copied too but not counted. A time is the
+a peer (combine); rows of the rank's own tokens are copied too but not counted. The unscaled
+pull reads a token's row once per rank (``comm.pull_tokens``), however many of the rank's rows
+it fills, so its GB/s is of the remote rows delivered, more than crossed NVLink. A time is the
 median over iterations of the per-iteration maximum over ranks; GB/s is the remote bytes of the
 busiest rank (the most remote rows; with uniform routing every rank moves about the same) over that
 time. ``megamoe bench`` reuses :func:`layer_comm_gbps` to time the layer's own copies on the
@@ -68,7 +70,8 @@ def remote_rows(ws: Workspace, sched: RowSchedule) -> int:
 
 def remote_bytes_per_rank(ws: Workspace, sched: RowSchedule,
                           group: dist.ProcessGroup | None = None) -> list[int]:
-    """Every rank's remote rows x H x itemsize: the bytes its pull (and push) moves over NVLink."""
+    """Every rank's remote rows x H x itemsize: the bytes its push moves over NVLink, and its
+    pull delivers (an unscaled pull reads each token's row once, however many rows it fills)."""
     mine = remote_rows(ws, sched) * ws.hidden * ws.dtype.itemsize
     everyone: list[int] = [0] * ws.world_size
     dist.all_gather_object(everyone, mine, group=group)
