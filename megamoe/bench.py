@@ -78,7 +78,7 @@ RECORD_FIELDS: tuple[str, ...] = (
 DEFAULT_SEED = 1234
 # Worst relative error (norm-wise, output and every gradient) a bf16 layer may have vs float64.
 CHECK_RTOL = 2e-2
-# Dense GEMM for the peak: n^3 bf16 (8192 as in HARDWARE.md on a GPU; small on the CPU).
+# Dense GEMM for the peak: n^3 bf16 (8192 as in docs/hardware.md on a GPU; small on the CPU).
 GEMM_PEAK_SIZE = {"cuda": 8192, "cpu": 512}
 GEMM_PEAK_WARMUP, GEMM_PEAK_ITERS = 3, 10
 # Backward FLOPs are twice the forward's (dgrad + wgrad), so fwd+bwd = 3x forward.

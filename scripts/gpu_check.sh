@@ -48,7 +48,7 @@
 # no network for build dependencies). Exit status: the number of failed steps (0 = all passed).
 set -uo pipefail
 
-# NVLink multicast must stay off on shared machines (see HARDWARE.md / device notes).
+# NVLink multicast must stay off on shared machines (see docs/hardware.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 

@@ -52,7 +52,7 @@ DEFAULT_COMM_PROGRAMS = 24
 DEFAULT_SPIN_BUDGET = 1 << 24
 SPIN_BUDGET_ENV = "MEGAMOE_SPIN_BUDGET"
 # Bytes one program moves per loop iteration: NVLink copies need ~64 KB in flight per program
-# (HARDWARE.md: 16 KB blocks are latency bound, 64 KB reach 330+ GB/s with 16 programs).
+# (docs/hardware.md: 16 KB blocks are latency bound, 64 KB reach 330+ GB/s with 16 programs).
 COPY_TILE_BYTES = 64 * 1024
 _MAX_COLS = 1024
 COPY_WARPS = 8
