@@ -38,6 +38,8 @@
 #                        $ROOT/.triton_cache.tgz exists (git-ignored; carry it to the machine) it
 #                        is unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the cache into
 #                        $OUT/triton_cache.tgz at the end (bring it back as .triton_cache.tgz)
+#   MEGAMOE_PACK         1: at the end, pack every file under $OUT into $OUT/gpu_check.tgz (and
+#                        keep summary.txt beside it), for transports that bring back few files
 #   MEGAMOE_SUSTAINED_BACKENDS  default "triton fused"; MEGAMOE_SUSTAINED_SECONDS default 2.5
 #   MEGAMOE_SWEEP_PRESET default dsv3
 #   MEGAMOE_SWEEP_TUNE   default "comm_programs=33,66,132 minibatch_rows=256,1024" (--tune
@@ -87,6 +89,14 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     return 1
 }
 mkdir -p "$OUT" "$TRITON_CACHE_DIR"
+pack_out() {  # MEGAMOE_PACK=1: everything under $OUT into $OUT/gpu_check.tgz, summary.txt kept
+    [ "${MEGAMOE_PACK:-0}" = 1 ] || return 0
+    local pack
+    pack="$(mktemp -d)/gpu_check.tgz"
+    tar czf "$pack" -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
+        && mv "$pack" "$OUT/" && echo "packed into $OUT/gpu_check.tgz"
+}
+trap pack_out EXIT
 if [ -f "$ROOT/.triton_cache.tgz" ]; then
     tar xzf "$ROOT/.triton_cache.tgz" -C "$TRITON_CACHE_DIR" && echo "Triton cache: unpacked $ROOT/.triton_cache.tgz"
 fi

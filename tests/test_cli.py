@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -401,3 +402,10 @@ def test_gpu_check_script_names_bad_parts_and_needs_a_gpu(tmp_path):
     run = subprocess.run(["bash", script, "tests-ep"], capture_output=True, text=True, env=env,
                          timeout=TIMEOUT_S)
     assert run.returncode == 1 and "no CUDA GPU visible" in run.stdout
+    packed = tmp_path / "packed"
+    run = subprocess.run(["bash", script, "bench"], capture_output=True, text=True,
+                         env=dict(env, OUT=str(packed), MEGAMOE_PACK="1"), timeout=TIMEOUT_S)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert sorted(p.name for p in packed.iterdir()) == ["gpu_check.tgz", "summary.txt"]
+    with tarfile.open(packed / "gpu_check.tgz") as tar:
+        assert {"./info.txt", "./summary.txt"} <= set(tar.getnames())

@@ -265,10 +265,11 @@ def _ep_step(cfg, shape, weights, ranks, fused: bool):
     return [(y, ctx, g) for (y, ctx), g in zip(outs, grads)], scheds
 
 
-# (world, routing, num_comm, ring in row blocks (None: every row), shared I); three ranks with
-# top-3 zipf routing: the code is written for any world size (the x8 run is issue 5).
+# (world, routing, num_comm, ring in row blocks (None: every row), shared I); three and eight
+# ranks: the code is written for any world size (the x8 run is issue 5).
 EP_CASES = [(2, "uniform", 1, 1, 32), (2, "one-rank", 2, None, 32), (2, "one-rank", 1, 2, 0),
-            (2, "uniform", 2, None, 0), (3, "zipf", 2, None, 24), (3, "uniform", 1, 2, 0)]
+            (2, "uniform", 2, None, 0), (3, "zipf", 2, None, 24), (3, "uniform", 1, 2, 0),
+            (8, "zipf", 2, None, 16)]
 
 
 @pytest.mark.parametrize("world,routing,num_comm,ring_blocks,i_s", EP_CASES)
@@ -318,7 +319,7 @@ def test_capacity_overflow_gives_nan_like_triton() -> None:
         _assert_same_grads(out[r][2], ref[r][2], f"rank {r}")
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_comm_kernel_is_bitwise_unfused(world: int) -> None:
     """config.comm_kernel: the pulls and pushes in the second kernel (the interpreter runs its
     pulls, the compute kernel, then its pushes) give "triton"'s bits too."""

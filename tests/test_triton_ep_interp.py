@@ -37,6 +37,9 @@ CASES = {
     "w2_uniform_shared": (2, 13, 64, 32, 2, 2, 32, "uniform"),
     "w2_one_rank": (2, 11, 64, 32, 3, 2, 0, "one-rank"),
     "w3_zipf_top3": (3, 7, 72, 40, 2, 3, 24, "zipf"),
+    # eight ranks, as the x8 run (issue 5): every peer pair, skewed onto the last rank
+    "w8_zipf_top4": (8, 5, 64, 32, 1, 4, 16, "zipf"),
+    "w8_one_rank": (8, 3, 64, 32, 2, 2, 0, "one-rank"),
 }
 
 
