@@ -4,11 +4,26 @@ Public API: :class:`MoEConfig`, :class:`MoE`, :class:`TopKRouter`, :mod:`megamoe
 """
 
 from . import functional
-from .config import PRESETS, MoEConfig, get_preset
+from .config import MoEConfig
+from .errors import CapacityError, StallError
 from .layer import MoE, TopKRouter
+from .shapes import MODEL_SHAPES, PRESETS, get_model_shape, get_preset
 from .types import ExpertWeights, MoEGrads
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEConfig", "MoE", "TopKRouter", "ExpertWeights", "MoEGrads", "functional",
-           "PRESETS", "get_preset", "__version__"]
+__all__ = [
+    "MoEConfig",
+    "MoE",
+    "TopKRouter",
+    "ExpertWeights",
+    "MoEGrads",
+    "functional",
+    "CapacityError",
+    "StallError",
+    "MODEL_SHAPES",
+    "get_model_shape",
+    "PRESETS",
+    "get_preset",
+    "__version__",
+]

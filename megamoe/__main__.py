@@ -1,5 +1,5 @@
 """``python -m megamoe``: the same command line as the ``megamoe`` console script."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

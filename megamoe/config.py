@@ -1,4 +1,4 @@
-"""The frozen MoE configuration, the benchmark presets, and every check on shapes and tunables.
+"""The frozen MoE configuration and every check on its shape and tunables.
 
 One place validates: modules, functional calls and the CLI build a :class:`MoEConfig` and trust
 it afterwards, so a bad value is reported once, with its name, the value and what was expected.
@@ -10,17 +10,24 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MoEConfig", "Preset", "PRESETS", "TUNABLES", "get_preset"]
+__all__ = ["MoEConfig", "TUNABLES", "require_int"]
 
 # The config fields that change speed, never results (MoEConfig's docstring): benchmark records
 # carry them and `megamoe bench --tune` sweeps them.
-TUNABLES: tuple[str, ...] = ("comm_programs", "minibatch_rows", "ring_rows", "down_lag",
-                             "copy_programs", "overlap_shared", "comm_kernel")
+TUNABLES: tuple[str, ...] = (
+    "comm_programs",
+    "minibatch_rows",
+    "ring_rows",
+    "down_lag",
+    "copy_programs",
+    "overlap_shared",
+    "comm_kernel",
+)
 # The GEMM tile height that pads each expert's rows; the Triton kernels use it too.
 DEFAULT_BLOCK_ROWS = 128
 
 
-def _require_int(name: str, value: Any, minimum: int) -> None:
+def require_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
@@ -40,90 +47,78 @@ def _as_bool(name: str, value: Any) -> bool:
 
 def _require_multiple(name: str, value: int, base_name: str, base: int) -> None:
     """``value`` (an int >= ``base``) must be a whole number of ``base``-sized pieces."""
-    _require_int(name, value, base)
+    require_int(name, value, base)
     if value % base:
         raise ValueError(f"{name} must be a multiple of {base_name} ({base}), got {value}")
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Model shape of one MoE layer plus the tunables of the fused kernels.
+    """One MoE layer: its shape, then the kernels' tunables (speed only, never results).
 
-    ``num_experts`` is the *global* expert count; with expert parallelism over W ranks each rank
-    owns ``num_experts // W`` consecutive experts (rank r owns ``[r*E_local, (r+1)*E_local)``).
-    ``shared_intermediate_size == 0`` means no shared expert.
+    Shape: ``num_experts`` is the *global* expert count; with expert parallelism over W ranks
+    each rank owns ``num_experts // W`` consecutive experts (rank r owns
+    ``[r*E_local, (r+1)*E_local)``). ``shared_intermediate_size == 0`` means no shared expert.
+    ``block_rows`` is the GEMM tile height each expert's rows are padded to, and
+    ``capacity_factor`` bounds the rows a rank may receive as a multiple of the balanced load
+    ``T * top_k`` (None: the worst case, every token of every rank).
 
-    Tunables (they never change results, only speed):
-      comm_programs   programs of the fused kernel that pull tokens from the GPUs (the rest
-                      compute); None derives it from the intermediate size, the FLOPs a row
-                      brings per byte pulled (kernels.fused_forward.comm_programs_for). With
-                      the comm kernel: its programs (None: one per two SMs)
-      copy_programs   programs of backend "triton"'s standalone NVLink copies (dispatch pull,
-                      combine push and their backward)
-      overlap_shared  (W > 1) run the shared expert's GEMMs on a second stream while those
-                      copies run, on the SMs they leave free (forward: beside the dispatch
-                      pull; backward: its d_x beside the d_y pull, its weight gradients beside
-                      the d_x push; only while the copies leave at least half of the SMs).
-                      False: after them, on every SM. An int 0 / 1 is accepted
-      minibatch_rows  rows per dispatch readiness counter of the fused kernel, and per group
-                      of its task list
-      ring_rows       rows of the routed-token ring buffer (the macrobatch) of backend "fused";
-                      None: every row of the schedule (the routed activations are saved, as
-                      backend "triton" does). Below the schedule's rows the forward keeps only
-                      the ring (bounded memory) and the backward replays the routed forward
-                      (docs/fused.md: +4.6 ms fwd+bwd at dsv3, W = 2)
-      block_rows      GEMM tile height each expert's rows are padded to
-      down_lag        task-list groups (one minibatch of row blocks each) between a group's
-                      gate/up tiles and its down tiles in the fused kernel; None derives it from
-                      the grid and the tile work (kernels.fused_forward.down_lag_for)
-      comm_kernel     backend "fused": pull and push in a second, small kernel whose programs
-                      share SMs with the compute kernel's (one per two SMs; every compute
-                      kernel program computes) instead of in comm programs of the one kernel
-                      (docs/fused.md). Needs the ring to hold every row (ring_rows None or >=
-                      the schedule's rows). None: on when ring_rows is None (faster on every
-                      preset at W = 1 and 2, BENCHMARKS.md), else off
-      capacity_factor rows a rank may receive, as a multiple of the balanced load
-                      ``T * top_k``; None allows the worst case (every token of every rank).
+    Tunables (docs/tuning.md has each one's default, derivation and trade-off):
+      comm_programs   backend "fused": programs that move rows (pull programs of the one-kernel
+                      forward, or the comm kernel's programs); None: derived
+      minibatch_rows  backend "fused": rows per readiness counter and per task-list group
+      ring_rows       backend "fused": rows of the routed-token ring buffer; None: every row
+                      (the routed activations are saved); fewer: bounded memory, the backward
+                      replays the routed forward
+      down_lag        backend "fused": task-list groups between a group's gate/up tiles and its
+                      down tiles; None: derived
+      comm_kernel     backend "fused": pulls and pushes in a second kernel beside the compute
+                      kernel; None: on when the ring holds every row
+      copy_programs   programs of the standalone NVLink copies (backend "triton"'s dispatch
+                      pull, combine push and their backward; backend "fused"'s backward)
+      overlap_shared  W > 1: the shared expert's GEMMs on a second stream beside those copies
+                      (an int 0 / 1 is accepted)
     """
 
+    # shape
     hidden_size: int
     intermediate_size: int
     num_experts: int
     top_k: int
     shared_intermediate_size: int = 0
+    # tunables
     comm_programs: int | None = None
     copy_programs: int = 24
     minibatch_rows: int = 1024
     ring_rows: int | None = None
+    # shape of the row layout and of the expert-parallel buffers
     block_rows: int = DEFAULT_BLOCK_ROWS
     capacity_factor: float | None = None
+    # tunables
     down_lag: int | None = None
     overlap_shared: bool = True
     comm_kernel: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_int("hidden_size", self.hidden_size, 1)
-        _require_int("intermediate_size", self.intermediate_size, 1)
-        _require_int("num_experts", self.num_experts, 1)
-        _require_int("top_k", self.top_k, 1)
+        require_int("hidden_size", self.hidden_size, 1)
+        require_int("intermediate_size", self.intermediate_size, 1)
+        require_int("num_experts", self.num_experts, 1)
+        require_int("top_k", self.top_k, 1)
         if self.top_k > self.num_experts:
-            raise ValueError(
-                f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}"
-            )
-        _require_int("shared_intermediate_size", self.shared_intermediate_size, 0)
+            raise ValueError(f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
+        require_int("shared_intermediate_size", self.shared_intermediate_size, 0)
         if self.comm_programs is not None:
-            _require_int("comm_programs", self.comm_programs, 1)
-        _require_int("copy_programs", self.copy_programs, 1)
-        _require_int("block_rows", self.block_rows, 16)
+            require_int("comm_programs", self.comm_programs, 1)
+        require_int("copy_programs", self.copy_programs, 1)
+        require_int("block_rows", self.block_rows, 16)
         if self.block_rows & (self.block_rows - 1):
             raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
         _require_multiple("minibatch_rows", self.minibatch_rows, "block_rows", self.block_rows)
         if self.ring_rows is not None:
             _require_multiple("ring_rows", self.ring_rows, "minibatch_rows", self.minibatch_rows)
         if self.down_lag is not None:
-            _require_int("down_lag", self.down_lag, 0)
-        object.__setattr__(self, "overlap_shared", _as_bool("overlap_shared",
-                                                            self.overlap_shared))
+            require_int("down_lag", self.down_lag, 0)
+        object.__setattr__(self, "overlap_shared", _as_bool("overlap_shared", self.overlap_shared))
         if self.comm_kernel is not None:
             object.__setattr__(self, "comm_kernel", _as_bool("comm_kernel", self.comm_kernel))
         if self.capacity_factor is not None:
@@ -137,7 +132,7 @@ class MoEConfig:
 
     def local_experts(self, world_size: int) -> int:
         """Experts owned by each of ``world_size`` ranks; they must divide evenly."""
-        _require_int("world_size", world_size, 1)
+        require_int("world_size", world_size, 1)
         if self.num_experts % world_size:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the expert-parallel "
@@ -160,44 +155,3 @@ class MoEConfig:
         """Forward FLOPs of one token: 6*H*I per routed (token, k) plus 6*H*Is shared."""
         h = self.hidden_size
         return 6 * h * (self.intermediate_size * self.top_k + self.shared_intermediate_size)
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A benchmark shape, per rank (DESIGN.md): global experts = local_experts * world size."""
-
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    local_experts: int
-    top_k: int
-    tokens_per_rank: int
-    shared_intermediate_size: int
-
-    def config(self, world_size: int = 1, **tunables: Any) -> MoEConfig:
-        return MoEConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_experts=self.local_experts * world_size,
-            top_k=self.top_k,
-            shared_intermediate_size=self.shared_intermediate_size,
-            **tunables,
-        )
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset("dsv3", 7168, 2048, 32, 8, 4096, 2048),
-        Preset("qwen3-30b", 2048, 768, 64, 8, 8192, 0),
-        Preset("mok-v4", 7168, 3072, 48, 6, 2048, 3072),
-        Preset("tiny", 256, 128, 4, 2, 256, 128),
-    )
-}
-
-
-def get_preset(name: str) -> Preset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}") from None

@@ -19,6 +19,8 @@ from torch.autograd.function import once_differentiable
 
 from .backends import get_backend, resolve_backend
 from .config import MoEConfig
+from .ep import checks
+from .ep.workspace import cached_workspaces
 from .types import ExpertWeights, MoEGrads
 from .validation import group_size_rank, validate_inputs
 
@@ -56,8 +58,12 @@ def _ids_key(topk_ids: torch.Tensor) -> tuple[int, tuple[int, ...], int]:
     return topk_ids.data_ptr(), tuple(topk_ids.shape), topk_ids._version
 
 
-def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
-                   group: dist.ProcessGroup | None = None, backend: str = "reference") -> Any:
+def build_schedule(
+    topk_ids: torch.Tensor,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "reference",
+) -> Any:
     """Routing exchange and row layout for one step; reusable by forward and backward.
 
     Pass it to :func:`forward` with the same ``topk_ids`` tensor (unmodified), config, group and
@@ -69,28 +75,44 @@ def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
     return Schedule(name, config, world_size, _ids_key(topk_ids), inner)
 
 
-def _check_schedule(schedule: object, name: str, topk_ids: torch.Tensor, config: MoEConfig,
-                    world_size: int) -> None:
+def _check_schedule(
+    schedule: object, name: str, topk_ids: torch.Tensor, config: MoEConfig, world_size: int
+) -> None:
     if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule must come from megamoe.functional.build_schedule, "
-                        f"got {type(schedule).__name__}")
+        raise TypeError(
+            f"schedule must come from megamoe.functional.build_schedule, "
+            f"got {type(schedule).__name__}"
+        )
     if schedule.backend != name:
-        raise ValueError(f"schedule was built for backend {schedule.backend!r}, "
-                         f"but forward runs backend {name!r}")
+        raise ValueError(
+            f"schedule was built for backend {schedule.backend!r}, "
+            f"but forward runs backend {name!r}"
+        )
     if schedule.config != config:
         raise ValueError(f"schedule was built for config {schedule.config}, got {config}")
     if schedule.world_size != world_size:
-        raise ValueError(f"schedule was built for world size {schedule.world_size}, "
-                         f"got {world_size}")
+        raise ValueError(
+            f"schedule was built for world size {schedule.world_size}, got {world_size}"
+        )
     if schedule.ids_key != _ids_key(topk_ids):
-        raise ValueError("schedule was built from another topk_ids tensor (or the tensor was "
-                         "modified since): build the schedule from the topk_ids passed to forward")
+        raise ValueError(
+            "schedule was built from another topk_ids tensor (or the tensor was "
+            "modified since): build the schedule from the topk_ids passed to forward"
+        )
 
 
-def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            weights: ExpertWeights, config: MoEConfig, *,
-            group: dist.ProcessGroup | None = None, backend: str = "reference",
-            schedule: Any = None, check_values: bool = True) -> tuple[torch.Tensor, MoEContext]:
+def forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "reference",
+    schedule: Any = None,
+    check_values: bool = True,
+) -> tuple[torch.Tensor, MoEContext]:
     """Run the layer forward; returns ``y`` and the context for :func:`backward`.
 
     ``schedule`` must come from :func:`build_schedule` with the same backend (built here when
@@ -116,19 +138,28 @@ def backward(ctx: MoEContext, grad_y: torch.Tensor) -> MoEGrads:
     if not isinstance(grad_y, torch.Tensor):
         raise TypeError(f"grad_y must be a torch.Tensor, got {type(grad_y).__name__}")
     if tuple(grad_y.shape) != ctx.y_shape:
-        raise ValueError(f"grad_y must have the shape of y {list(ctx.y_shape)}, "
-                         f"got {list(grad_y.shape)}")
+        raise ValueError(
+            f"grad_y must have the shape of y {list(ctx.y_shape)}, got {list(grad_y.shape)}"
+        )
     if not grad_y.is_floating_point():
         raise TypeError(f"grad_y must be a floating tensor, got {grad_y.dtype}")
     if grad_y.device != ctx.y_device:
-        raise ValueError(f"grad_y must be on device {ctx.y_device} (where y is), got {grad_y.device}")
+        raise ValueError(
+            f"grad_y must be on device {ctx.y_device} (where y is), got {grad_y.device}"
+        )
     return get_backend(ctx.backend).backward(ctx.state, grad_y.to(ctx.y_dtype).contiguous())
 
 
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(autograd_ctx, options: dict, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, *weight_list: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        autograd_ctx,
+        options: dict,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *weight_list: torch.Tensor | None,
+    ) -> torch.Tensor:
         y, ctx = forward(x, topk_ids, topk_weights, ExpertWeights(*weight_list), **options)
         autograd_ctx.moe_ctx = ctx
         return y
@@ -137,38 +168,53 @@ class _MoEFunction(torch.autograd.Function):
     @once_differentiable  # the kernels' backward is not itself differentiable
     def backward(autograd_ctx, grad_y: torch.Tensor):
         if autograd_ctx.moe_ctx is None:
-            raise RuntimeError("megamoe's backward ran twice for one forward: its saved "
-                               "activations are freed after the first (retain_graph=True is not "
-                               "supported)")
+            raise RuntimeError(
+                "megamoe's backward ran twice for one forward: its saved "
+                "activations are freed after the first (retain_graph=True is not "
+                "supported)"
+            )
         g = backward(autograd_ctx.moe_ctx, grad_y)
         autograd_ctx.moe_ctx = None  # free saved activations
-        return (None, g.x, None, g.topk_weights, g.w_gate, g.w_up, g.w_down,
-                g.s_gate, g.s_up, g.s_down)
+        return (
+            None,
+            g.x,
+            None,
+            g.topk_weights,
+            g.w_gate,
+            g.w_up,
+            g.w_down,
+            g.s_gate,
+            g.s_up,
+            g.s_down,
+        )
 
 
-def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        weights: ExpertWeights, config: MoEConfig, *,
-        group: dist.ProcessGroup | None = None, backend: str = "reference",
-        schedule: Any = None, check_values: bool = True) -> torch.Tensor:
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "reference",
+    schedule: Any = None,
+    check_values: bool = True,
+) -> torch.Tensor:
     """Autograd-enabled MoE: gradients flow to x, topk_weights and the weights."""
-    options = dict(config=config, group=group, backend=backend, schedule=schedule,
-                   check_values=check_values)
+    options = dict(
+        config=config, group=group, backend=backend, schedule=schedule, check_values=check_values
+    )
     return _MoEFunction.apply(options, x, topk_ids, topk_weights, *weights)
 
 
 def check(group: dist.ProcessGroup | None = None) -> None:
     """Raise what the device recorded on ``group``'s expert-parallel workspaces since the last
     check: ``CapacityError`` (a step routed more rows than a rank's capacity; every rank raises)
-    or ``StallError`` (a device wait gave up; fatal, see megamoe.workspace.StallError).
+    or ``StallError`` (a device wait gave up; fatal, see :class:`megamoe.errors.StallError`).
 
     The Triton backends check on their own at the next ``build_schedule``; call this where no
     schedule is built by the library, e.g. after replaying a captured CUDA graph. A host sync.
     """
-    from .workspace import cached_workspaces
-
-    workspaces = cached_workspaces(group)
-    if workspaces:
-        from .backends import triton as triton_backend
-
-        for ws in workspaces:
-            triton_backend.check(ws)
+    for ws in cached_workspaces(group):
+        checks.check(ws)

@@ -43,10 +43,17 @@ class MoE(nn.Module):
             weights); they are skipped automatically while a CUDA graph is captured.
     """
 
-    def __init__(self, config: MoEConfig, *, group: dist.ProcessGroup | None = None,
-                 backend: str = "auto", device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.bfloat16, seed: int | None = None,
-                 check_values: bool = True) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        seed: int | None = None,
+        check_values: bool = True,
+    ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -92,15 +99,24 @@ class MoE(nn.Module):
                 _uniform_fan_in(w, gen)
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w_gate, self.w_up, self.w_down,
-                             self.s_gate, self.s_up, self.s_down)
+        return ExpertWeights(
+            self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up, self.s_down
+        )
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         """``y[t] = shared(x[t]) + sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t])``."""
-        return functional.moe(x, topk_ids, topk_weights, self.weights(), self.config,
-                              group=self.group, backend=self.backend,
-                              check_values=self.check_values)
+        return functional.moe(
+            x,
+            topk_ids,
+            topk_weights,
+            self.weights(),
+            self.config,
+            group=self.group,
+            backend=self.backend,
+            check_values=self.check_values,
+        )
 
     def check(self) -> None:
         """Raise device-recorded errors of this layer's expert-parallel step (capacity overflow,
@@ -111,9 +127,11 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         shared = f"shared={c.shared_intermediate_size}" if c.has_shared_expert else "shared=none"
-        return (f"hidden={c.hidden_size}, intermediate={c.intermediate_size}, "
-                f"experts={c.num_experts} ({self.num_local_experts} local, rank {self.rank}/"
-                f"{self.world_size}), top_k={c.top_k}, {shared}, backend={self.backend!r}")
+        return (
+            f"hidden={c.hidden_size}, intermediate={c.intermediate_size}, "
+            f"experts={c.num_experts} ({self.num_local_experts} local, rank {self.rank}/"
+            f"{self.world_size}), top_k={c.top_k}, {shared}, backend={self.backend!r}"
+        )
 
 
 def _generator(seed: int, stream: int) -> torch.Generator:
@@ -136,10 +154,17 @@ class TopKRouter(nn.Module):
     chosen weights sum to one per token.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,
-                 score_func: str = "softmax", renormalize: bool = True,
-                 device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
@@ -158,5 +183,7 @@ class TopKRouter(nn.Module):
         return ids, weights
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, top_k={self.top_k}, score={self.score_func}, "
-                f"renormalize={self.renormalize}")
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, score={self.score_func}, "
+            f"renormalize={self.renormalize}"
+        )

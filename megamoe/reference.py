@@ -36,8 +36,9 @@ __all__ = [
 ]
 
 
-def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               w_down: torch.Tensor) -> torch.Tensor:
+def swiglu_mlp(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
     """One SwiGLU expert on rows ``x [N, H]``; weights [I, H], [I, H], [H, I]."""
     g = x @ w_gate.t()
     u = x @ w_up.t()
@@ -46,8 +47,13 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return h @ w_down.t()
 
 
-def local_experts_forward(rows: torch.Tensor, local_ids: torch.Tensor, w_gate: torch.Tensor,
-                          w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def local_experts_forward(
+    rows: torch.Tensor,
+    local_ids: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
     """Apply local expert ``local_ids[n]`` to ``rows[n]``, one expert at a time."""
     if rows.shape[0] == 0:
         # Keep the (empty) output in the autograd graph: the backward's all-to-all must still
@@ -66,8 +72,9 @@ def local_experts_forward(rows: torch.Tensor, local_ids: torch.Tensor, w_gate: t
     return grouped.new_empty(grouped.shape).index_copy(0, perm, grouped)
 
 
-def weighted_combine(z: torch.Tensor, topk_weights: torch.Tensor,
-                     shared: torch.Tensor | None) -> torch.Tensor:
+def weighted_combine(
+    z: torch.Tensor, topk_weights: torch.Tensor, shared: torch.Tensor | None
+) -> torch.Tensor:
     """``sum_k w[t,k] * z[t,k]`` in fp32, k in order, then the shared expert; z is [T, K, H]."""
     acc = torch.zeros(z.shape[0], z.shape[2], dtype=torch.float32, device=z.device)
     if z.dtype == torch.float64:
@@ -83,8 +90,13 @@ class _AllToAllRows(torch.autograd.Function):
     """all_to_all_single over dim 0 with autograd: the backward sends gradients back."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx,
+        rows: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
         return _exchange(rows, out_splits, in_splits, group)
@@ -95,8 +107,9 @@ class _AllToAllRows(torch.autograd.Function):
         return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-              group: dist.ProcessGroup) -> torch.Tensor:
+def _exchange(
+    rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     # Rows travel as raw bytes, so every dtype (bf16 on gloo included) is exchanged exactly.
     rows = rows.contiguous()
     out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
@@ -106,8 +119,9 @@ def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return out
 
 
-def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                    group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all_rows(
+    rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Differentiable exchange of row blocks: ``in_splits[r]`` rows go to rank r."""
     return _AllToAllRows.apply(rows, out_splits, in_splits, group)
 
@@ -121,14 +135,15 @@ class RoutingPlan:
     ranks' topk_ids.
     """
 
-    order: torch.Tensor          # [T*K] permutation of flattened rows, grouped by destination
-    send_counts: list[int]       # rows sent to each rank
-    recv_counts: list[int]       # rows received from each rank
+    order: torch.Tensor  # [T*K] permutation of flattened rows, grouped by destination
+    send_counts: list[int]  # rows sent to each rank
+    recv_counts: list[int]  # rows received from each rank
     recv_local_ids: torch.Tensor  # [sum(recv_counts)] local expert id of each received row
 
 
-def plan_routing(topk_ids: torch.Tensor, config: MoEConfig,
-                 group: dist.ProcessGroup | None) -> RoutingPlan:
+def plan_routing(
+    topk_ids: torch.Tensor, config: MoEConfig, group: dist.ProcessGroup | None
+) -> RoutingPlan:
     world_size, rank = group_size_rank(group)
     e_local = config.local_experts(world_size)
     flat = topk_ids.reshape(-1).long()
@@ -146,11 +161,17 @@ def plan_routing(topk_ids: torch.Tensor, config: MoEConfig,
     return RoutingPlan(order, send_counts, recv_counts, recv_ids - rank * e_local)
 
 
-def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  weights: ExpertWeights, config: MoEConfig,
-                  group: dist.ProcessGroup | None = None, *,
-                  compute_dtype: torch.dtype | None = None,
-                  plan: RoutingPlan | None = None) -> torch.Tensor:
+def moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    plan: RoutingPlan | None = None,
+) -> torch.Tensor:
     """The MoE layer in plain PyTorch; differentiable. Returns ``y`` in x.dtype.
 
     ``compute_dtype=torch.float64`` runs the whole layer in float64 (the accuracy oracle) and
@@ -167,8 +188,9 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     rows = x.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, plan.order)
     if group is not None:
         rows = all_to_all_rows(rows, plan.recv_counts, plan.send_counts, group)
-    z = local_experts_forward(rows, plan.recv_local_ids, weights.w_gate, weights.w_up,
-                              weights.w_down)
+    z = local_experts_forward(
+        rows, plan.recv_local_ids, weights.w_gate, weights.w_up, weights.w_down
+    )
     if group is not None:
         z = all_to_all_rows(z, plan.send_counts, plan.recv_counts, group)
     z = z.new_zeros(z.shape).index_copy(0, plan.order, z).view(t, k, h)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ExpertWeights", "MoEGrads"]
+__all__ = ["ExpertWeights", "MoEGrads", "RoutedActivations", "SharedActivations"]
 
 
 class ExpertWeights(NamedTuple):
@@ -40,3 +40,23 @@ class MoEGrads(NamedTuple):
     s_gate: torch.Tensor | None = None
     s_up: torch.Tensor | None = None
     s_down: torch.Tensor | None = None
+
+
+class RoutedActivations(NamedTuple):
+    """The routed rows of one forward in the schedule's row layout: the gathered or pulled
+    inputs ``xs [rows, H]``, ``g, u, h [rows, I]`` (gate, up, SwiGLU) and the down projection
+    ``z [rows, H]``; the backward reads them."""
+
+    xs: torch.Tensor
+    g: torch.Tensor
+    u: torch.Tensor
+    h: torch.Tensor
+    z: torch.Tensor
+
+
+class SharedActivations(NamedTuple):
+    """The shared expert's ``g, u, h [T, Is]`` over the local tokens (token order)."""
+
+    g: torch.Tensor
+    u: torch.Tensor
+    h: torch.Tensor

@@ -1,4 +1,5 @@
-"""Input checks shared by every backend: each error names the argument, the value and what was expected.
+"""Input checks shared by every backend: each error names the argument, the value and what was
+expected.
 
 Shape/dtype/device checks are free (no device work). Value checks (ids in range, no duplicate
 ids per token, finite router weights, equal token counts across ranks) read device values and
@@ -37,8 +38,13 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _check_tensor(name: str, t: object, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
-                  device: torch.device | None) -> None:
+def _check_tensor(
+    name: str,
+    t: object,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None,
+) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
@@ -50,15 +56,21 @@ def _check_tensor(name: str, t: object, shape: tuple[int, ...], dtypes: tuple[to
         raise ValueError(f"{name} must be on device {device} (where x is), got {t.device}")
 
 
-def validate_weights(weights: ExpertWeights, config: MoEConfig, world_size: int,
-                     device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+def validate_weights(
+    weights: ExpertWeights,
+    config: MoEConfig,
+    world_size: int,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Check expert (and shared expert) weight shapes against the config and world size."""
     e_local = config.local_experts(world_size)
     h, i, i_s = config.hidden_size, config.intermediate_size, config.shared_intermediate_size
     _check_tensor("w_gate", weights.w_gate, (e_local, i, h), FLOAT_DTYPES, device)
     if dtype is not None and weights.w_gate.dtype != dtype:
-        raise TypeError(f"w_gate must have the dtype of x ({_name(dtype)}), "
-                        f"got {_name(weights.w_gate.dtype)}")
+        raise TypeError(
+            f"w_gate must have the dtype of x ({_name(dtype)}), got {_name(weights.w_gate.dtype)}"
+        )
     dtypes = (weights.w_gate.dtype,)
     _check_tensor("w_up", weights.w_up, (e_local, i, h), dtypes, device)
     _check_tensor("w_down", weights.w_down, (e_local, h, i), dtypes, device)
@@ -66,7 +78,8 @@ def validate_weights(weights: ExpertWeights, config: MoEConfig, world_size: int,
     if config.has_shared_expert:
         if any(s is None for s in shared):
             raise ValueError(
-                f"config has shared_intermediate_size={i_s}, so s_gate, s_up and s_down are required"
+                f"config has shared_intermediate_size={i_s}, so s_gate, s_up and s_down are "
+                f"required"
             )
         _check_tensor("s_gate", weights.s_gate, (i_s, h), dtypes, device)
         _check_tensor("s_up", weights.s_up, (i_s, h), dtypes, device)
@@ -75,9 +88,16 @@ def validate_weights(weights: ExpertWeights, config: MoEConfig, world_size: int,
         raise ValueError("shared expert weights given but config.shared_intermediate_size is 0")
 
 
-def validate_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    weights: ExpertWeights, config: MoEConfig,
-                    group: dist.ProcessGroup | None = None, *, check_values: bool = True) -> None:
+def validate_inputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None = None,
+    *,
+    check_values: bool = True,
+) -> None:
     """Check one MoE call's inputs; raise TypeError/ValueError naming what is wrong."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -86,7 +106,9 @@ def validate_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be a floating tensor (bfloat16 for the kernels), got {x.dtype}")
     if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous, got strides {x.stride()} for shape {list(x.shape)}")
+        raise ValueError(
+            f"x must be contiguous, got strides {x.stride()} for shape {list(x.shape)}"
+        )
     t, k = x.shape[0], config.top_k
     world_size, _ = group_size_rank(group)
     _check_tensor("topk_ids", topk_ids, (t, k), ID_DTYPES, x.device)
@@ -98,8 +120,12 @@ def validate_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         _validate_values(topk_ids, topk_weights, config, group)
 
 
-def _validate_values(topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: MoEConfig,
-                     group: dist.ProcessGroup | None) -> None:
+def _validate_values(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None,
+) -> None:
     e = config.num_experts
     if topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
-#   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [comm] [bench] [kernels] [sustained]
-#                        [sweep] [all]
+#   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [fingerprint] [comm] [bench] [kernels]
+#                        [sustained] [sweep] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -11,10 +11,14 @@
 #   tests-ep    torchrun --nproc-per-node=$NGPU -m pytest $MEGAMOE_EP_TESTS (>= 2 GPUs; default
 #               tests/gpu/test_ep_reference.py tests/gpu/test_triton_ep.py tests/gpu/test_comm.py
 #               tests/gpu/test_fused.py; one NCCL group for the session: tests/gpu/conftest.py)
+#   fingerprint  SHA-256 of every output and gradient of backends triton and fused on a fixed
+#            seeded dsv3-sized input (megamoe/tools/fingerprint.py); with
+#            $MEGAMOE_FINGERPRINT_BASE (a directory holding another tree's megamoe package) the
+#            same for that tree, and whether the two are bitwise equal
 #   comm     torchrun: the dispatch/combine bandwidth sweep (>= 2 GPUs)
 #   bench    megamoe bench on $MEGAMOE_PRESETS at W=1, and under torchrun at W=$NGPU (>= 2 GPUs)
 #   kernels  adds --kernels (grouped-GEMM kernel records) to the W=1 bench
-#   sustained  megamoe.sustained on $MEGAMOE_PRESETS at W=$NGPU: backends $MEGAMOE_SUSTAINED_BACKENDS
+#   sustained  megamoe.tools.sustained on $MEGAMOE_PRESETS at W=$NGPU: backends $MEGAMOE_SUSTAINED_BACKENDS
 #            back to back for $MEGAMOE_SUSTAINED_SECONDS s each, 3 rounds, with power and SM clock
 #   sweep    (not part of all) W=$NGPU on $MEGAMOE_SWEEP_PRESET: backend fused over the tunable
 #            grid $MEGAMOE_SWEEP_TUNE next to triton and torch-a2a, then every backend over
@@ -41,6 +45,7 @@
 #   MEGAMOE_PACK         1: at the end, pack every file under $OUT into $OUT/gpu_check.tgz (and
 #                        keep summary.txt beside it), for transports that bring back few files
 #   MEGAMOE_SUSTAINED_BACKENDS  default "triton fused"; MEGAMOE_SUSTAINED_SECONDS default 2.5
+#   MEGAMOE_FINGERPRINT_BASE  a directory with another tree's megamoe package (fingerprint)
 #   MEGAMOE_SWEEP_PRESET default dsv3
 #   MEGAMOE_SWEEP_TUNE   default "comm_programs=33,66,132 minibatch_rows=256,1024" (--tune
 #                        each; at W > 1 comm_programs are the comm kernel's programs)
@@ -73,8 +78,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | comm | bench | kernels | sustained | sweep) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, comm, bench, kernels, sustained, sweep or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -146,10 +151,22 @@ if want tests-ep; then
     fi
 fi
 
+if want fingerprint; then
+    step "fingerprint" "$OUT/fingerprint.log" \
+        "$PY" "$ROOT/megamoe/tools/fingerprint.py" --out "$OUT/fingerprint.json"
+    if [ -n "${MEGAMOE_FINGERPRINT_BASE:-}" ]; then
+        step "fingerprint of $MEGAMOE_FINGERPRINT_BASE" "$OUT/fingerprint.log" \
+            env PYTHONPATH="$MEGAMOE_FINGERPRINT_BASE" \
+            "$PY" "$ROOT/megamoe/tools/fingerprint.py" --out "$OUT/fingerprint_base.json"
+        step "fingerprints equal" "$OUT/fingerprint.log" \
+            cmp "$OUT/fingerprint.json" "$OUT/fingerprint_base.json"
+    fi
+fi
+
 if want comm; then
     if [ "$NGPU" -ge 2 ]; then
         step "comm bench, $NGPU GPUs" "$OUT/comm.log" \
-            "${TORCHRUN[@]}" -m megamoe.bench_comm --out "$OUT/comm.json"
+            "${TORCHRUN[@]}" -m megamoe.tools.bench_comm --out "$OUT/comm.json"
     else
         echo "comm: skipped (1 GPU)" | tee -a "$SUMMARY"
     fi
@@ -174,8 +191,8 @@ if want bench && [ "$NGPU" -ge 2 ]; then
 fi
 
 if want sustained; then
-    run_sustained=("$PY" -m megamoe.sustained)
-    [ "$NGPU" -ge 2 ] && run_sustained=("${TORCHRUN[@]}" -m megamoe.sustained)
+    run_sustained=("$PY" -m megamoe.tools.sustained)
+    [ "$NGPU" -ge 2 ] && run_sustained=("${TORCHRUN[@]}" -m megamoe.tools.sustained)
     for preset in $PRESETS; do
         # shellcheck disable=SC2086
         step "sustained $preset W=$NGPU" "$OUT/sustained_$preset.log" "${run_sustained[@]}" \

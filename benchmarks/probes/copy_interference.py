@@ -12,6 +12,7 @@ hints), by a TMA copy kernel (Gluon, 8 KB boxes) or by the copy engine; and both
 streams (GEMM time from its own stream's events). Medians of 7; the GPUs warm up during the
 run, and 'gemms alone (again)' at the end shows by how much.
 """
+
 import ctypes
 import statistics
 
@@ -40,8 +41,9 @@ def _tma_copy_kernel(src_desc, dst_desc, n_tiles, PROGS: gl.constexpr, STAGES: g
     n_mine = (n_tiles - pid + PROGS - 1) // PROGS
     for p in gl.static_range(STAGES - 1):
         mbarrier.expect(bars.index(p), BR * BC * 2, pred=p < n_mine)
-        tma.async_copy_global_to_shared(src_desc, [(pid + p * PROGS) * BR, 0], bars.index(p),
-                                        smem.index(p), pred=p < n_mine)
+        tma.async_copy_global_to_shared(
+            src_desc, [(pid + p * PROGS) * BR, 0], bars.index(p), smem.index(p), pred=p < n_mine
+        )
     for i in range(n_mine):
         s = i % STAGES
         mbarrier.wait(bars.index(s), (i // STAGES) & 1)
@@ -51,14 +53,16 @@ def _tma_copy_kernel(src_desc, dst_desc, n_tiles, PROGS: gl.constexpr, STAGES: g
         ok = j < n_mine
         sj = j % STAGES
         mbarrier.expect(bars.index(sj), BR * BC * 2, pred=ok)
-        tma.async_copy_global_to_shared(src_desc, [(pid + j * PROGS) * BR, 0], bars.index(sj),
-                                        smem.index(sj), pred=ok)
+        tma.async_copy_global_to_shared(
+            src_desc, [(pid + j * PROGS) * BR, 0], bars.index(sj), smem.index(sj), pred=ok
+        )
     tma.store_wait(0)
 
 
 @triton.jit
-def _copy_kernel(src_ptr, dst_ptr, n_tiles, TILE: tl.constexpr, PROGS: tl.constexpr,
-                 HINT: tl.constexpr):
+def _copy_kernel(
+    src_ptr, dst_ptr, n_tiles, TILE: tl.constexpr, PROGS: tl.constexpr, HINT: tl.constexpr
+):
     offs = tl.arange(0, TILE)
     for t in range(tl.program_id(0), n_tiles, PROGS):
         base = t.to(tl.int64) * TILE
@@ -84,6 +88,7 @@ def main():
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     from torch.distributed import _symmetric_memory as symm_mem
+
     from megamoe.kernels import gemm
     from megamoe.kernels.schedule import build_row_schedule
 
@@ -111,8 +116,9 @@ def main():
     n_tiles = n // TILE
 
     def sm_copy(progs, hint=0, warps=4):
-        _copy_kernel[(progs,)](peer_view, dst, n_tiles, TILE=TILE, PROGS=progs, HINT=hint,
-                               num_warps=warps)
+        _copy_kernel[(progs,)](
+            peer_view, dst, n_tiles, TILE=TILE, PROGS=progs, HINT=hint, num_warps=warps
+        )
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     box = [TMA_ROWS, TMA_COLS]
@@ -121,8 +127,9 @@ def main():
     n_boxes = n // (TMA_ROWS * TMA_COLS)
 
     def tma_copy(progs):
-        _tma_copy_kernel[(progs,)](src_d, dst_d, n_boxes, PROGS=progs, STAGES=TMA_STAGES,
-                                   num_warps=1)
+        _tma_copy_kernel[(progs,)](
+            src_d, dst_d, n_boxes, PROGS=progs, STAGES=TMA_STAGES, num_warps=1
+        )
 
     def ce_copy():
         dst.copy_(peer_view, non_blocking=True)
@@ -134,8 +141,18 @@ def main():
         for hint in (0, 1, 2):
             for warps in (2, 4):
                 sm_copy(p, hint, warps)
-                _carve(_copy_kernel.warmup(peer_view, dst, n_tiles, TILE=TILE, PROGS=p, HINT=hint,
-                                           num_warps=warps, grid=(p,)))
+                _carve(
+                    _copy_kernel.warmup(
+                        peer_view,
+                        dst,
+                        n_tiles,
+                        TILE=TILE,
+                        PROGS=p,
+                        HINT=hint,
+                        num_warps=warps,
+                        grid=(p,),
+                    )
+                )
     for k in (gemm._gate_up_kernel, gemm._grouped_mm_kernel):
         for cache in k.device_caches.values():
             for entry in cache[0].values():
@@ -153,26 +170,38 @@ def main():
         torch.cuda.synchronize()
         if gemm_on:
             with torch.cuda.stream(s_g):
-                ev[0].record(); gemms(); ev[1].record()
+                ev[0].record()
+                gemms()
+                ev[1].record()
         if copy_fn is not None:
             with torch.cuda.stream(s_c):
-                ev[2].record(); copy_fn(); ev[3].record()
+                ev[2].record()
+                copy_fn()
+                ev[3].record()
         torch.cuda.synchronize()
-        return (ev[0].elapsed_time(ev[1]) if gemm_on else None,
-                ev[2].elapsed_time(ev[3]) if copy_fn is not None else None)
+        return (
+            ev[0].elapsed_time(ev[1]) if gemm_on else None,
+            ev[2].elapsed_time(ev[3]) if copy_fn is not None else None,
+        )
 
     cases = [("gemms alone", True, None)]
     for p in (33, 66, 132):
-        cases += [(f"SM copy {p} alone", False, lambda p=p: sm_copy(p)),
-                  (f"gemms + SM copy {p}", True, lambda p=p: sm_copy(p))]
+        cases += [
+            (f"SM copy {p} alone", False, lambda p=p: sm_copy(p)),
+            (f"gemms + SM copy {p}", True, lambda p=p: sm_copy(p)),
+        ]
     for p in (33, 66):
         for hint in (1, 2):
-            cases += [(f"SM copy {p} hint {hint}", False, lambda p=p, h=hint: sm_copy(p, h)),
-                      (f"gemms + SM copy {p} h{hint}", True, lambda p=p, h=hint: sm_copy(p, h))]
-        cases += [(f"SM copy {p} 2 warps", False, lambda p=p: sm_copy(p, 0, 2)),
-                  (f"gemms + SM copy {p} 2w", True, lambda p=p: sm_copy(p, 0, 2)),
-                  (f"TMA copy {p} alone", False, lambda p=p: tma_copy(p)),
-                  (f"gemms + TMA copy {p}", True, lambda p=p: tma_copy(p))]
+            cases += [
+                (f"SM copy {p} hint {hint}", False, lambda p=p, h=hint: sm_copy(p, h)),
+                (f"gemms + SM copy {p} h{hint}", True, lambda p=p, h=hint: sm_copy(p, h)),
+            ]
+        cases += [
+            (f"SM copy {p} 2 warps", False, lambda p=p: sm_copy(p, 0, 2)),
+            (f"gemms + SM copy {p} 2w", True, lambda p=p: sm_copy(p, 0, 2)),
+            (f"TMA copy {p} alone", False, lambda p=p: tma_copy(p)),
+            (f"gemms + TMA copy {p}", True, lambda p=p: tma_copy(p)),
+        ]
     cases += [("gemms alone (again)", True, None)]
     cases += [("CE copy alone", False, ce_copy), ("gemms + CE copy", True, ce_copy)]
     flops = 2 * 32768 * (2 * H * I + I * H)

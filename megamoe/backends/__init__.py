@@ -1,15 +1,19 @@
-"""Backend registry.
+"""Backend registry: the adapters behind ``megamoe.functional``.
 
-A backend is a module with three functions, the split of DESIGN.md::
+A backend is a module with three functions, the split of docs/design.md::
 
     build_schedule(topk_ids, config, group) -> schedule          (once per step)
     forward(x, topk_ids, topk_weights, weights, config, group, schedule) -> (y, ctx)
     backward(ctx, grad_y) -> MoEGrads
 
 plus ``is_available(device) -> (bool, reason)``, ``MAX_WORLD_SIZE`` (None: any) and optionally
-``supports(config, dtype) -> (bool, reason)`` for shapes or dtypes its kernels do not handle. ``ctx`` is whatever the backend needs for its
-backward; the functional API treats it as opaque. Backends are imported lazily so that the
-package imports on machines without Triton or a GPU.
+``supports(config, dtype) -> (bool, reason)`` for shapes or dtypes its kernels do not handle.
+``ctx`` is whatever the backend needs for its backward; the functional API treats it as opaque.
+Backends are imported lazily so that the package imports on machines without Triton or a GPU.
+
+The Triton backends ("triton", "fused") are thin adapters over shared modules: ``requirements``
+(what the kernels need), ``state`` (schedule and context), ``experts`` (the expert GEMM calls),
+``steps`` (the expert-parallel protocol, written once for every world size) and ``streams``.
 """
 
 from __future__ import annotations
@@ -30,11 +34,8 @@ BACKENDS: dict[str, str] = {
     "reference": "megamoe.backends.reference",
 }
 
-# backend="auto" takes the first available backend of these, by world size. Measured on the
-# H200s (BENCHMARKS.md, commit d099350, every preset): with expert parallelism (W = 2) "fused"
-# is faster than "triton" in the forward (1.09-1.24x) and in the training step (1.04-1.08x);
-# on one GPU "triton" is faster on dsv3 and qwen3-30b (the fused kernel has no communication
-# to hide there, and gives SMs to the local row copies).
+# backend="auto" takes the first available backend of these, by world size (docs/tuning.md,
+# "backend auto").
 _AUTO_ONE_GPU = ("triton", "fused", "reference")
 _AUTO_EXPERT_PARALLEL = ("fused", "triton", "reference")
 
@@ -50,9 +51,13 @@ def get_backend(name: str) -> ModuleType:
     return importlib.import_module(BACKENDS[name])
 
 
-def _availability(name: str, device: torch.device | None, world_size: int,
-                  config: MoEConfig | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[bool, str]:
+def _availability(
+    name: str,
+    device: torch.device | None,
+    world_size: int,
+    config: MoEConfig | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[bool, str]:
     try:
         module = get_backend(name)
     except ImportError as exc:  # e.g. triton missing
@@ -66,16 +71,24 @@ def _availability(name: str, device: torch.device | None, world_size: int,
     return ok, reason
 
 
-def available_backends(device: torch.device | None = None, world_size: int = 1,
-                       config: MoEConfig | None = None,
-                       dtype: torch.dtype | None = None) -> dict[str, tuple[bool, str]]:
+def available_backends(
+    device: torch.device | None = None,
+    world_size: int = 1,
+    config: MoEConfig | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, tuple[bool, str]]:
     """name -> (available, reason) for ``device`` (default: CUDA if present, else CPU), and for
     ``config``/``dtype`` when given."""
     return {name: _availability(name, device, world_size, config, dtype) for name in BACKENDS}
 
 
-def resolve_backend(name: str, device: torch.device, world_size: int = 1,
-                    config: MoEConfig | None = None, dtype: torch.dtype | None = None) -> str:
+def resolve_backend(
+    name: str,
+    device: torch.device,
+    world_size: int = 1,
+    config: MoEConfig | None = None,
+    dtype: torch.dtype | None = None,
+) -> str:
     """Map "auto" to the best backend available on ``device`` at this expert-parallel size
     (:func:`auto_order`; and for this config and dtype when given); check an explicit name."""
     if name == "auto":

@@ -27,14 +27,21 @@ def is_available(device: torch.device | None = None) -> tuple[bool, str]:
     return True, "pure PyTorch"
 
 
-def build_schedule(topk_ids: torch.Tensor, config: MoEConfig,
-                   group: dist.ProcessGroup | None) -> RoutingPlan:
+def build_schedule(
+    topk_ids: torch.Tensor, config: MoEConfig, group: dist.ProcessGroup | None
+) -> RoutingPlan:
     return plan_routing(topk_ids, config, group)
 
 
-def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            weights: ExpertWeights, config: MoEConfig, group: dist.ProcessGroup | None,
-            schedule: RoutingPlan) -> tuple[torch.Tensor, ReferenceContext]:
+def forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None,
+    schedule: RoutingPlan,
+) -> tuple[torch.Tensor, ReferenceContext]:
     present = [x, topk_weights] + [w for w in weights if w is not None]
     leaves = tuple(t.detach().requires_grad_(True) for t in present)
     x_l, w_l, *rest = leaves

@@ -11,8 +11,9 @@ Device functions (``@triton.jit``, reusable by the persistent megakernel):
   push_values     the same for one fp32 per row (router-weight gradients)
 
 Thin kernels and host launchers wrap them for the unfused path. Peers are reached through the
-int64 address tables of a :class:`~megamoe.workspace.Workspace`. No multicast / multimem anywhere:
-every cross-GPU access is a unicast load, store or atomic. See docs/comm.md for the protocol.
+int64 address tables of a :class:`~megamoe.ep.workspace.Workspace`. No multicast / multimem
+anywhere: every cross-GPU access is a unicast load, store or atomic. See docs/comm.md for the
+protocol.
 """
 
 from __future__ import annotations
@@ -23,19 +24,41 @@ import torch
 import triton
 import triton.language as tl
 
-from ..workspace import BARRIER_CHANNELS, StallError, Workspace, check_errors
+from ..ep.workspace import BARRIER_CHANNELS, Workspace
+from ..errors import ErrorWord, Stage
 from .runtime import interpreting
 from .schedule import RowSchedule
 from .tiles import cast
 
 __all__ = [
-    "ARRIVE", "WAIT", "BOTH", "STAGE_BARRIER", "DEFAULT_COMM_PROGRAMS", "DEFAULT_SPIN_BUDGET",
-    "COPY_TILE_BYTES", "copy_tile", "wait_at_least", "record_stall", "barrier_arrive",
-    "barrier_wait", "task_slots", "slot_region", "as_rows", "copy_rows", "pull_tokens",
+    "ARRIVE",
+    "WAIT",
+    "BOTH",
+    "DEFAULT_COPY_PROGRAMS",
+    "DEFAULT_SPIN_BUDGET",
+    "SPIN_BUDGET_ENV",
+    "COPY_TILE_BYTES",
+    "copy_tile",
+    "spin_budget",
+    "check_programs",
+    "check_schedule",
+    "wait_at_least",
+    "record_stall",
+    "barrier_arrive",
+    "barrier_wait",
+    "task_slots",
+    "slot_region",
+    "as_rows",
+    "copy_rows",
+    "pull_tokens",
     "push_rows",
     "push_tile",
-    "push_values", "barrier", "gather_routing",
-    "dispatch_pull", "combine_push", "push_row_values", "check_errors", "StallError",
+    "push_values",
+    "barrier",
+    "gather_routing",
+    "dispatch_pull",
+    "combine_push",
+    "push_row_values",
 ]
 
 # Barrier phases (bit flags, constexpr): the interpreter runs ARRIVE for every emulated rank, then
@@ -43,10 +66,9 @@ __all__ = [
 ARRIVE = 1
 WAIT = 2
 BOTH = ARRIVE | WAIT
-STAGE_BARRIER = 1  # stage code in the error record (workspace.STAGE_NAMES[1] == "barrier")
 
-# Programs that move rows; config.copy_programs overrides it (same default, from the sweep).
-DEFAULT_COMM_PROGRAMS = 24
+# Programs of the standalone copies (config.copy_programs has the same default, from the sweep).
+DEFAULT_COPY_PROGRAMS = 24
 # Polls of a flag before a wait gives up. One acquire poll of a local flag costs ~0.5-1 us, so
 # this is seconds: long enough for a peer still compiling a kernel, short enough to beat a hang.
 DEFAULT_SPIN_BUDGET = 1 << 24
@@ -67,16 +89,16 @@ PULL_TILE_BYTES = 128 * 1024
 PULL_WARPS = 32
 _ROUTING_BLOCK = 1024
 
-# Error record word offsets (workspace.ERR_*), as constexprs for the device code.
-_ERR_STAGE = tl.constexpr(1)
-_ERR_INDEX = tl.constexpr(2)
-_ERR_PEER = tl.constexpr(3)
-_ERR_RANK = tl.constexpr(4)
-_ERR_SEEN = tl.constexpr(5)
-_ERR_WANTED = tl.constexpr(6)
-_ERR_BUDGET = tl.constexpr(7)
+# Stall record word offsets (megamoe.errors.ErrorWord), as constexprs for the device code.
+_ERR_STAGE = tl.constexpr(int(ErrorWord.STAGE))
+_ERR_INDEX = tl.constexpr(int(ErrorWord.INDEX))
+_ERR_PEER = tl.constexpr(int(ErrorWord.PEER))
+_ERR_RANK = tl.constexpr(int(ErrorWord.RANK))
+_ERR_SEEN = tl.constexpr(int(ErrorWord.SEEN))
+_ERR_WANTED = tl.constexpr(int(ErrorWord.WANTED))
+_ERR_BUDGET = tl.constexpr(int(ErrorWord.BUDGET))
 _NO_PEER = tl.constexpr(2**30)
-_STAGE_BARRIER = tl.constexpr(STAGE_BARRIER)
+_STAGE_BARRIER = tl.constexpr(int(Stage.BARRIER))
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,8 +120,9 @@ def record_stall(err_ptr, stage, index, peer, rank, seen, wanted, budget):
 
 
 @triton.jit
-def wait_at_least(flag_ptrs, live, who, wanted, budget, err_ptr, stage, index, rank,
-                  SCOPE: tl.constexpr):
+def wait_at_least(
+    flag_ptrs, live, who, wanted, budget, err_ptr, stage, index, rank, SCOPE: tl.constexpr
+):
     """Spin until every live int32 flag is >= ``wanted`` (mod 2**32); True if they all got there.
 
     Polls are acquire loads (``atom.acquire.<SCOPE>.add 0``), so whatever the signaller wrote
@@ -142,27 +165,52 @@ def barrier_arrive(signal_table, epoch_ptr, channel, rank, W: tl.constexpr, W_PA
     live = ranks < W
     pads = tl.load(signal_table + ranks, mask=live, other=0).to(tl.pointer_type(tl.int32))
     tl.debug_barrier()
-    tl.atomic_xchg(pads + channel * W + rank, tl.zeros([W_PAD], tl.int32) + epoch, mask=live,
-                   sem="release", scope="sys")
+    tl.atomic_xchg(
+        pads + channel * W + rank,
+        tl.zeros([W_PAD], tl.int32) + epoch,
+        mask=live,
+        sem="release",
+        scope="sys",
+    )
     return epoch
 
 
 @triton.jit
-def barrier_wait(signal_table, epoch, err_ptr, channel, rank, budget, W: tl.constexpr,
-                 W_PAD: tl.constexpr):
+def barrier_wait(
+    signal_table, epoch, err_ptr, channel, rank, budget, W: tl.constexpr, W_PAD: tl.constexpr
+):
     """Wait until every rank stored ``epoch`` (or later) into our pad on ``channel``."""
     ranks = tl.arange(0, W_PAD)
     live = ranks < W
     pad = tl.load(signal_table + rank).to(tl.pointer_type(tl.int32))
-    ok = wait_at_least(pad + channel * W + ranks, live, ranks, epoch, budget, err_ptr,
-                       _STAGE_BARRIER, channel, rank, "sys")
+    ok = wait_at_least(
+        pad + channel * W + ranks,
+        live,
+        ranks,
+        epoch,
+        budget,
+        err_ptr,
+        _STAGE_BARRIER,
+        channel,
+        rank,
+        "sys",
+    )
     tl.debug_barrier()
     return ok
 
 
 @triton.jit
-def _barrier_kernel(signal_table, epoch_ptr, err_ptr, channel, rank, budget, W: tl.constexpr,
-                    W_PAD: tl.constexpr, PHASE: tl.constexpr):
+def _barrier_kernel(
+    signal_table,
+    epoch_ptr,
+    err_ptr,
+    channel,
+    rank,
+    budget,
+    W: tl.constexpr,
+    W_PAD: tl.constexpr,
+    PHASE: tl.constexpr,
+):
     if PHASE & 1:  # ARRIVE (a literal: the interpreter passes PHASE as a plain int)
         epoch = barrier_arrive(signal_table, epoch_ptr, channel, rank, W, W_PAD)
     else:
@@ -198,10 +246,26 @@ def as_rows(addr, ELEM: tl.constexpr):
 
 
 @triton.jit
-def copy_rows(src_table, scale_table, dst_ptr, dst_stride, row_src_ptr, row_begin, row_end,
-              task_begin, task_step, T, H, TOP_K: tl.constexpr, SCALE: tl.constexpr,
-              ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
-    """Pull rows ``[row_begin, row_end)`` of the layout into ``dst`` (row ``row_begin`` -> dst row 0).
+def copy_rows(
+    src_table,
+    scale_table,
+    dst_ptr,
+    dst_stride,
+    row_src_ptr,
+    row_begin,
+    row_end,
+    task_begin,
+    task_step,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    SCALE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Pull rows ``[row_begin, row_end)`` of the layout into ``dst`` (row ``row_begin`` -> dst
+    row 0).
 
     Row ``r`` with global slot ``s = row_src[r]`` receives row ``(s % (T*K)) // K`` of rank
     ``s // (T*K)``'s buffer (``src_table``); padding rows (s == -1) are written with zeros.
@@ -222,7 +286,9 @@ def copy_rows(src_table, scale_table, dst_ptr, dst_stride, row_src_ptr, row_begi
         waddr = slot_region(scale_table, slot, tk)
     else:
         waddr = addr
-    while task < n_tasks:  # a while loop: `range` over loaded bounds breaks the interpreter (numpy>=2.4)
+    while (
+        task < n_tasks
+    ):  # a while loop: `range` over loaded bounds breaks the interpreter (numpy>=2.4)
         nxt = task + task_step
         slot_next = task_slots(row_src_ptr, nxt, n_tasks, row_begin, row_end, n_cols, ROWS)
         rows = row_begin + (task // n_cols) * ROWS + tl.arange(0, ROWS)
@@ -232,8 +298,9 @@ def copy_rows(src_table, scale_table, dst_ptr, dst_stride, row_src_ptr, row_begi
         real = slot >= 0
         local = tl.where(real, slot % tk, 0)
         offs = (local // TOP_K).to(tl.int64)[:, None] * H + cols[None, :]
-        vals = tl.load(as_rows(addr, ELEM)[:, None] + offs, mask=real[:, None] & col_ok[None, :],
-                       other=0.0)
+        vals = tl.load(
+            as_rows(addr, ELEM)[:, None] + offs, mask=real[:, None] & col_ok[None, :], other=0.0
+        )
         if SCALE:
             w = tl.load(as_rows(waddr, tl.float32) + local, mask=real, other=0.0)
             vals = cast(vals.to(tl.float32) * w[:, None], ELEM, UPCAST)
@@ -248,9 +315,22 @@ def copy_rows(src_table, scale_table, dst_ptr, dst_stride, row_src_ptr, row_begi
 
 
 @triton.jit
-def pull_tokens(src_table, dst_ptr, dst_stride, dest_row_ptr, row_src_ptr, used_rows, task_begin,
-                task_step, W, T, H, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-                COLS: tl.constexpr):
+def pull_tokens(
+    src_table,
+    dst_ptr,
+    dst_stride,
+    dest_row_ptr,
+    row_src_ptr,
+    used_rows,
+    task_begin,
+    task_step,
+    W,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """:func:`copy_rows` (unscaled) in token order: each (source rank, token) with rows here is
     read once and stored into every layout row it has (``dest_row``, one per k), instead of read
     once per row. A token routed to several experts of this rank (about 4 of its 8 at dsv3,
@@ -280,8 +360,11 @@ def pull_tokens(src_table, dst_ptr, dst_stride, dest_row_ptr, row_src_ptr, used_
                 row = tl.load(dest_row_ptr + slots + k, mask=tok_ok, other=-1)
                 wanted |= (row >= 0) & (row < used_rows)
             region = as_rows(tl.load(src_table + src), ELEM)
-            vals = tl.load(region + tokens.to(tl.int64)[:, None] * H + cols[None, :],
-                           mask=wanted[:, None] & col_ok[None, :], other=0.0)
+            vals = tl.load(
+                region + tokens.to(tl.int64)[:, None] * H + cols[None, :],
+                mask=wanted[:, None] & col_ok[None, :],
+                other=0.0,
+            )
             for k in tl.static_range(TOP_K):
                 row = tl.load(dest_row_ptr + slots + k, mask=tok_ok, other=-1)
                 here = (row >= 0) & (row < used_rows)
@@ -289,16 +372,30 @@ def pull_tokens(src_table, dst_ptr, dst_stride, dest_row_ptr, row_src_ptr, used_
                 tl.store(dst, vals, mask=here[:, None] & col_ok[None, :])
         else:
             rows = ((task - token_tasks) // n_cols) * ROWS + tl.arange(0, ROWS)
-            pad = (rows < used_rows) & (tl.load(row_src_ptr + rows, mask=rows < used_rows,
-                                                other=0) < 0)
+            pad = (rows < used_rows) & (
+                tl.load(row_src_ptr + rows, mask=rows < used_rows, other=0) < 0
+            )
             dst = dst_ptr + rows.to(tl.int64)[:, None] * dst_stride + cols[None, :]
             tl.store(dst, tl.zeros([ROWS, COLS], dtype=ELEM), mask=pad[:, None] & col_ok[None, :])
         task += task_step
 
 
 @triton.jit
-def push_rows(src_ptr, src_stride, dst_table, row_src_ptr, row_begin, row_end, task_begin,
-              task_step, T, H, TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def push_rows(
+    src_ptr,
+    src_stride,
+    dst_table,
+    row_src_ptr,
+    row_begin,
+    row_end,
+    task_begin,
+    task_step,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """Push rows ``[row_begin, row_end)`` of the layout (``src`` row 0 = layout row ``row_begin``)
     into slot ``s % (T*K)`` of rank ``s // (T*K)``'s slot buffer (``dst_table``), s = row_src[r].
 
@@ -330,10 +427,21 @@ def push_rows(src_ptr, src_stride, dst_table, row_src_ptr, row_begin, row_end, t
         task = nxt
 
 
-
 @triton.jit
-def push_tile(src_ptr, src_stride, dst_table, row_src_ptr, row, col, T, H, TOP_K: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
+def push_tile(
+    src_ptr,
+    src_stride,
+    dst_table,
+    row_src_ptr,
+    row,
+    col,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Push the [BM, BN] tile at (layout row ``row``, column ``col``) of local rows ``src`` (src
     row 0 = layout row ``row``) into the source ranks' slot buffers, as :func:`push_rows` does
     for whole rows, CHUNK rows at a time (few registers: the fused kernel's down tiles call it
@@ -353,8 +461,18 @@ def push_tile(src_ptr, src_stride, dst_table, row_src_ptr, row, col, T, H, TOP_K
 
 
 @triton.jit
-def push_values(src_ptr, dst_table, row_src_ptr, row_begin, row_end, task_begin, task_step, T,
-                TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def push_values(
+    src_ptr,
+    dst_table,
+    row_src_ptr,
+    row_begin,
+    row_end,
+    task_begin,
+    task_step,
+    T,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Scalar ``push_rows``: ``dst[s // (T*K)][s % (T*K)] = src[r - row_begin]`` for real rows."""
     ELEM = src_ptr.dtype.element_ty
     tk = T * TOP_K
@@ -372,42 +490,134 @@ def push_values(src_ptr, dst_table, row_src_ptr, row_begin, row_end, task_begin,
 
 
 @triton.jit
-def _pull_kernel(src_table, scale_table, dst_ptr, row_src_ptr, num_blocks_ptr, T, H,
-                 TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, SCALE: tl.constexpr,
-                 ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+def _pull_kernel(
+    src_table,
+    scale_table,
+    dst_ptr,
+    row_src_ptr,
+    num_blocks_ptr,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    SCALE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     row_end = tl.load(num_blocks_ptr) * BLOCK_ROWS
-    copy_rows(src_table, scale_table, dst_ptr, H, row_src_ptr, 0, row_end, tl.program_id(0),
-              tl.num_programs(0), T, H, TOP_K, SCALE, ROWS, COLS, UPCAST)
+    copy_rows(
+        src_table,
+        scale_table,
+        dst_ptr,
+        H,
+        row_src_ptr,
+        0,
+        row_end,
+        tl.program_id(0),
+        tl.num_programs(0),
+        T,
+        H,
+        TOP_K,
+        SCALE,
+        ROWS,
+        COLS,
+        UPCAST,
+    )
 
 
 @triton.jit
-def _pull_tokens_kernel(src_table, dst_ptr, dest_row_ptr, row_src_ptr, num_blocks_ptr, W, T, H,
-                        TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr,
-                        COLS: tl.constexpr):
-    pull_tokens(src_table, dst_ptr, H, dest_row_ptr, row_src_ptr,
-                tl.load(num_blocks_ptr) * BLOCK_ROWS, tl.program_id(0), tl.num_programs(0), W, T,
-                H, TOP_K, ROWS, COLS)
+def _pull_tokens_kernel(
+    src_table,
+    dst_ptr,
+    dest_row_ptr,
+    row_src_ptr,
+    num_blocks_ptr,
+    W,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    pull_tokens(
+        src_table,
+        dst_ptr,
+        H,
+        dest_row_ptr,
+        row_src_ptr,
+        tl.load(num_blocks_ptr) * BLOCK_ROWS,
+        tl.program_id(0),
+        tl.num_programs(0),
+        W,
+        T,
+        H,
+        TOP_K,
+        ROWS,
+        COLS,
+    )
 
 
 @triton.jit
-def _push_kernel(src_ptr, dst_table, row_src_ptr, num_blocks_ptr, T, H, TOP_K: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _push_kernel(
+    src_ptr,
+    dst_table,
+    row_src_ptr,
+    num_blocks_ptr,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     row_end = tl.load(num_blocks_ptr) * BLOCK_ROWS
-    push_rows(src_ptr, H, dst_table, row_src_ptr, 0, row_end, tl.program_id(0),
-              tl.num_programs(0), T, H, TOP_K, ROWS, COLS)
+    push_rows(
+        src_ptr,
+        H,
+        dst_table,
+        row_src_ptr,
+        0,
+        row_end,
+        tl.program_id(0),
+        tl.num_programs(0),
+        T,
+        H,
+        TOP_K,
+        ROWS,
+        COLS,
+    )
 
 
 @triton.jit
-def _push_values_kernel(src_ptr, dst_table, row_src_ptr, num_blocks_ptr, T, TOP_K: tl.constexpr,
-                        BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _push_values_kernel(
+    src_ptr,
+    dst_table,
+    row_src_ptr,
+    num_blocks_ptr,
+    T,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row_end = tl.load(num_blocks_ptr) * BLOCK_ROWS
-    push_values(src_ptr, dst_table, row_src_ptr, 0, row_end, tl.program_id(0), tl.num_programs(0),
-                T, TOP_K, BLOCK)
+    push_values(
+        src_ptr,
+        dst_table,
+        row_src_ptr,
+        0,
+        row_end,
+        tl.program_id(0),
+        tl.num_programs(0),
+        T,
+        TOP_K,
+        BLOCK,
+    )
 
 
 @triton.jit
-def _gather_routing_kernel(ids_table, weights_table, ids_out, weights_out, TK,
-                           BLOCK: tl.constexpr):
+def _gather_routing_kernel(ids_table, weights_table, ids_out, weights_out, TK, BLOCK: tl.constexpr):
     src = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < TK
@@ -430,7 +640,9 @@ def copy_tile(hidden: int, itemsize: int, tile_bytes: int = COPY_TILE_BYTES) -> 
     return 1 << (rows.bit_length() - 1), cols
 
 
-def _budget(budget: int | None) -> int:
+def spin_budget(budget: int | None = None) -> int:
+    """The polls a spin-wait makes before it gives up: ``budget``, else ``$MEGAMOE_SPIN_BUDGET``,
+    else the default."""
     if budget is None:
         budget = int(os.environ.get(SPIN_BUDGET_ENV, DEFAULT_SPIN_BUDGET))
     if not 0 <= budget < 2**31:
@@ -438,7 +650,7 @@ def _budget(budget: int | None) -> int:
     return budget
 
 
-def _programs(programs: int) -> int:
+def check_programs(programs: int) -> int:
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
         raise ValueError(f"programs must be an int >= 1, got {programs!r}")
     return programs
@@ -455,39 +667,59 @@ def barrier(ws: Workspace, channel: int = 0, budget: int | None = None, phase: i
     if phase not in (ARRIVE, WAIT, BOTH):
         raise ValueError(f"phase must be ARRIVE, WAIT or BOTH, got {phase}")
     w = ws.world_size
-    _barrier_kernel[(1,)](ws.peers.signals, ws.epochs, ws.errors, channel, ws.rank,
-                          _budget(budget), W=w, W_PAD=triton.next_power_of_2(w), PHASE=phase,
-                          num_warps=1)
+    _barrier_kernel[(1,)](
+        ws.peers.signals,
+        ws.epochs,
+        ws.errors,
+        channel,
+        ws.rank,
+        spin_budget(budget),
+        W=w,
+        W_PAD=triton.next_power_of_2(w),
+        PHASE=phase,
+        num_warps=1,
+    )
 
 
 def gather_routing(ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's published routing, concatenated: (ids [W*T, K] int32, weights [W*T, K] fp32).
 
-    Call after a barrier that follows every rank's :func:`~megamoe.workspace.publish`. The result
+    Call after a barrier that follows every rank's :func:`~megamoe.ep.workspace.publish`. The result
     is the input of ``build_row_schedule(ids, E_local, block_rows, expert_lo=rank*E_local)``.
     """
     w, t, k = ws.world_size, ws.num_tokens, ws.top_k
     ids = torch.empty((w * t, k), dtype=torch.int32, device=ws.device)
     weights = torch.empty((w * t, k), dtype=torch.float32, device=ws.device)
     grid = (w, triton.cdiv(t * k, _ROUTING_BLOCK))
-    _gather_routing_kernel[grid](ws.peers.ids, ws.peers.weights, ids, weights, t * k,
-                                 BLOCK=_ROUTING_BLOCK)
+    _gather_routing_kernel[grid](
+        ws.peers.ids, ws.peers.weights, ids, weights, t * k, BLOCK=_ROUTING_BLOCK
+    )
     return ids, weights
 
 
-def _check_schedule(ws: Workspace, sched: RowSchedule) -> None:
+def check_schedule(ws: Workspace, sched: RowSchedule) -> None:
+    """Refuse a schedule that was not built from every rank's ids of this workspace."""
     if sched.top_k != ws.top_k or sched.num_tokens != ws.world_size * ws.num_tokens:
         raise ValueError(
             f"sched must be built from all ranks' ids [W*T, K] = [{ws.world_size * ws.num_tokens}, "
-            f"{ws.top_k}], got num_tokens={sched.num_tokens}, top_k={sched.top_k}")
+            f"{ws.top_k}], got num_tokens={sched.num_tokens}, top_k={sched.top_k}"
+        )
     if sched.row_src.numel() < sched.rows:
-        raise ValueError(f"sched.row_src has {sched.row_src.numel()} rows, fewer than sched.rows={sched.rows}")
+        raise ValueError(
+            f"sched.row_src has {sched.row_src.numel()} rows, fewer than sched.rows={sched.rows}"
+        )
 
 
-def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
-                  out: torch.Tensor | None = None, programs: int = DEFAULT_COMM_PROGRAMS,
-                  tile_bytes: int = PULL_TILE_BYTES, num_warps: int = PULL_WARPS,
-                  scale: bool | None = None) -> torch.Tensor:
+def dispatch_pull(
+    ws: Workspace,
+    sched: RowSchedule,
+    source: str = "x",
+    out: torch.Tensor | None = None,
+    programs: int = DEFAULT_COPY_PROGRAMS,
+    tile_bytes: int = PULL_TILE_BYTES,
+    num_warps: int = PULL_WARPS,
+    scale: bool | None = None,
+) -> torch.Tensor:
     """Pull the scheduled rows from every rank into ``out [sched.rows, H]``.
 
     ``source="x"``: the peers' ``x_buffer`` rows. ``source="dy"``: ``dy_buffer`` rows scaled by the
@@ -497,7 +729,7 @@ def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
     publish. Unscaled pulls go in token order (:func:`pull_tokens`: a token's row crosses NVLink
     once however many of this rank's experts it was routed to); scaled ones in row order.
     """
-    _check_schedule(ws, sched)
+    check_schedule(ws, sched)
     if source not in ("x", "dy"):
         raise ValueError(f"source must be 'x' or 'dy', got {source!r}")
     if source == "dy" and not ws.backward:
@@ -510,57 +742,115 @@ def dispatch_pull(ws: Workspace, sched: RowSchedule, source: str = "x",
     if out is None:
         out = torch.empty((sched.rows, h), dtype=ws.dtype, device=ws.device)
     elif out.shape != (sched.rows, h) or out.dtype != ws.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{sched.rows}, {h}] {ws.dtype} tensor, "
-                         f"got {list(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must be a contiguous [{sched.rows}, {h}] {ws.dtype} tensor, "
+            f"got {list(out.shape)} {out.dtype}"
+        )
     rows, cols = copy_tile(h, ws.dtype.itemsize, tile_bytes)
     table = ws.peers.x if source == "x" else ws.peers.dy
     if scale:  # each row is scaled by its own slot's weight: row order
-        _pull_kernel[(_programs(programs),)](
-            table, ws.peers.weights, out, sched.row_src, sched.num_blocks, ws.num_tokens, h,
-            TOP_K=ws.top_k, BLOCK_ROWS=sched.block_rows, SCALE=True, ROWS=rows, COLS=cols,
-            UPCAST=interpreting(), num_warps=num_warps)
+        _pull_kernel[(check_programs(programs),)](
+            table,
+            ws.peers.weights,
+            out,
+            sched.row_src,
+            sched.num_blocks,
+            ws.num_tokens,
+            h,
+            TOP_K=ws.top_k,
+            BLOCK_ROWS=sched.block_rows,
+            SCALE=True,
+            ROWS=rows,
+            COLS=cols,
+            UPCAST=interpreting(),
+            num_warps=num_warps,
+        )
     else:
-        _pull_tokens_kernel[(_programs(programs),)](
-            table, out, sched.dest_row, sched.row_src, sched.num_blocks, ws.world_size,
-            ws.num_tokens, h, TOP_K=ws.top_k, BLOCK_ROWS=sched.block_rows, ROWS=rows, COLS=cols,
-            num_warps=num_warps)
+        _pull_tokens_kernel[(check_programs(programs),)](
+            table,
+            out,
+            sched.dest_row,
+            sched.row_src,
+            sched.num_blocks,
+            ws.world_size,
+            ws.num_tokens,
+            h,
+            TOP_K=ws.top_k,
+            BLOCK_ROWS=sched.block_rows,
+            ROWS=rows,
+            COLS=cols,
+            num_warps=num_warps,
+        )
     return out
 
 
-def combine_push(ws: Workspace, rows: torch.Tensor, sched: RowSchedule, target: str = "combine",
-                 programs: int = DEFAULT_COMM_PROGRAMS, tile_bytes: int = COPY_TILE_BYTES,
-                 num_warps: int = COPY_WARPS) -> None:
+def combine_push(
+    ws: Workspace,
+    rows: torch.Tensor,
+    sched: RowSchedule,
+    target: str = "combine",
+    programs: int = DEFAULT_COPY_PROGRAMS,
+    tile_bytes: int = COPY_TILE_BYTES,
+    num_warps: int = COPY_WARPS,
+) -> None:
     """Push each real row of ``rows [sched.rows, H]`` to its source rank's slot buffer.
 
     ``target="combine"``: ``combine_buffer`` (forward); ``"dx"``: ``dx_slots`` (backward). The
     source rank may read its slots after a barrier that follows every rank's push.
     """
-    _check_schedule(ws, sched)
+    check_schedule(ws, sched)
     if target not in ("combine", "dx"):
         raise ValueError(f"target must be 'combine' or 'dx', got {target!r}")
     if target == "dx" and not ws.backward:
         raise ValueError("target='dx' needs a workspace built with backward=True")
     h = ws.hidden
-    if rows.shape[0] < sched.rows or rows.shape[1:] != (h,) or rows.dtype != ws.dtype \
-            or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous [>= {sched.rows}, {h}] {ws.dtype} tensor, "
-                         f"got {list(rows.shape)} {rows.dtype}")
+    if (
+        rows.shape[0] < sched.rows
+        or rows.shape[1:] != (h,)
+        or rows.dtype != ws.dtype
+        or not rows.is_contiguous()
+    ):
+        raise ValueError(
+            f"rows must be a contiguous [>= {sched.rows}, {h}] {ws.dtype} tensor, "
+            f"got {list(rows.shape)} {rows.dtype}"
+        )
     tr, tc = copy_tile(h, ws.dtype.itemsize, tile_bytes)
     table = ws.peers.combine if target == "combine" else ws.peers.dx
-    _push_kernel[(_programs(programs),)](
-        rows, table, sched.row_src, sched.num_blocks, ws.num_tokens, h, TOP_K=ws.top_k,
-        BLOCK_ROWS=sched.block_rows, ROWS=tr, COLS=tc, num_warps=num_warps)
+    _push_kernel[(check_programs(programs),)](
+        rows,
+        table,
+        sched.row_src,
+        sched.num_blocks,
+        ws.num_tokens,
+        h,
+        TOP_K=ws.top_k,
+        BLOCK_ROWS=sched.block_rows,
+        ROWS=tr,
+        COLS=tc,
+        num_warps=num_warps,
+    )
 
 
-def push_row_values(ws: Workspace, values: torch.Tensor, sched: RowSchedule,
-                    programs: int = DEFAULT_COMM_PROGRAMS) -> None:
+def push_row_values(
+    ws: Workspace, values: torch.Tensor, sched: RowSchedule, programs: int = DEFAULT_COPY_PROGRAMS
+) -> None:
     """Push one fp32 per row (d topk_weights) into the source rank's ``dw_slots``."""
-    _check_schedule(ws, sched)
+    check_schedule(ws, sched)
     if not ws.backward:
         raise ValueError("push_row_values needs a workspace built with backward=True")
     if values.dim() != 1 or values.shape[0] < sched.rows or values.dtype != torch.float32:
-        raise ValueError(f"values must be a float32 [>= {sched.rows}] tensor, "
-                         f"got {list(values.shape)} {values.dtype}")
-    _push_values_kernel[(_programs(programs),)](
-        values, ws.peers.dw, sched.row_src, sched.num_blocks, ws.num_tokens, TOP_K=ws.top_k,
-        BLOCK_ROWS=sched.block_rows, BLOCK=_ROUTING_BLOCK, num_warps=4)
+        raise ValueError(
+            f"values must be a float32 [>= {sched.rows}] tensor, "
+            f"got {list(values.shape)} {values.dtype}"
+        )
+    _push_values_kernel[(check_programs(programs),)](
+        values,
+        ws.peers.dw,
+        sched.row_src,
+        sched.num_blocks,
+        ws.num_tokens,
+        TOP_K=ws.top_k,
+        BLOCK_ROWS=sched.block_rows,
+        BLOCK=_ROUTING_BLOCK,
+        num_warps=4,
+    )

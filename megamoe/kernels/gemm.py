@@ -25,7 +25,17 @@ from .runtime import descriptor, empty, interpreting, persistent_programs
 from .schedule import RowSchedule
 from .tiles import cast, load_weight_tile, mma, swiglu, swiglu_backward, tile_of
 
-__all__ = ["GemmTiles", "gate_up_tile", "mm_acc", "gate_up", "grouped_mm", "dgrad_swiglu", "dgrad_pair", "wgrad", "tiles_for"]
+__all__ = [
+    "GemmTiles",
+    "gate_up_tile",
+    "mm_acc",
+    "gate_up",
+    "grouped_mm",
+    "dgrad_swiglu",
+    "dgrad_pair",
+    "wgrad",
+    "tiles_for",
+]
 
 
 @dataclass(frozen=True)
@@ -61,8 +71,23 @@ def tiles_for(kind: str) -> GemmTiles:
 
 
 @triton.jit
-def gate_up_tile(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc, expert, row, col, N, K,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+def gate_up_tile(
+    a_desc,
+    bg_desc,
+    bu_desc,
+    g_desc,
+    u_desc,
+    h_desc,
+    expert,
+    row,
+    col,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One [BM, BN] tile of g = A Wg^T, u = A Wu^T and h = silu(g) * u at (row, col).
 
     Shared by the unfused kernel and the fused forward, so both give the same bits.
@@ -72,44 +97,110 @@ def gate_up_tile(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc, expert, row, 
     for ki in range(tl.cdiv(K, BK)):
         k = ki * BK
         a = a_desc.load([row, k])
-        acc_g = mma(acc_g, a, load_weight_tile(bg_desc, expert, k, col, K, N, BK, BN, False),
-                    UPCAST)
-        acc_u = mma(acc_u, a, load_weight_tile(bu_desc, expert, k, col, K, N, BK, BN, False),
-                    UPCAST)
+        acc_g = mma(
+            acc_g, a, load_weight_tile(bg_desc, expert, k, col, K, N, BK, BN, False), UPCAST
+        )
+        acc_u = mma(
+            acc_u, a, load_weight_tile(bu_desc, expert, k, col, K, N, BK, BN, False), UPCAST
+        )
     g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
     u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
     h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
 
 
 @triton.jit
-def mm_acc(acc, a_desc, b_desc, expert, row, col, N, K, BK: tl.constexpr, BN: tl.constexpr,
-           B_KN: tl.constexpr, UPCAST: tl.constexpr):
+def mm_acc(
+    acc,
+    a_desc,
+    b_desc,
+    expert,
+    row,
+    col,
+    N,
+    K,
+    BK: tl.constexpr,
+    BN: tl.constexpr,
+    B_KN: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """``acc += A[row:row+BM] @ W_expert`` over all of K, in K order (one output tile)."""
     for ki in range(tl.cdiv(K, BK)):
         k = ki * BK
-        acc = mma(acc, a_desc.load([row, k]),
-                  load_weight_tile(b_desc, expert, k, col, K, N, BK, BN, B_KN), UPCAST)
+        acc = mma(
+            acc,
+            a_desc.load([row, k]),
+            load_weight_tile(b_desc, expert, k, col, K, N, BK, BN, B_KN),
+            UPCAST,
+        )
     return acc
 
 
 @triton.jit
-def _gate_up_kernel(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc, block_expert_ptr,
-                    num_blocks_ptr, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
+def _gate_up_kernel(
+    a_desc,
+    bg_desc,
+    bu_desc,
+    g_desc,
+    u_desc,
+    h_desc,
+    block_expert_ptr,
+    num_blocks_ptr,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tl.load(num_blocks_ptr) * tiles_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         mb, nb = tile_of(tile, tiles_n)
-        gate_up_tile(a_desc, bg_desc, bu_desc, g_desc, u_desc, h_desc,
-                     tl.load(block_expert_ptr + mb), mb * BM, nb * BN, N, K, BM, BN, BK, UPCAST)
+        gate_up_tile(
+            a_desc,
+            bg_desc,
+            bu_desc,
+            g_desc,
+            u_desc,
+            h_desc,
+            tl.load(block_expert_ptr + mb),
+            mb * BM,
+            nb * BN,
+            N,
+            K,
+            BM,
+            BN,
+            BK,
+            UPCAST,
+        )
 
 
 @triton.jit
-def _grouped_mm_kernel(a_desc, b_desc, a2_desc, b2_desc, c_desc, c2_desc, g_desc, u_desc,
-                       block_expert_ptr, num_blocks_ptr, N, K, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
-                       TWO_PAIRS: tl.constexpr, SWIGLU_BWD: tl.constexpr,
-                       NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
+def _grouped_mm_kernel(
+    a_desc,
+    b_desc,
+    a2_desc,
+    b2_desc,
+    c_desc,
+    c2_desc,
+    g_desc,
+    u_desc,
+    block_expert_ptr,
+    num_blocks_ptr,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    B_KN: tl.constexpr,
+    TWO_PAIRS: tl.constexpr,
+    SWIGLU_BWD: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tl.load(num_blocks_ptr) * tiles_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
@@ -117,8 +208,20 @@ def _grouped_mm_kernel(a_desc, b_desc, a2_desc, b2_desc, c_desc, c2_desc, g_desc
         expert = tl.load(block_expert_ptr + mb)
         row = mb * BM
         col = nb * BN
-        acc = mm_acc(tl.zeros([BM, BN], dtype=tl.float32), a_desc, b_desc, expert, row, col,
-                     N, K, BK, BN, B_KN, UPCAST)
+        acc = mm_acc(
+            tl.zeros([BM, BN], dtype=tl.float32),
+            a_desc,
+            b_desc,
+            expert,
+            row,
+            col,
+            N,
+            K,
+            BK,
+            BN,
+            B_KN,
+            UPCAST,
+        )
         if TWO_PAIRS:
             acc = mm_acc(acc, a2_desc, b2_desc, expert, row, col, N, K, BK, BN, B_KN, UPCAST)
         if SWIGLU_BWD:
@@ -132,9 +235,20 @@ def _grouped_mm_kernel(a_desc, b_desc, a2_desc, b2_desc, c_desc, c2_desc, g_desc
 
 
 @triton.jit
-def _wgrad_kernel(a_desc, b_desc, c_desc, row_start_ptr, E, M, N, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
-                  UPCAST: tl.constexpr):
+def _wgrad_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    row_start_ptr,
+    E,
+    M,
+    N,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tiles_n = tl.cdiv(N, BN)
     tiles_per_expert = tl.cdiv(M, BM) * tiles_n
     for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
@@ -149,8 +263,7 @@ def _wgrad_kernel(a_desc, b_desc, c_desc, row_start_ptr, E, M, N, BM: tl.constex
         c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
 
 
-def _launch_grid(work_items: int, device: torch.device, programs: int | None = None
-                 ) -> tuple[int]:
+def _launch_grid(work_items: int, device: torch.device, programs: int | None = None) -> tuple[int]:
     """One program per SM (or ``programs``, e.g. the SMs the NVLink copies leave free), never
     more than there are tiles."""
     limit = persistent_programs(device) if programs is None else programs
@@ -159,14 +272,18 @@ def _launch_grid(work_items: int, device: torch.device, programs: int | None = N
     return (max(1, min(limit, work_items)),)
 
 
-def _weight_2d(w: torch.Tensor) -> torch.Tensor:
+def weight_2d(w: torch.Tensor) -> torch.Tensor:
     """[E, R, C] -> [E*R, C] (experts stacked along rows, as the kernels index them)."""
     return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
 
 
-def gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-            sched: RowSchedule, programs: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gate_up(
+    a: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(g, u, h), each [rows of a, I]: both projections and SwiGLU of every used row block.
     ``programs`` (every GEMM here): the grid, default one per SM; the bits never depend on it."""
     t = tiles_for("gate_up")
@@ -177,63 +294,112 @@ def gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
     grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _gate_up_kernel[grid](
-        descriptor(a, [bm, t.bk]), descriptor(_weight_2d(w_gate), [t.bn, t.bk]),
-        descriptor(_weight_2d(w_up), [t.bn, t.bk]), *out_descs, sched.block_expert,
-        sched.num_blocks, n, k, BM=bm, BN=t.bn, BK=t.bk, NUM_PROGS=grid[0],
+        descriptor(a, [bm, t.bk]),
+        descriptor(weight_2d(w_gate), [t.bn, t.bk]),
+        descriptor(weight_2d(w_up), [t.bn, t.bk]),
+        *out_descs,
+        sched.block_expert,
+        sched.num_blocks,
+        n,
+        k,
+        BM=bm,
+        BN=t.bn,
+        BK=t.bk,
+        NUM_PROGS=grid[0],
         FLATTEN=t.flatten and not interpreting(),
-        UPCAST=interpreting(), num_warps=t.warps, num_stages=t.stages)
+        UPCAST=interpreting(),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
     return g, u, h
 
 
-def _mm_launch(kind: str, a: torch.Tensor, w: torch.Tensor, sched: RowSchedule, *, b_kn: bool,
-               a2: torch.Tensor | None = None, w2: torch.Tensor | None = None,
-               gu: tuple[torch.Tensor, torch.Tensor] | None = None,
-               programs: int | None = None) -> list[torch.Tensor]:
+def _mm_launch(
+    kind: str,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    sched: RowSchedule,
+    *,
+    b_kn: bool,
+    a2: torch.Tensor | None = None,
+    w2: torch.Tensor | None = None,
+    gu: tuple[torch.Tensor, torch.Tensor] | None = None,
+    programs: int | None = None,
+) -> list[torch.Tensor]:
     t = tiles_for(kind)
     bm = sched.block_rows
     rows, k = a.shape
     n = w.shape[2] if b_kn else w.shape[1]
-    outs = [empty((rows, n), a.dtype, a.device)
-            for _ in range(2 if gu is not None else 1)]
+    outs = [empty((rows, n), a.dtype, a.device) for _ in range(2 if gu is not None else 1)]
     b_block = [t.bk, t.bn] if b_kn else [t.bn, t.bk]
     a_desc = descriptor(a, [bm, t.bk])
-    b_desc = descriptor(_weight_2d(w), b_block)
+    b_desc = descriptor(weight_2d(w), b_block)
     c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
     grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _grouped_mm_kernel[grid](
-        a_desc, b_desc, descriptor(a2, [bm, t.bk]) if a2 is not None else a_desc,
-        descriptor(_weight_2d(w2), b_block) if w2 is not None else b_desc,
-        c_descs[0], c_descs[-1], gu_descs[0], gu_descs[1], sched.block_expert, sched.num_blocks,
-        n, k, BM=bm, BN=t.bn, BK=t.bk, B_KN=b_kn, TWO_PAIRS=a2 is not None,
-        SWIGLU_BWD=gu is not None, NUM_PROGS=grid[0], FLATTEN=t.flatten and not interpreting(),
+        a_desc,
+        b_desc,
+        descriptor(a2, [bm, t.bk]) if a2 is not None else a_desc,
+        descriptor(weight_2d(w2), b_block) if w2 is not None else b_desc,
+        c_descs[0],
+        c_descs[-1],
+        gu_descs[0],
+        gu_descs[1],
+        sched.block_expert,
+        sched.num_blocks,
+        n,
+        k,
+        BM=bm,
+        BN=t.bn,
+        BK=t.bk,
+        B_KN=b_kn,
+        TWO_PAIRS=a2 is not None,
+        SWIGLU_BWD=gu is not None,
+        NUM_PROGS=grid[0],
+        FLATTEN=t.flatten and not interpreting(),
         UPCAST=interpreting(),
-        num_warps=t.warps, num_stages=t.stages)
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
     return outs
 
 
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, sched: RowSchedule,
-               programs: int | None = None) -> torch.Tensor:
+def grouped_mm(
+    a: torch.Tensor, w: torch.Tensor, sched: RowSchedule, programs: int | None = None
+) -> torch.Tensor:
     """C[r] = a[r] @ w[e(r)]^T for weights in ``nn.Linear`` layout [E, N, K] (forward down)."""
     return _mm_launch("mm", a, w, sched, b_kn=False, programs=programs)[0]
 
 
-def dgrad_swiglu(dz: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
-                 sched: RowSchedule, programs: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def dgrad_swiglu(
+    dz: torch.Tensor,
+    w_down: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_g, d_u) = SwiGLU backward of d_h = dz @ w_down[e] (w_down [E, H, I])."""
     dg, du = _mm_launch("swiglu_bwd", dz, w_down, sched, b_kn=True, gu=(g, u), programs=programs)
     return dg, du
 
 
-def dgrad_pair(dg: torch.Tensor, w_gate: torch.Tensor, du: torch.Tensor, w_up: torch.Tensor,
-               sched: RowSchedule, programs: int | None = None) -> torch.Tensor:
+def dgrad_pair(
+    dg: torch.Tensor,
+    w_gate: torch.Tensor,
+    du: torch.Tensor,
+    w_up: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+) -> torch.Tensor:
     """d_x rows = dg @ w_gate[e] + du @ w_up[e] in one fp32 accumulator (weights [E, I, H])."""
     return _mm_launch("mm", dg, w_gate, sched, b_kn=True, a2=du, w2=w_up, programs=programs)[0]
 
 
-def wgrad(a: torch.Tensor, b: torch.Tensor, sched: RowSchedule,
-          programs: int | None = None) -> torch.Tensor:
+def wgrad(
+    a: torch.Tensor, b: torch.Tensor, sched: RowSchedule, programs: int | None = None
+) -> torch.Tensor:
     """d_W [E, M, N], d_W[e] = a_e^T @ b_e over the rows of expert e (a [rows, M], b [rows, N])."""
     t = tiles_for("wgrad")
     bk = min(t.bk, sched.block_rows)
@@ -242,7 +408,19 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, sched: RowSchedule,
     out = empty((e, m, n), a.dtype, a.device)
     grid = _launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device, programs)
     _wgrad_kernel[grid](
-        descriptor(a, [bk, t.bm]), descriptor(b, [bk, t.bn]), descriptor(out, [1, t.bm, t.bn]),
-        sched.row_start, e, m, n, BM=t.bm, BN=t.bn, BK=bk, NUM_PROGS=grid[0],
-        UPCAST=interpreting(), num_warps=t.warps, num_stages=t.stages)
+        descriptor(a, [bk, t.bm]),
+        descriptor(b, [bk, t.bn]),
+        descriptor(out, [1, t.bm, t.bn]),
+        sched.row_start,
+        e,
+        m,
+        n,
+        BM=t.bm,
+        BN=t.bn,
+        BK=bk,
+        NUM_PROGS=grid[0],
+        UPCAST=interpreting(),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
     return out

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .schedule import RowSchedule
 from .runtime import empty, interpreting
+from .schedule import RowSchedule
 from .tiles import load_rows, store_rows
 
 __all__ = ["gather", "combine", "combine_slots", "route_grad", "route_grad_rows"]
@@ -36,9 +36,18 @@ _NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
-def _gather_kernel(x_ptr, out_ptr, row_src_ptr, num_blocks_ptr, H, TOP_K: tl.constexpr,
-                   BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                   UPCAST: tl.constexpr):
+def _gather_kernel(
+    x_ptr,
+    out_ptr,
+    row_src_ptr,
+    num_blocks_ptr,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     used = rows < tl.load(num_blocks_ptr) * BLOCK_ROWS
@@ -49,10 +58,24 @@ def _gather_kernel(x_ptr, out_ptr, row_src_ptr, num_blocks_ptr, H, TOP_K: tl.con
 
 
 @triton.jit
-def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, invalid_ptr, out_ptr, T, H,
-                    TOP_K: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BASE: tl.constexpr,
-                    IDENTITY: tl.constexpr, HAS_INVALID: tl.constexpr, TOKENS: tl.constexpr,
-                    COLS: tl.constexpr, UPCAST: tl.constexpr):
+def _combine_kernel(
+    z_ptr,
+    dest_row_ptr,
+    w_ptr,
+    base_ptr,
+    invalid_ptr,
+    out_ptr,
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BASE: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    HAS_INVALID: tl.constexpr,
+    TOKENS: tl.constexpr,
+    COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     tok_mask = tokens < T
@@ -77,9 +100,22 @@ def _combine_kernel(z_ptr, dest_row_ptr, w_ptr, base_ptr, invalid_ptr, out_ptr, 
 
 
 @triton.jit
-def _route_grad_kernel(dy_ptr, z_ptr, w_ptr, row_src_ptr, num_blocks_ptr, dz_ptr, dw_ptr, H,
-                       TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BY_ROW: tl.constexpr,
-                       ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+def _route_grad_kernel(
+    dy_ptr,
+    z_ptr,
+    w_ptr,
+    row_src_ptr,
+    num_blocks_ptr,
+    dz_ptr,
+    dw_ptr,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BY_ROW: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     used = rows < tl.load(num_blocks_ptr) * BLOCK_ROWS
     slot = tl.load(row_src_ptr + rows, mask=used, other=-1)
@@ -106,29 +142,61 @@ def gather(x: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
     h = x.shape[1]
     out = empty((sched.rows, h), x.dtype, x.device)
     grid = (sched.rows // _ROWS, triton.cdiv(h, _COLS))
-    _gather_kernel[grid](x, out, sched.row_src, sched.num_blocks, h, TOP_K=sched.top_k,
-                         BLOCK_ROWS=sched.block_rows, ROWS=_ROWS, COLS=_COLS,
-                         UPCAST=interpreting())
+    _gather_kernel[grid](
+        x,
+        out,
+        sched.row_src,
+        sched.num_blocks,
+        h,
+        TOP_K=sched.top_k,
+        BLOCK_ROWS=sched.block_rows,
+        ROWS=_ROWS,
+        COLS=_COLS,
+        UPCAST=interpreting(),
+    )
     return out
 
 
-def combine(z: torch.Tensor, sched: RowSchedule, weights: torch.Tensor | None,
-            base: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def combine(
+    z: torch.Tensor,
+    sched: RowSchedule,
+    weights: torch.Tensor | None,
+    base: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """Per token, ``sum_k weights[t,k] * z[row(t,k)]`` (fp32, k in order) ``+ base[t]``."""
     t, h = sched.num_tokens, z.shape[1]
     out = empty((t, h), out_dtype, z.device)
     grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
-    _combine_kernel[grid](z, sched.dest_row, weights if weights is not None else z,
-                          base if base is not None else z, z, out, t, h, TOP_K=sched.top_k,
-                          HAS_WEIGHT=weights is not None, HAS_BASE=base is not None,
-                          IDENTITY=False, HAS_INVALID=False, TOKENS=_TOKENS, COLS=_COLS,
-                          UPCAST=interpreting())
+    _combine_kernel[grid](
+        z,
+        sched.dest_row,
+        weights if weights is not None else z,
+        base if base is not None else z,
+        z,
+        out,
+        t,
+        h,
+        TOP_K=sched.top_k,
+        HAS_WEIGHT=weights is not None,
+        HAS_BASE=base is not None,
+        IDENTITY=False,
+        HAS_INVALID=False,
+        TOKENS=_TOKENS,
+        COLS=_COLS,
+        UPCAST=interpreting(),
+    )
     return out
 
 
-def combine_slots(slots: torch.Tensor, top_k: int, weights: torch.Tensor | None,
-                  base: torch.Tensor | None, out_dtype: torch.dtype,
-                  invalid: torch.Tensor | None = None) -> torch.Tensor:
+def combine_slots(
+    slots: torch.Tensor,
+    top_k: int,
+    weights: torch.Tensor | None,
+    base: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    invalid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`combine` over one row per (token, k): ``slots [T*K, H]``, row ``t*K+k``.
 
     The expert-parallel epilogue: the experts' owners pushed their rows into these slots. The
@@ -142,35 +210,64 @@ def combine_slots(slots: torch.Tensor, top_k: int, weights: torch.Tensor | None,
     if n % top_k:
         raise ValueError(f"slots must have T*top_k rows, got {n} rows with top_k={top_k}")
     if invalid is not None and (invalid.dtype != torch.int32 or invalid.numel() < 1):
-        raise ValueError(f"invalid must be an int32 tensor with >= 1 element, got "
-                         f"{invalid.dtype} with {invalid.numel()} elements")
+        raise ValueError(
+            f"invalid must be an int32 tensor with >= 1 element, got "
+            f"{invalid.dtype} with {invalid.numel()} elements"
+        )
     t = n // top_k
     out = empty((t, h), out_dtype, slots.device)
     grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
-    _combine_kernel[grid](slots, slots, weights if weights is not None else slots,
-                          base if base is not None else slots,
-                          invalid if invalid is not None else slots, out, t, h, TOP_K=top_k,
-                          HAS_WEIGHT=weights is not None, HAS_BASE=base is not None,
-                          IDENTITY=True, HAS_INVALID=invalid is not None, TOKENS=_TOKENS,
-                          COLS=_COLS, UPCAST=interpreting())
+    _combine_kernel[grid](
+        slots,
+        slots,
+        weights if weights is not None else slots,
+        base if base is not None else slots,
+        invalid if invalid is not None else slots,
+        out,
+        t,
+        h,
+        TOP_K=top_k,
+        HAS_WEIGHT=weights is not None,
+        HAS_BASE=base is not None,
+        IDENTITY=True,
+        HAS_INVALID=invalid is not None,
+        TOKENS=_TOKENS,
+        COLS=_COLS,
+        UPCAST=interpreting(),
+    )
     return out
 
 
-def route_grad(dy: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
-               sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+def route_grad(
+    dy: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz [rows, H] in the layout, zeros on padding rows; dw [T, K] fp32)."""
     h = dy.shape[1]
     dz = empty((sched.rows, h), z.dtype, z.device)
     dw = empty((sched.num_tokens, sched.top_k), torch.float32, z.device)
     grid = (sched.rows // _ROWS,)
-    _route_grad_kernel[grid](dy, z, weights, sched.row_src, sched.num_blocks, dz, dw, h,
-                             TOP_K=sched.top_k, BLOCK_ROWS=sched.block_rows, BY_ROW=False,
-                             ROWS=_ROWS, COLS=_COLS, UPCAST=interpreting())
+    _route_grad_kernel[grid](
+        dy,
+        z,
+        weights,
+        sched.row_src,
+        sched.num_blocks,
+        dz,
+        dw,
+        h,
+        TOP_K=sched.top_k,
+        BLOCK_ROWS=sched.block_rows,
+        BY_ROW=False,
+        ROWS=_ROWS,
+        COLS=_COLS,
+        UPCAST=interpreting(),
+    )
     return dz, dw
 
 
-def route_grad_rows(dy_rows: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
-                    sched: RowSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+def route_grad_rows(
+    dy_rows: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route_grad` with ``dy`` already in the row layout (pulled unscaled from the peers).
 
     ``weights`` is indexed by the global slot of each row (every rank's weights, concatenated).
@@ -183,8 +280,20 @@ def route_grad_rows(dy_rows: torch.Tensor, z: torch.Tensor, weights: torch.Tenso
     dz = empty((sched.rows, h), z.dtype, z.device)
     dw = empty(sched.rows, torch.float32, z.device)
     grid = (sched.rows // _ROWS,)
-    _route_grad_kernel[grid](dy_rows, z, weights, sched.row_src, sched.num_blocks, dz, dw, h,
-                             TOP_K=sched.top_k, BLOCK_ROWS=sched.block_rows, BY_ROW=True,
-                             ROWS=_ROWS, COLS=_COLS, UPCAST=interpreting())
+    _route_grad_kernel[grid](
+        dy_rows,
+        z,
+        weights,
+        sched.row_src,
+        sched.num_blocks,
+        dz,
+        dw,
+        h,
+        TOP_K=sched.top_k,
+        BLOCK_ROWS=sched.block_rows,
+        BY_ROW=True,
+        ROWS=_ROWS,
+        COLS=_COLS,
+        UPCAST=interpreting(),
+    )
     return dz, dw
-

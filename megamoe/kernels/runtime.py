@@ -14,8 +14,16 @@ from collections.abc import Iterator
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["interpreting", "persistent_programs", "descriptor", "empty", "poisoned_buffers",
-           "INTERPRETER_PROGRAMS"]
+__all__ = [
+    "interpreting",
+    "persistent_programs",
+    "assume_programs",
+    "descriptor",
+    "empty",
+    "poisoned_buffers",
+    "side_stream",
+    "INTERPRETER_PROGRAMS",
+]
 
 # Under the interpreter programs run one after another: a few programs are enough to exercise
 # the persistent loops (every program takes several tiles) while keeping CPU tests fast.
@@ -32,11 +40,36 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Set by assume_programs: the SM count of a GPU that is not here (the compile check).
+_ASSUMED_PROGRAMS: int | None = None
+
+
+@contextlib.contextmanager
+def assume_programs(programs: int) -> Iterator[None]:
+    """Within this block, launchers on a device without CUDA (meta tensors, not the interpreter)
+    size their grids for a GPU of ``programs`` SMs: ``megamoe.tools.compile_check`` records the
+    launches of an H200 this way on any machine."""
+    global _ASSUMED_PROGRAMS
+    old, _ASSUMED_PROGRAMS = _ASSUMED_PROGRAMS, programs
+    try:
+        yield
+    finally:
+        _ASSUMED_PROGRAMS = old
+
+
 def persistent_programs(device: torch.device) -> int:
     """One program per SM on a GPU (the persistent grid); a handful in the interpreter."""
     if interpreting() or device.type != "cuda":
+        if _ASSUMED_PROGRAMS is not None and not interpreting():
+            return _ASSUMED_PROGRAMS
         return INTERPRETER_PROGRAMS
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one second stream per device: work beside the copies, the fused comm kernel."""
+    return torch.cuda.Stream(device)
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:

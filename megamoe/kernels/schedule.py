@@ -78,8 +78,15 @@ def expert_onehot(ids_ptr, offs, n_entries, expert_lo, E: tl.constexpr, E_PAD: t
 
 
 @triton.jit
-def _histogram_kernel(ids_ptr, n_entries, expert_lo, chunk_counts_ptr,
-                      E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _histogram_kernel(
+    ids_ptr,
+    n_entries,
+    expert_lo,
+    chunk_counts_ptr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     onehot, _ = expert_onehot(ids_ptr, offs, n_entries, expert_lo, E, E_PAD)
@@ -87,10 +94,23 @@ def _histogram_kernel(ids_ptr, n_entries, expert_lo, chunk_counts_ptr,
 
 
 @triton.jit
-def _scan_kernel(chunk_counts_ptr, chunk_base_ptr, n_chunks, counts_ptr, row_start_ptr,
-                 block_expert_ptr, num_blocks_ptr, row_src_ptr, max_blocks,
-                 E: tl.constexpr, E_PAD: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, PAD_STEP: tl.constexpr):
+def _scan_kernel(
+    chunk_counts_ptr,
+    chunk_base_ptr,
+    n_chunks,
+    counts_ptr,
+    row_start_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    row_src_ptr,
+    max_blocks,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNKS_PER_STEP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr,
+    PAD_STEP: tl.constexpr,
+):
     experts = tl.arange(0, E_PAD)
     is_expert = experts < E
     # Per-expert exclusive prefix over chunks (chunk order == slot order).
@@ -129,17 +149,28 @@ def _scan_kernel(chunk_counts_ptr, chunk_base_ptr, n_chunks, counts_ptr, row_sta
 
 
 @triton.jit
-def _place_kernel(ids_ptr, n_entries, expert_lo, slot_offset, chunk_base_ptr, row_start_ptr,
-                  dest_row_ptr, row_src_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
-                  CHUNK: tl.constexpr):
+def _place_kernel(
+    ids_ptr,
+    n_entries,
+    expert_lo,
+    slot_offset,
+    chunk_base_ptr,
+    row_start_ptr,
+    dest_row_ptr,
+    row_src_ptr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     onehot, valid = expert_onehot(ids_ptr, offs, n_entries, expert_lo, E, E_PAD)
     experts = tl.arange(0, E_PAD)
     # Rank of each entry among the entries of its expert inside this chunk.
     within = tl.sum(onehot * tl.cumsum(onehot, axis=0), axis=1) - 1
-    base = tl.load(chunk_base_ptr + c * E_PAD + experts) + \
-        tl.load(row_start_ptr + experts, mask=experts < E, other=0)
+    base = tl.load(chunk_base_ptr + c * E_PAD + experts) + tl.load(
+        row_start_ptr + experts, mask=experts < E, other=0
+    )
     dest = tl.sum(onehot * base[None, :], axis=1) + within
     tl.store(dest_row_ptr + offs, tl.where(valid, dest, -1), mask=offs < n_entries)
     tl.store(row_src_ptr + dest, slot_offset + offs, mask=valid)
@@ -149,8 +180,9 @@ def _chunk(e_pad: int) -> int:
     return max(_MIN_CHUNK, min(_MAX_CHUNK, _ONEHOT_ELEMS // e_pad))
 
 
-def build_row_schedule(topk_ids: torch.Tensor, num_experts: int, block_rows: int,
-                       expert_lo: int = 0, rank: int = 0) -> RowSchedule:
+def build_row_schedule(
+    topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert_lo: int = 0, rank: int = 0
+) -> RowSchedule:
     """Schedule the rows of local experts ``[expert_lo, expert_lo + num_experts)``.
 
     ``topk_ids`` is [T, K] (int32/int64, global ids). ``rank`` is the source rank of these ids;
@@ -172,17 +204,52 @@ def build_row_schedule(topk_ids: torch.Tensor, num_experts: int, block_rows: int
     num_blocks = empty(1, torch.int32, dev)
     dest_row = empty(entries, torch.int32, dev)
     row_src = empty(rows, torch.int32, dev)
-    _histogram_kernel[(n_chunks,)](ids, entries, expert_lo, chunk_counts,
-                                   E=num_experts, E_PAD=e_pad, CHUNK=chunk)
-    _scan_kernel[(1,)](chunk_counts, chunk_base, n_chunks, counts, row_start, block_expert,
-                       num_blocks, row_src, rows // block_rows, E=num_experts, E_PAD=e_pad,
-                       CHUNKS_PER_STEP=max(1, _ONEHOT_ELEMS // e_pad), BLOCK_ROWS=block_rows,
-                       SCAN_BLOCKS=_SCAN_BLOCKS, PAD_STEP=min(_PAD_STEP, block_rows))
-    _place_kernel[(n_chunks,)](ids, entries, expert_lo, rank * entries, chunk_base, row_start,
-                               dest_row, row_src, E=num_experts, E_PAD=e_pad, CHUNK=chunk)
-    return RowSchedule(dest_row, row_src, row_start, counts, block_expert, num_blocks,
-                       num_tokens=t, top_k=k, num_experts=num_experts, block_rows=block_rows,
-                       rows=rows)
+    _histogram_kernel[(n_chunks,)](
+        ids, entries, expert_lo, chunk_counts, E=num_experts, E_PAD=e_pad, CHUNK=chunk
+    )
+    _scan_kernel[(1,)](
+        chunk_counts,
+        chunk_base,
+        n_chunks,
+        counts,
+        row_start,
+        block_expert,
+        num_blocks,
+        row_src,
+        rows // block_rows,
+        E=num_experts,
+        E_PAD=e_pad,
+        CHUNKS_PER_STEP=max(1, _ONEHOT_ELEMS // e_pad),
+        BLOCK_ROWS=block_rows,
+        SCAN_BLOCKS=_SCAN_BLOCKS,
+        PAD_STEP=min(_PAD_STEP, block_rows),
+    )
+    _place_kernel[(n_chunks,)](
+        ids,
+        entries,
+        expert_lo,
+        rank * entries,
+        chunk_base,
+        row_start,
+        dest_row,
+        row_src,
+        E=num_experts,
+        E_PAD=e_pad,
+        CHUNK=chunk,
+    )
+    return RowSchedule(
+        dest_row,
+        row_src,
+        row_start,
+        counts,
+        block_expert,
+        num_blocks,
+        num_tokens=t,
+        top_k=k,
+        num_experts=num_experts,
+        block_rows=block_rows,
+        rows=rows,
+    )
 
 
 def uniform_schedule(num_rows: int, block_rows: int, device: torch.device) -> RowSchedule:
@@ -194,7 +261,15 @@ def uniform_schedule(num_rows: int, block_rows: int, device: torch.device) -> Ro
     i32 = dict(dtype=torch.int32, device=device)
     row_start = torch.arange(2, **i32) * num_rows  # [0, num_rows], built on the device
     return RowSchedule(
-        dest_row=torch.arange(num_rows, **i32), row_src=torch.arange(num_rows, **i32),
-        row_start=row_start, counts=row_start[1:], block_expert=torch.zeros(blocks, **i32),
-        num_blocks=torch.full((1,), blocks, **i32), num_tokens=num_rows, top_k=1, num_experts=1,
-        block_rows=block_rows, rows=blocks * block_rows)
+        dest_row=torch.arange(num_rows, **i32),
+        row_src=torch.arange(num_rows, **i32),
+        row_start=row_start,
+        counts=row_start[1:],
+        block_expert=torch.zeros(blocks, **i32),
+        num_blocks=torch.full((1,), blocks, **i32),
+        num_tokens=num_rows,
+        top_k=1,
+        num_experts=1,
+        block_rows=block_rows,
+        rows=blocks * block_rows,
+    )

@@ -36,8 +36,9 @@ def cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def load_weight_tile(desc, expert, k, n, K, N, BK: tl.constexpr, BN: tl.constexpr,
-                     B_KN: tl.constexpr):
+def load_weight_tile(
+    desc, expert, k, n, K, N, BK: tl.constexpr, BN: tl.constexpr, B_KN: tl.constexpr
+):
     """The [BK, BN] operand tile of expert ``expert``'s weight at (k, n).
 
     The weight is viewed 2-D with the experts stacked along the rows: [E*K, N] when it is stored
@@ -97,5 +98,8 @@ def load_rows(ptr, rows, cols, stride, row_mask, col_mask):
 def store_rows(ptr, rows, cols, stride, vals, row_mask, col_mask, UPCAST: tl.constexpr):
     """Scatter an fp32 tile into rows ``rows`` of a row-major matrix, rounding to its dtype."""
     offs = rows.to(tl.int64)[:, None] * stride + cols[None, :]
-    tl.store(ptr + offs, cast(vals, ptr.dtype.element_ty, UPCAST),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        ptr + offs,
+        cast(vals, ptr.dtype.element_ty, UPCAST),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )

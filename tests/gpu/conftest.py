@@ -35,7 +35,7 @@ def nccl_world():
 def ep(nccl_world):
     """(group, device) for one expert-parallel test module (>= 2 ranks); frees the module's
     symmetric workspaces at its end."""
-    from ep_support import release_workspaces
+    from support.dist import release_workspaces
 
     world = dist.get_world_size()
     if world < 2:

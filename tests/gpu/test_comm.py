@@ -16,17 +16,18 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ep_support import agree, release_workspaces
 
-from megamoe.bench_comm import bench_comm
+from megamoe.ep.workspace import check_errors, get_workspace, publish
+from megamoe.errors import StallError
 from megamoe.kernels import comm
 from megamoe.kernels.schedule import build_row_schedule
-from megamoe.workspace import (StallError, check_errors, get_workspace,
-                               publish)
+from megamoe.tools.bench_comm import bench_comm
+from support.dist import agree, release_workspaces
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or "WORLD_SIZE" not in os.environ,
-    reason="needs CUDA GPUs and torchrun (WORLD_SIZE)")
+    reason="needs CUDA GPUs and torchrun (WORLD_SIZE)",
+)
 
 T, H, K, E_LOCAL, BLOCK_ROWS = 256, 7168, 8, 8, 128
 
@@ -58,7 +59,10 @@ class Problem:
             if routing == "uniform":
                 ids = torch.rand(T, e, generator=gen).argsort(dim=1)[:, :K]
             elif routing == "one-rank":  # every token of every rank to the last rank's experts
-                ids = torch.rand(T, E_LOCAL, generator=gen).argsort(dim=1)[:, :K] + (world - 1) * E_LOCAL
+                ids = (
+                    torch.rand(T, E_LOCAL, generator=gen).argsort(dim=1)[:, :K]
+                    + (world - 1) * E_LOCAL
+                )
             else:  # skewed: Zipf-like preference for low expert ids, distinct per token
                 scores = torch.rand(T, e, generator=gen) / (torch.arange(e) + 1.0) ** 1.2
                 ids = scores.argsort(dim=1, descending=True)[:, :K]
@@ -72,13 +76,19 @@ def _setup(routing: str, seed: int = 0):
     rank, world = ws.rank, ws.world_size
     prob = Problem(world, routing, seed)
     dev = ws.device
-    publish(ws, x=prob.x[rank].to(dev), topk_ids=prob.ids[rank].to(dev),
-            topk_weights=prob.tw[rank].to(dev), dy=prob.dy[rank].to(dev))
+    publish(
+        ws,
+        x=prob.x[rank].to(dev),
+        topk_ids=prob.ids[rank].to(dev),
+        topk_weights=prob.tw[rank].to(dev),
+        dy=prob.dy[rank].to(dev),
+    )
     comm.barrier(ws)
     ids, weights = comm.gather_routing(ws)
     sched = build_row_schedule(ids, E_LOCAL, BLOCK_ROWS, expert_lo=rank * E_LOCAL)
-    routing_ok = torch.equal(ids.cpu(), torch.cat(prob.ids).to(torch.int32)) and \
-        torch.equal(weights.cpu(), torch.cat(prob.tw))
+    routing_ok = torch.equal(ids.cpu(), torch.cat(prob.ids).to(torch.int32)) and torch.equal(
+        weights.cpu(), torch.cat(prob.tw)
+    )
     return ws, prob, sched, routing_ok
 
 
@@ -101,7 +111,7 @@ def test_workspace_rendezvous(group):
         view = ws.handle.get_buffer(p, [ws.storage.numel()], torch.uint8)
         shift = ws.x_buffer.data_ptr() - ws.storage.data_ptr()
         ok &= view.data_ptr() + shift == ws.peers.x[p].item()
-        seen.append(view[shift:shift + T * H * 2].view(torch.bfloat16).float().unique().tolist())
+        seen.append(view[shift : shift + T * H * 2].view(torch.bfloat16).float().unique().tolist())
     comm.barrier(ws)
     torch.cuda.synchronize()
     check_errors(ws)
@@ -115,7 +125,7 @@ def test_barrier_orders_peer_reads(group):
     peer = (rank + 1) % world
     view = ws.handle.get_buffer(peer, [ws.storage.numel()], torch.uint8)
     shift = ws.x_buffer.data_ptr() - ws.storage.data_ptr()
-    peer_x = view[shift:shift + T * H * 2].view(torch.bfloat16).view(T, H)
+    peer_x = view[shift : shift + T * H * 2].view(torch.bfloat16).view(T, H)
     epochs_before = ws.epochs.clone()
     got = []
     for i in range(30):
@@ -148,8 +158,9 @@ def test_dispatch_lands_every_row(group, routing):
     allx = torch.cat(prob.x)
     ok = routing_ok and torch.equal(out[:used][real], allx[slots[real] // K])
     ok &= torch.equal(out[:used][real][:, 0].long(), slots[real] // tk)
-    ok &= torch.equal((out[:used][real][:, 1] + 128 * out[:used][real][:, 2]).long(),
-                      (slots[real] % tk) // K)
+    ok &= torch.equal(
+        (out[:used][real][:, 1] + 128 * out[:used][real][:, 2]).long(), (slots[real] % tk) // K
+    )
     ok &= bool(torch.all(out[:used][~real] == 0)) and bool(torch.all(out[used:].isnan()))
     # Bit patterns, so the untouched NaN tail compares equal too (NaN != NaN as floats).
     ok &= all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
@@ -167,8 +178,10 @@ def test_dispatch_dy_scaled_bitwise(group):
     alldy, allw = torch.cat(prob.dy), torch.cat(prob.tw).view(-1)
     want = (alldy[slots[real] // K].float() * allw[slots[real]][:, None]).to(torch.bfloat16)
     got = out.cpu()[:used]
-    agree(routing_ok and torch.equal(got[real], want) and bool(torch.all(got[~real] == 0)),
-          "scaled dy rows differ")
+    agree(
+        routing_ok and torch.equal(got[real], want) and bool(torch.all(got[~real] == 0)),
+        "scaled dy rows differ",
+    )
 
 
 @pytest.mark.parametrize("routing", ["uniform", "one-rank"])
@@ -263,8 +276,18 @@ def test_watchdog_raises_instead_of_hanging(group):
 
 
 def test_bench_comm_smoke(group):
-    records = bench_comm(group, tokens=256, hidden=1024, top_k=4, local_experts=4, programs=(4,),
-                         tile_kb=(64,), num_warps=(8,), iters=2, warmup=1)
+    records = bench_comm(
+        group,
+        tokens=256,
+        hidden=1024,
+        top_k=4,
+        local_experts=4,
+        programs=(4,),
+        tile_kb=(64,),
+        num_warps=(8,),
+        iters=2,
+        warmup=1,
+    )
     ok = {r["op"] for r in records} == {"dispatch", "combine", "dispatch_dy"}
     ok &= all(r["gbps"] > 0 for r in records)
     ok &= all(r["bitwise_same_as_16_programs"] for r in records if r["op"] == "dispatch")

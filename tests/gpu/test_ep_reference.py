@@ -13,12 +13,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from ep_support import shared_seed
 
 from megamoe import MoEConfig, functional
-from megamoe.baselines import torch_a2a_moe
 from megamoe.reference import moe_reference
-from megamoe.testing import ep_vs_single
+from megamoe.tools.baselines import torch_a2a_moe
+from support.dist import shared_seed
+from support.expert_parallel import ep_vs_single
 
 BF16_RTOL = 2e-2
 FLOAT64_RTOL = 1e-10
@@ -27,8 +27,9 @@ reference64 = functools.partial(moe_reference, compute_dtype=torch.float64)
 
 
 def functional_reference(x, topk_ids, topk_weights, weights, config, group):
-    return functional.moe(x, topk_ids, topk_weights, weights, config, group=group,
-                          backend="reference")
+    return functional.moe(
+        x, topk_ids, topk_weights, weights, config, group=group, backend="reference"
+    )
 
 
 # (id, EP implementation, single-process oracle, leaf dtype, tolerance)
@@ -56,6 +57,15 @@ def test_expert_parallel_matches_single_process(ep, case, shape, routing):
     h, i, e_local, k, i_s, tokens = shape
     world = dist.get_world_size(group)
     cfg = MoEConfig(h, i, e_local * world, k, shared_intermediate_size=i_s)
-    errs = ep_vs_single(fn_ep, fn_single, cfg, tokens, group, seed=shared_seed(device),
-                        routing=routing, device=device, dtype=dtype)
+    errs = ep_vs_single(
+        fn_ep,
+        fn_single,
+        cfg,
+        tokens,
+        group,
+        seed=shared_seed(device),
+        routing=routing,
+        device=device,
+        dtype=dtype,
+    )
     assert max(errs.values()) < tol, errs  # the worst over ranks: every rank agrees

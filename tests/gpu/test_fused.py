@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,32 +24,37 @@ import torch
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
-
 import torch.distributed as dist  # noqa: E402
-from ep_support import agree, shared_seed  # noqa: E402
 
-from megamoe import MoEConfig, functional  # noqa: E402
+from megamoe import MoEConfig  # noqa: E402
 from megamoe.backends import fused as fused_backend  # noqa: E402
 from megamoe.backends import triton as triton_backend  # noqa: E402
-from megamoe.config import get_preset  # noqa: E402
-from megamoe.kernels import fused_forward as ff  # noqa: E402
+from megamoe.ep.workspace import check_errors, local_workspace  # noqa: E402
+from megamoe.errors import StallError  # noqa: E402
+from megamoe.kernels import fused as ff  # noqa: E402
 from megamoe.kernels.runtime import poisoned_buffers  # noqa: E402
 from megamoe.reference import moe_reference  # noqa: E402
-from megamoe.testing import ep_vs_single, global_weights, make_inputs, slice_weights  # noqa: E402
-from megamoe.workspace import StallError, check_errors  # noqa: E402
-from moe_cases import compare, make_config, make_problem, reference_grads, run_backend  # noqa: E402
+from megamoe.shapes import get_preset  # noqa: E402
+from megamoe.tools.harness import layer_fn  # noqa: E402
+from support.dist import agree, shared_seed  # noqa: E402
+from support.expert_parallel import ep_vs_single  # noqa: E402
+from support.oracle import compare, reference_grads, run_backend  # noqa: E402
+from support.problems import Case, case_of, make_problem  # noqa: E402
 
 DEV = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 # Under torchrun the one-GPU tests run on every rank before any NCCL fixture picked the device.
 torch.cuda.set_device(DEV)
 BF16_RTOL = 2e-2
-PRESET_TOKENS = {"dsv3": 768, "qwen3-30b": 1024, "mok-v4": 512}
-# (tokens, hidden, intermediate, experts, top_k, shared, routing)
-ODD = {
-    "empty_experts": (333, 512, 384, 16, 2, 0, "empty_experts"),
-    "one_expert_all_rows": (517, 768, 512, 8, 3, 256, "one_expert"),
-    "sizes_not_tile_multiples": (300, 520, 200, 6, 2, 136, "uniform"),
+# The presets' layer shapes (one rank's experts), and odd ones; tokens keep the oracle quick.
+CASES = {
+    "dsv3": Case(768, 7168, 2048, 32, 8, shared=2048, block_rows=128),
+    "qwen3-30b": Case(1024, 2048, 768, 64, 8, block_rows=128),
+    "mok-v4": Case(512, 7168, 3072, 48, 6, shared=3072, block_rows=128),
+    "empty_experts": Case(333, 512, 384, 16, 2, routing="empty_experts", block_rows=128),
+    "one_expert_all_rows": Case(
+        517, 768, 512, 8, 3, shared=256, routing="one_expert", block_rows=128
+    ),
+    "sizes_not_tile_multiples": Case(300, 520, 200, 6, 2, shared=136, block_rows=128),
 }
 # Rows the ring holds when a test does not pick: every row of these problems (the saved path).
 LARGE_RING = 1 << 17
@@ -64,8 +67,11 @@ STALL_BUDGET = 1 << 12
 def _bits_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def _fused_step(x, ids, w, weights, cfg, group, dy):
@@ -87,29 +93,29 @@ def _differences(a, b) -> list[str]:
 
 # ------------------------------------------------------------------------------ one GPU
 
-def _single_problem(name: str, num_comm: int, minibatch_rows: int = 256,
-                    ring_rows: int = LARGE_RING):
-    if name in PRESET_TOKENS:
-        p = get_preset(name)
-        cfg = make_config(p.hidden_size, p.intermediate_size, p.local_experts, p.top_k,
-                          p.shared_intermediate_size, 128)
-        tokens, routing = PRESET_TOKENS[name], "uniform"
-    else:
-        tokens, h, i, e, k, i_s, routing = ODD[name]
-        cfg = make_config(h, i, e, k, i_s, 128)
-    cfg = cfg.replace(comm_programs=num_comm, minibatch_rows=minibatch_rows,
-                      ring_rows=ring_rows)
-    return make_problem(cfg, tokens, routing, seed=3, device=DEV)
+
+def _single_problem(
+    name: str, num_comm: int, minibatch_rows: int = 256, ring_rows: int = LARGE_RING
+):
+    return make_problem(
+        CASES[name],
+        seed=3,
+        device=DEV,
+        comm_programs=num_comm,
+        minibatch_rows=minibatch_rows,
+        ring_rows=ring_rows,
+    )
 
 
 def _run_fused(p):
     with poisoned_buffers():
-        y, grads, _ = _fused_step(p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None,
-                                  p.grad_y)
+        y, grads, _ = _fused_step(
+            p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None, p.grad_y
+        )
     return y, grads
 
 
-@pytest.mark.parametrize("name", sorted(PRESET_TOKENS) + sorted(ODD))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_single_gpu_matches_reference_and_triton_bits(name: str) -> None:
     p = _single_problem(name, num_comm=16)
     ours = _run_fused(p)
@@ -119,12 +125,14 @@ def test_single_gpu_matches_reference_and_triton_bits(name: str) -> None:
 
 
 @pytest.mark.parametrize("num_comm,minibatch_rows,ring_rows", TUNABLES)
-def test_single_gpu_bits_do_not_depend_on_tunables(num_comm: int, minibatch_rows: int,
-                                                   ring_rows: int) -> None:
+def test_single_gpu_bits_do_not_depend_on_tunables(
+    num_comm: int, minibatch_rows: int, ring_rows: int
+) -> None:
     p = _single_problem("qwen3-30b", num_comm, minibatch_rows, ring_rows)
     bad = _differences(_run_fused(p), run_backend(p))
-    assert not bad, (f"num_comm={num_comm} minibatch={minibatch_rows} ring={ring_rows}: {bad} "
-                     f"differ from triton")
+    assert not bad, (
+        f"num_comm={num_comm} minibatch={minibatch_rows} ring={ring_rows}: {bad} differ from triton"
+    )
 
 
 def test_single_gpu_comm_kernel_bits() -> None:
@@ -141,23 +149,34 @@ def test_single_gpu_shared_expert_and_ring_bits() -> None:
     assert not _differences(_run_fused(p), run_backend(p))
 
 
-@pytest.mark.parametrize("skip_tasks,ring_rows,stage", [
-    (1, LARGE_RING, "fused forward"),  # tile 0 never signals
-    (1 << 30, 256, "ring slot freed by the down tiles"),  # no down tile runs, the ring wraps
-])
-def test_watchdog_turns_a_missing_signal_into_an_error(skip_tasks: int, ring_rows: int,
-                                                       stage: str) -> None:
+@pytest.mark.parametrize(
+    "skip_tasks,ring_rows,stage",
+    [
+        (1, LARGE_RING, "fused forward"),  # tile 0 never signals
+        (1 << 30, 256, "ring slot freed by the down tiles"),  # no down tile runs, the ring wraps
+    ],
+)
+def test_watchdog_turns_a_missing_signal_into_an_error(
+    skip_tasks: int, ring_rows: int, stage: str
+) -> None:
     """Pre-advance the task ticket: skipped tasks never signal, the waits give up, no hang."""
     p = _single_problem("sizes_not_tile_multiples", num_comm=4)
     cfg, (t, h), k = p.config, p.x.shape, p.topk_ids.shape[1]
     sched = triton_backend.build_schedule(p.topk_ids, cfg, None).routed
-    ws = fused_backend.local_workspace(t, h, k, torch.bfloat16, DEV)
+    ws = local_workspace(t, h, k, torch.bfloat16, DEV)
     ws.x_buffer.copy_(p.x)
     flags = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
     flags[0] = skip_tasks
-    ff.fused_forward(ws, sched, p.weights.w_gate, p.weights.w_up, p.weights.w_down, num_comm=4,
-                     minibatch_rows=cfg.minibatch_rows, ring_rows=ring_rows,
-                     budget=STALL_BUDGET, flags=flags)
+    ff.fused_forward(
+        ws,
+        sched,
+        *p.weights[:3],
+        num_comm=4,
+        minibatch_rows=cfg.minibatch_rows,
+        ring_rows=ring_rows,
+        budget=STALL_BUDGET,
+        flags=flags,
+    )
     torch.cuda.synchronize()
     with pytest.raises(StallError, match=stage):
         check_errors(ws)
@@ -168,9 +187,7 @@ def test_watchdog_turns_a_missing_signal_into_an_error(skip_tasks: int, ring_row
 # ------------------------------------------------------------------------------ W ranks
 
 
-def fused_moe(x, topk_ids, topk_weights, weights, config, group):
-    return functional.moe(x, topk_ids, topk_weights, weights, config, group=group,
-                          backend="fused", check_values=False)
+fused_moe = layer_fn("fused")
 
 
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "one-rank"])
@@ -178,8 +195,16 @@ def test_ep_matches_reference(ep, routing: str) -> None:
     group, device = ep
     cfg = MoEConfig(1024, 512, 8 * dist.get_world_size(group), 4, shared_intermediate_size=256)
     reference64 = functools.partial(moe_reference, compute_dtype=torch.float64)
-    errs = ep_vs_single(fused_moe, reference64, cfg, 384, group, seed=shared_seed(device),
-                        routing=routing, device=device)
+    errs = ep_vs_single(
+        fused_moe,
+        reference64,
+        cfg,
+        384,
+        group,
+        seed=shared_seed(device),
+        routing=routing,
+        device=device,
+    )
     print(" ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     agree(max(errs.values()) < BF16_RTOL, str(errs))
 
@@ -190,14 +215,14 @@ def test_ep_bits_equal_triton_for_every_num_comm(ep, routing: str) -> None:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     seed = shared_seed(device)
     base = get_preset("qwen3-30b").config(world).replace(num_experts=16 * world)
-    weights = slice_weights(global_weights(base, seed=seed, device=device), rank, world)
-    x, ids, w, dy = make_inputs(base, 1024, seed=seed + 1, rank=rank, world_size=world,
-                                routing=routing, device=device)
+    p = make_problem(case_of(base, 1024, routing, world), seed, device)
+    weights, (x, ids, w, dy) = p.local_weights(rank), p.ranks[rank]
     expected = _triton_step(x, ids, w, weights, base, group, dy)
     problems = []
     # and the comm kernel beside the compute kernel (config.comm_kernel; a ring of every row)
-    sets = [dict(comm_programs=n, minibatch_rows=mb, ring_rows=ring) for n, mb, ring in
-            TUNABLES[:3]] + [dict(comm_kernel=True, minibatch_rows=512, ring_rows=LARGE_RING)]
+    sets = [
+        dict(comm_programs=n, minibatch_rows=mb, ring_rows=ring) for n, mb, ring in TUNABLES[:3]
+    ] + [dict(comm_kernel=True, minibatch_rows=512, ring_rows=LARGE_RING)]
     for tunables in sets:
         cfg = base.replace(**tunables)
         out = _fused_step(x, ids, w, weights, cfg, group, dy)
@@ -211,19 +236,25 @@ def test_ep_bits_equal_triton_for_every_num_comm(ep, routing: str) -> None:
 def test_trace_records_every_task_and_pull_and_changes_no_bits() -> None:
     """fused_forward(trace=...): one event per task of the list and per (comm program, minibatch),
     each with end >= start, and the same outputs as the plain launch."""
-    from megamoe.fused_trace import KINDS, summarize
+    from megamoe.tools.fused_trace import KINDS, summarize
 
     p = _single_problem("sizes_not_tile_multiples", num_comm=4)
     cfg, (t, h), k = p.config, p.x.shape, p.topk_ids.shape[1]
     sched = triton_backend.build_schedule(p.topk_ids, cfg, None).routed
-    ws = fused_backend.local_workspace(t, h, k, torch.bfloat16, DEV)
+    ws = local_workspace(t, h, k, torch.bfloat16, DEV)
     ws.x_buffer.copy_(p.x)
     shared = (p.x, p.weights.s_gate, p.weights.s_up, p.weights.s_down)
 
     def launch(trace=None):
-        return ff.fused_forward(ws, sched, p.weights.w_gate, p.weights.w_up, p.weights.w_down,
-                                num_comm=4, minibatch_rows=cfg.minibatch_rows, shared=shared,
-                                trace=trace)
+        return ff.fused_forward(
+            ws,
+            sched,
+            *p.weights[:3],
+            num_comm=4,
+            minibatch_rows=cfg.minibatch_rows,
+            shared=shared,
+            trace=trace,
+        )
 
     plain = launch()
     plain_slots = ws.combine_buffer.clone()
@@ -232,7 +263,7 @@ def test_trace_records_every_task_and_pull_and_changes_no_bits() -> None:
     torch.cuda.synchronize()
     check_errors(ws)
     used = int(sched.row_start[-1])  # rows past the used ones are never written (torch.empty)
-    assert _bits_equal(traced.z[:used], plain.z[:used])
+    assert _bits_equal(traced.routed.z[:used], plain.routed.z[:used])
     assert _bits_equal(traced.shared_out, plain.shared_out)
     assert _bits_equal(ws.combine_buffer, plain_slots)
     ev = trace.cpu()
@@ -248,8 +279,7 @@ def test_trace_records_every_task_and_pull_and_changes_no_bits() -> None:
     group = cfg.minibatch_rows // bm  # task-list groups: a partial last one counts whole
     n2 = cdiv(h, bn2)
     routed = cdiv(blocks, group) * group * (cdiv(cfg.intermediate_size, bn1) + n2)
-    shared_tasks = (cdiv(cdiv(t, bm), group) * group
-                    * (cdiv(cfg.shared_intermediate_size, bn1) + n2))
+    shared_tasks = cdiv(cdiv(t, bm), group) * group * (cdiv(cfg.shared_intermediate_size, bn1) + n2)
     pulls = 4 * cdiv(blocks * bm, cfg.minibatch_rows)
     assert len(kinds) == routed + shared_tasks + pulls
     assert kinds.count(0) == pulls and set(kinds) <= set(KINDS)

@@ -6,62 +6,55 @@ Run on the device: ``python -m pytest tests/gpu/test_triton_backend.py``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
-
 from megamoe.backends import triton as backend  # noqa: E402
-from megamoe.config import get_preset  # noqa: E402
-from moe_cases import (compare, make_config, make_problem, reference_grads,  # noqa: E402
-                       run_backend)
+from support.oracle import compare, reference_grads, run_backend  # noqa: E402
+from support.problems import Case, make_problem, params  # noqa: E402
 
 DEV = torch.device("cuda")
 
-# Presets keep their layer shape; tokens are sliced to keep the float64 oracle quick.
-PRESET_TOKENS = {"dsv3": 768, "qwen3-30b": 1024, "mok-v4": 512}
-
-# (tokens, hidden, intermediate, experts, top_k, shared, routing): T not a multiple of 128,
-# experts with no rows, one expert with every token, a single token.
-ODD = {
-    "odd_tokens_uniform": (1000, 1024, 768, 16, 4, 512, "uniform"),
-    "empty_experts": (333, 512, 384, 16, 2, 0, "empty_experts"),
-    "one_expert_all_rows": (517, 768, 512, 8, 3, 256, "one_expert"),
-    "zipf": (900, 1024, 512, 32, 8, 0, "zipf"),
-    "single_token": (1, 512, 256, 8, 2, 256, "uniform"),
-    "sizes_not_tile_multiples": (300, 520, 200, 6, 2, 136, "uniform"),
+# The presets' layer shapes (dsv3, qwen3-30b, mok-v4, one rank's experts); tokens are sliced to
+# keep the float64 oracle quick.
+PRESETS = {
+    "dsv3": Case(768, 7168, 2048, 32, 8, shared=2048, block_rows=128),
+    "qwen3-30b": Case(1024, 2048, 768, 64, 8, block_rows=128),
+    "mok-v4": Case(512, 7168, 3072, 48, 6, shared=3072, block_rows=128),
 }
+# T not a multiple of 128, experts with no rows, one expert with every token, a single token.
+ODD = [
+    Case(1000, 1024, 768, 16, 4, shared=512, block_rows=128),
+    Case(333, 512, 384, 16, 2, routing="empty_experts", block_rows=128),
+    Case(517, 768, 512, 8, 3, shared=256, routing="one_expert", block_rows=128),
+    Case(900, 1024, 512, 32, 8, routing="zipf", block_rows=128),
+    Case(1, 512, 256, 8, 2, shared=256, block_rows=128),
+    Case(300, 520, 200, 6, 2, shared=136, block_rows=128),  # sizes not tile multiples
+]
 
 
 def _preset_problem(name: str, seed: int):
-    p = get_preset(name)
-    cfg = make_config(p.hidden_size, p.intermediate_size, p.local_experts, p.top_k,
-                      p.shared_intermediate_size, 128)
-    return make_problem(cfg, PRESET_TOKENS[name], "uniform", seed, DEV)
+    return make_problem(PRESETS[name], seed, DEV)
 
 
 def _check(p) -> None:
-    errors = compare(run_backend(p), reference_grads(p, torch.float64),
-                     reference_grads(p, torch.bfloat16))
+    errors = compare(
+        run_backend(p), reference_grads(p, torch.float64), reference_grads(p, torch.bfloat16)
+    )
     print(" ".join(f"{k}={v:.2e}" for k, v in errors.items()))
 
 
-@pytest.mark.parametrize("name", sorted(PRESET_TOKENS))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_matches_reference(name: str) -> None:
     _check(_preset_problem(name, seed=1))
 
 
-@pytest.mark.parametrize("case", sorted(ODD))
-def test_odd_shape_matches_reference(case: str) -> None:
-    t, h, i, e, k, i_s, routing = ODD[case]
-    _check(make_problem(make_config(h, i, e, k, i_s, 128), t, routing,
-                        seed=sorted(ODD).index(case), device=DEV))
+@pytest.mark.parametrize("case", params(*ODD))
+def test_odd_shape_matches_reference(case: Case) -> None:
+    _check(make_problem(case, seed=ODD.index(case), device=DEV))
 
 
 def test_bitwise_reproducible() -> None:
@@ -93,7 +86,7 @@ def test_cuda_graph_of_a_whole_step_replays_to_the_same_bits() -> None:
     for a, b in zip(static[1], eager[1]):
         assert a is None or torch.equal(a, b)
     # New routing in the same buffers: the graph must follow it (sizes live on the device).
-    q = make_problem(p.config, p.x.shape[0], "zipf", seed=4, device=DEV)
+    q = make_problem(PRESETS["dsv3"]._replace(routing="zipf"), seed=4, device=DEV)
     ids.copy_(q.topk_ids)
     w.copy_(q.topk_weights)
     graph.replay()

@@ -17,18 +17,24 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ep_support import agree, shared_seed
 
-from megamoe import MoEConfig, functional
+from megamoe import MoEConfig
 from megamoe.backends import triton as backend
-from megamoe.config import get_preset
+from megamoe.ep import checks
+from megamoe.errors import CapacityError
 from megamoe.reference import moe_reference
-from megamoe.testing import ep_vs_single, global_weights, make_inputs, slice_weights
+from megamoe.shapes import get_preset
+from megamoe.tools.harness import layer_fn
+from support.dist import agree, shared_seed
+from support.expert_parallel import ep_vs_single
+from support.problems import case_of, make_problem, slice_weights
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or "WORLD_SIZE" not in os.environ
+    not torch.cuda.is_available()
+    or "WORLD_SIZE" not in os.environ
     or torch.cuda.get_device_capability() < (9, 0),
-    reason="needs Hopper GPUs and torchrun (WORLD_SIZE)")
+    reason="needs Hopper GPUs and torchrun (WORLD_SIZE)",
+)
 
 BF16_RTOL = 2e-2
 reference64 = functools.partial(moe_reference, compute_dtype=torch.float64)
@@ -45,14 +51,20 @@ ODD = {
 }
 
 
-def triton_moe(x, topk_ids, topk_weights, weights, config, group):
-    return functional.moe(x, topk_ids, topk_weights, weights, config, group=group,
-                          backend="triton", check_values=False)
+triton_moe = layer_fn("triton")
 
 
 def _check_vs_reference(group, device, cfg: MoEConfig, tokens: int, routing: str) -> None:
-    errs = ep_vs_single(triton_moe, reference64, cfg, tokens, group, seed=shared_seed(device),
-                        routing=routing, device=device)
+    errs = ep_vs_single(
+        triton_moe,
+        reference64,
+        cfg,
+        tokens,
+        group,
+        seed=shared_seed(device),
+        routing=routing,
+        device=device,
+    )
     print(" ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     agree(max(errs.values()) < BF16_RTOL, str(errs))
 
@@ -60,8 +72,13 @@ def _check_vs_reference(group, device, cfg: MoEConfig, tokens: int, routing: str
 @pytest.mark.parametrize("name", sorted(PRESET_TOKENS))
 def test_preset_matches_reference(ep, name: str) -> None:
     group, device = ep
-    _check_vs_reference(group, device, _preset_config(name, dist.get_world_size(group)),
-                        PRESET_TOKENS[name], "uniform")
+    _check_vs_reference(
+        group,
+        device,
+        _preset_config(name, dist.get_world_size(group)),
+        PRESET_TOKENS[name],
+        "uniform",
+    )
 
 
 def _preset_config(name: str, world: int) -> MoEConfig:
@@ -79,12 +96,11 @@ def test_odd_shape_matches_reference(ep, case: str) -> None:
 
 # ------------------------------------------------------------------------------ bitwise checks
 
+
 def _problem(group, device, cfg: MoEConfig, tokens: int, routing: str, seed: int):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    weights = global_weights(cfg, seed=seed, device=device)
-    x, ids, w, dy = make_inputs(cfg, tokens, seed=seed + 1, rank=rank, world_size=world,
-                                routing=routing, device=device)
-    return weights, (x, ids, w, dy)
+    p = make_problem(case_of(cfg, tokens, routing, world), seed, device)
+    return p.weights, tuple(p.ranks[rank])
 
 
 def _step(inputs, weights, cfg, group):
@@ -101,8 +117,11 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def _mismatches(ep_out, single_out, group, e_local: int, tokens: int) -> list[str]:
@@ -112,8 +131,11 @@ def _mismatches(ep_out, single_out, group, e_local: int, tokens: int) -> list[st
     y1, g1 = single_out[0], single_out[1]
     tok = slice(rank * tokens, (rank + 1) * tokens)
     ex = slice(rank * e_local, (rank + 1) * e_local)
-    pairs = {"y": (y, y1[tok]), "x": (g.x, g1.x[tok]),
-             "topk_weights": (g.topk_weights, g1.topk_weights[tok])}
+    pairs = {
+        "y": (y, y1[tok]),
+        "x": (g.x, g1.x[tok]),
+        "topk_weights": (g.topk_weights, g1.topk_weights[tok]),
+    }
     for name in ("w_gate", "w_up", "w_down"):
         pairs[name] = (getattr(g, name), getattr(g1, name)[ex])
     return [n for n, (a, b) in pairs.items() if not _bits_equal(a, b)]
@@ -159,8 +181,11 @@ def test_two_runs_are_bitwise_equal(ep) -> None:
     local = slice_weights(weights, rank, world)
     y1, g1, _ = _step(inputs, local, cfg, group)
     y2, g2, _ = _step(inputs, local, cfg, group)
-    bad = [n for n, a, b in zip(("y",) + g1._fields, (y1, *g1), (y2, *g2))
-           if a is not None and not _bits_equal(a, b)]
+    bad = [
+        n
+        for n, a, b in zip(("y",) + g1._fields, (y1, *g1), (y2, *g2))
+        if a is not None and not _bits_equal(a, b)
+    ]
     agree(not bad, f"runs differ: {bad}")
 
 
@@ -168,7 +193,7 @@ def test_capacity_overflow_raises_on_every_rank_and_recovers(ep, monkeypatch) ->
     """Every token to rank 0 with capacity T*K: every rank reports it (explicit check, and the
     lagged check two schedules later); afterwards a step that fits has the bits of W = 1."""
     group, device = ep
-    monkeypatch.setenv(backend.CHECK_ENV, "lagged")
+    monkeypatch.setenv(checks.CHECK_ENV, "lagged")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     tokens, e_local = 200, 4  # a shape no other test uses: a fresh workspace and check state
     cfg = MoEConfig(512, 256, e_local * world, 2, capacity_factor=1.0)
@@ -179,7 +204,7 @@ def test_capacity_overflow_raises_on_every_rank_and_recovers(ep, monkeypatch) ->
     try:
         backend.check(sched)
         problems.append("explicit check did not raise")
-    except backend.CapacityError as exc:
+    except CapacityError as exc:
         if f"rank 0 was routed {world * tokens * 2} rows" not in str(exc):
             problems.append(f"unexpected message: {exc}")
     _step(inputs, local, cfg, group)  # overflows again, unchecked
@@ -187,7 +212,7 @@ def test_capacity_overflow_raises_on_every_rank_and_recovers(ep, monkeypatch) ->
     try:
         backend.build_schedule(inputs[1], cfg, group)
         problems.append("lagged check did not raise")
-    except backend.CapacityError:
+    except CapacityError:
         pass
     fits = cfg.replace(capacity_factor=None)
     out = _step(inputs, local, fits, group)
@@ -221,9 +246,13 @@ def test_cuda_graph_of_a_whole_step_replays_to_the_same_bits(ep) -> None:
         graph.replay()
         torch.cuda.synchronize()
         expected = eager if label == "replay" else _step(static_in, local, cfg, group)[:2]
-        bad = [n for n, a, b in zip(("y",) + expected[1]._fields, (static[0], *static[1]),
-                                    (expected[0], *expected[1]))
-               if a is not None and not _bits_equal(a, b)]
+        bad = [
+            n
+            for n, a, b in zip(
+                ("y",) + expected[1]._fields, (static[0], *static[1]), (expected[0], *expected[1])
+            )
+            if a is not None and not _bits_equal(a, b)
+        ]
         if bad:
             problems.append(f"{label}: {bad}")
     backend.check(backend.build_schedule(ids, cfg, group))
@@ -232,12 +261,17 @@ def test_cuda_graph_of_a_whole_step_replays_to_the_same_bits(ep) -> None:
 
 
 def test_bench_runs_triton_expert_parallel(ep) -> None:
-    from megamoe.bench import BenchOptions, DistEnv, run_bench
+    from megamoe.tools.bench import BenchOptions, run_bench
+    from megamoe.tools.harness import DistEnv
+
     group, device = ep
     env = DistEnv(dist.get_world_size(group), dist.get_rank(group), device, group)
-    opts = BenchOptions(presets=["tiny"], backends=["triton", "reference", "torch-a2a"], iters=2,
-                        warmup=1)
+    opts = BenchOptions(
+        shapes=["tiny"], backends=["triton", "reference", "torch-a2a"], iters=2, warmup=1
+    )
     recs = {r["backend"]: r for r in run_bench(opts, env)}
     t = recs["triton"]
-    agree(t["status"] == "ok" and t["check_ok"] and t["world_size"] == env.world_size,
-          f"triton record: {t['status']} {t['note']} check_ok={t['check_ok']}")
+    agree(
+        t["status"] == "ok" and t["check_ok"] and t["world_size"] == env.world_size,
+        f"triton record: {t['status']} {t['note']} check_ok={t['check_ok']}",
+    )

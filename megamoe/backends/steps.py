@@ -1,0 +1,324 @@
+"""The steps of the Triton backends, written once for every world size.
+
+The expert-parallel protocol is a set of generators that yield where every rank must pass a
+device barrier (docs/design.md, "Expert parallelism"): :func:`run_steps` launches the barrier
+at each yield on GPUs, and the CPU tests drive W emulated ranks in lockstep through the same
+generators. With one process the same functions run without a workspace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Generator
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoEConfig
+from ..ep import checks
+from ..ep.workspace import Workspace, get_workspace, local_workspace, publish
+from ..kernels import comm, rows
+from ..kernels.capacity import limit_capacity
+from ..kernels.schedule import build_row_schedule
+from ..types import ExpertWeights, MoEGrads, RoutedActivations, SharedActivations
+from . import experts
+from .requirements import KERNEL_DTYPE, check_supported
+from .state import EpRouting, TritonContext, TritonSchedule, workspace_of
+from .streams import BesideCopies
+
+__all__ = [
+    "Steps",
+    "EP_CHANNEL",
+    "build_schedule",
+    "prepare",
+    "schedule_steps",
+    "forward_steps",
+    "backward_steps",
+    "replay_steps",
+    "routed_unfused",
+    "experts_unfused",
+    "run_steps",
+    "drain",
+    "single_rank",
+    "backward",
+    "check",
+    "ExpertsOutput",
+]
+
+_T = TypeVar("_T")
+# A step of the EP protocol: yields where every rank must pass a device barrier, returns a value.
+Steps = Generator[None, None, _T]
+# Barrier channel of the layer's protocol (every barrier of a step, in program order).
+EP_CHANNEL = 0
+
+# (routed activations or None when not kept, shared activations or None, shared output or
+# None), with z pushed into the source ranks' combine slots.
+ExpertsOutput = tuple[RoutedActivations | None, SharedActivations | None, torch.Tensor | None]
+# (workspace, schedule, local weights, local tokens) -> ExpertsOutput: the part of the forward
+# between its two barriers
+ExpertsForward = Callable[[Workspace, TritonSchedule, ExpertWeights, torch.Tensor], ExpertsOutput]
+
+
+# --------------------------------------------------------------------------------------------
+# Drivers
+
+
+def barrier_point(ws: Workspace) -> Steps[None]:
+    """Every rank passes a device barrier here; afterwards no peer still reads our routing."""
+    yield
+    checks.state(ws).routing_in_use = False
+
+
+def run_steps(steps: Steps[_T], ws: Workspace) -> _T:
+    """Run a protocol on a GPU: a device barrier at every yield."""
+    try:
+        while True:
+            next(steps)
+            comm.barrier(ws, EP_CHANNEL)
+    except StopIteration as done:
+        return done.value
+
+
+def drain(steps: Steps[_T]) -> _T:
+    """Run steps that never yield (one process has no barrier)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a one-process step must not pass a barrier")
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule
+
+
+def schedule_steps(
+    topk_ids: torch.Tensor, config: MoEConfig, ws: Workspace
+) -> Steps[TritonSchedule]:
+    """Publish ids, exchange, and lay out the rows of this rank's experts (no host sync)."""
+    state = checks.state(ws)
+    if state.routing_in_use:  # two schedules in a row: peers may still read the last ids
+        yield from barrier_point(ws)
+    publish(ws, topk_ids=topk_ids.detach())
+    yield from barrier_point(ws)
+    all_ids, _ = comm.gather_routing(ws)
+    state.routing_in_use = True
+    e_local = config.local_experts(ws.world_size)
+    full = build_row_schedule(all_ids, e_local, config.block_rows, expert_lo=ws.rank * e_local)
+    capacity = config.capacity_rows(ws.num_tokens, ws.world_size)
+    routed, invalid = limit_capacity(
+        full, all_ids, capacity, ws.rank, ws.world_size, state.capacity_record
+    )
+    return TritonSchedule(routed, config, EpRouting(ws, all_ids, capacity, invalid))
+
+
+def build_schedule(
+    topk_ids: torch.Tensor, config: MoEConfig, group: dist.ProcessGroup | None
+) -> TritonSchedule:
+    """Device-side row layout of this step's routing (no host sync).
+
+    With W > 1 this is also the step's check point for errors of earlier steps (see
+    :func:`megamoe.ep.checks.lagged_check` and ``MEGAMOE_EP_CHECK``), and the first call for a
+    shape creates the symmetric workspace (a collective: every rank must call it).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        routed = build_row_schedule(topk_ids, config.num_experts, config.block_rows)
+        return TritonSchedule(routed, config)
+    t, k = topk_ids.shape
+    ws = get_workspace(group, t, config.hidden_size, k, KERNEL_DTYPE, topk_ids.device)
+    checks.lagged_check(ws)
+    return run_steps(schedule_steps(topk_ids, config, ws), ws)
+
+
+def single_rank(schedule: TritonSchedule, topk_ids: torch.Tensor) -> TritonSchedule:
+    """A one-process schedule with a one-rank workspace attached (the same row layout), so the
+    expert-parallel kernels and protocol run unchanged at W = 1."""
+    t, k = topk_ids.shape
+    cfg = schedule.config
+    ws = local_workspace(t, cfg.hidden_size, k, KERNEL_DTYPE, topk_ids.device)
+    return dataclasses.replace(schedule, ep=EpRouting(ws, topk_ids, capacity=t * k))
+
+
+def check(target: TritonSchedule | TritonContext | Workspace) -> None:
+    """Raise what the device recorded on this schedule's workspace (``megamoe.ep.checks.check``);
+    with one process there is no workspace and nothing to check."""
+    ws = workspace_of(target)
+    if ws is not None:
+        checks.check(ws)
+
+
+def prepare(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None,
+    schedule: TritonSchedule | None,
+) -> tuple[torch.Tensor, torch.Tensor, ExpertWeights, TritonSchedule]:
+    """A forward's inputs as the kernels take them: supported, contiguous, with a schedule (built
+    here when None) whose token count is x's."""
+    check_supported(x, config)
+    if schedule is None:
+        schedule = build_schedule(topk_ids, config, group)
+    weights = ExpertWeights(*(w.contiguous() if w is not None else None for w in weights))
+    if schedule.ep is not None and x.shape[0] != schedule.ep.workspace.num_tokens:
+        raise ValueError(
+            f"x has {x.shape[0]} tokens, the schedule was built for "
+            f"{schedule.ep.workspace.num_tokens}"
+        )
+    return x.contiguous(), topk_weights.contiguous(), weights, schedule
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+
+
+def routed_rows(schedule: TritonSchedule, x: torch.Tensor) -> torch.Tensor:
+    """The routed input rows in the schedule's layout: gathered from the local tokens, or pulled
+    from every rank's published ``x_buffer`` (after the barrier that follows the publish)."""
+    if schedule.ep is None:
+        return rows.gather(x, schedule.routed)
+    return comm.dispatch_pull(
+        schedule.ep.workspace, schedule.routed, "x", programs=schedule.config.copy_programs
+    )
+
+
+def routed_unfused(
+    ws: Workspace, schedule: TritonSchedule, x: torch.Tensor, weights: ExpertWeights
+) -> RoutedActivations:
+    """Pull x rows, expert GEMMs, push z rows into the sources' combine slots."""
+    routed = experts.routed_forward(routed_rows(schedule, x), weights, schedule.routed)
+    comm.combine_push(
+        ws, routed.z, schedule.routed, "combine", programs=schedule.config.copy_programs
+    )
+    return routed
+
+
+def experts_unfused(
+    ws: Workspace, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor
+) -> ExpertsOutput:
+    """The part between the forward's barriers: the shared expert on the local tokens beside
+    the dispatch pull (``config.overlap_shared``), and the routed experts
+    (:func:`routed_unfused`)."""
+    beside = BesideCopies(ws.device, schedule.config)
+    try:
+        shared, shared_out = beside.run(experts.shared_forward, x, weights, schedule.config)
+        routed = routed_unfused(ws, schedule, x, weights)
+    finally:
+        beside.join()
+    return routed, shared, shared_out
+
+
+def forward_steps(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    schedule: TritonSchedule,
+    experts_step: ExpertsForward | None = None,
+) -> Steps[tuple[torch.Tensor, TritonContext]]:
+    """Publish, pull dispatch, expert GEMMs, push combine, local k-order combine (+ shared).
+
+    ``experts_step`` does the part between the two barriers (default :func:`experts_unfused`;
+    backend "fused" passes its kernel).
+    """
+    ws = schedule.ep.workspace
+    publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
+    yield from barrier_point(ws)
+    _, slot_weights = comm.gather_routing(ws)
+    routed, shared, shared_out = (experts_step or experts_unfused)(ws, schedule, weights, x)
+    yield from barrier_point(ws)
+    # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
+    y = rows.combine_slots(
+        ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype, invalid=schedule.ep.invalid
+    )
+    return y, TritonContext(schedule, x, slot_weights.view(-1), weights, routed, shared)
+
+
+def local_forward(
+    x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights, schedule: TritonSchedule
+) -> tuple[torch.Tensor, TritonContext]:
+    """One process: gather rows, expert GEMMs, combine in k order (+ shared)."""
+    sched = schedule.routed
+    routed = experts.routed_forward(routed_rows(schedule, x), weights, sched)
+    shared, shared_out = experts.shared_forward(x, weights, schedule.config)
+    y = rows.combine(routed.z, sched, topk_weights, shared_out, x.dtype)
+    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared)
+
+
+def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
+    """The context with the routed activations a bounded ring dropped recomputed (bitwise the
+    forward's: the unfused pull / gather and GEMMs, which the fused kernel reproduces)."""
+    schedule = ctx.schedule
+    if schedule.ep is not None:
+        ws = schedule.ep.workspace
+        publish(ws, x=ctx.x.detach())  # the x_buffer may hold a later forward's tokens
+        yield from barrier_point(ws)
+    routed = experts.routed_forward(routed_rows(schedule, ctx.x), ctx.weights, schedule.routed)
+    return dataclasses.replace(ctx, routed=routed)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+
+
+def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
+    """Pull dy rows, route grad by row, dgrad/wgrad GEMMs, push d_x rows and d_w values back."""
+    schedule = ctx.schedule
+    ws, sched, programs = schedule.ep.workspace, schedule.routed, schedule.config.copy_programs
+    publish(ws, dy=dy.detach())
+    # The shared expert needs only the local dy: its d_x runs beside the dy pull, its weight
+    # gradients beside the d_x push (config.overlap_shared; each about as long as the copy).
+    beside = BesideCopies(ws.device, schedule.config)
+    try:
+        shared_dgrad = beside.run(experts.shared_dgrad, dy, ctx)
+        yield from barrier_point(ws)
+        dy_rows = comm.dispatch_pull(ws, sched, "dy", programs=programs, scale=False)
+        dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.routed.z, ctx.slot_weights, sched)
+        dxs, dg, du = experts.routed_dgrad(dz, ctx)
+        shared_grads = beside.run(experts.shared_wgrad, dy, shared_dgrad, ctx)
+        comm.combine_push(ws, dxs, sched, "dx", programs=programs)
+        comm.push_row_values(ws, dw_rows, sched, programs=programs)
+        d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dz, dg, du, ctx)
+    finally:
+        beside.join()
+    dx_shared = None if shared_dgrad is None else shared_dgrad[0]
+    yield from barrier_point(ws)
+    invalid = schedule.ep.invalid
+    dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype, invalid=invalid)
+    d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k)
+    d_topk = (
+        d_topk.clone()
+        if invalid is None
+        # NaN after an overflow (stale slots)
+        else torch.where(invalid != 0, float("nan"), d_topk)
+    )
+    return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)
+
+
+def local_backward(ctx: TritonContext, dy: torch.Tensor) -> MoEGrads:
+    """One process: route grad, dgrad and wgrad GEMMs, combine d_x in k order (+ shared)."""
+    sched = ctx.schedule.routed
+    dz, d_topk = rows.route_grad(dy, ctx.routed.z, ctx.slot_weights, sched)
+    dxs, dg, du = experts.routed_dgrad(dz, ctx)
+    d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dz, dg, du, ctx)
+    shared_dgrad = experts.shared_dgrad(dy, ctx)
+    shared_grads = experts.shared_wgrad(dy, shared_dgrad, ctx)
+    dx_shared = None if shared_dgrad is None else shared_dgrad[0]
+    dx = rows.combine(dxs, sched, None, dx_shared, ctx.x.dtype)
+    return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)
+
+
+def backward(ctx: TritonContext, grad_y: torch.Tensor) -> MoEGrads:
+    """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype), after
+    replaying the routed forward if a bounded ring dropped it."""
+    dy = grad_y.to(ctx.x.dtype).contiguous()
+    ws = workspace_of(ctx)
+    if ctx.routed is None:
+        ctx = drain(replay_steps(ctx)) if ws is None else run_steps(replay_steps(ctx), ws)
+    if ws is None:
+        return local_backward(ctx, dy)
+    grads = run_steps(backward_steps(ctx, dy), ws)
+    checks.eager_check(ws)
+    return grads

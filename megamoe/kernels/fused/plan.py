@@ -1,0 +1,309 @@
+"""The launch plan of a fused forward: every size, lag and grid derived from the shapes and the
+tunables, once, on the host (no device reads).
+
+The derivations (docs/tuning.md): :func:`comm_programs_for` (pull programs of the one-kernel
+forward), :func:`comm_kernel_programs` (programs of the comm kernel), :func:`down_lag_for` and
+:func:`routed_lag` (the task list's down lag), :func:`fused_grid`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gemm import tiles_for
+from ..runtime import interpreting, persistent_programs
+
+__all__ = [
+    "FusedMeta",
+    "FusedPlan",
+    "plan_launch",
+    "comm_programs_for",
+    "comm_kernel_programs",
+    "down_lag_for",
+    "routed_lag",
+    "fused_grid",
+    "FUSED_WARPS",
+    "FUSED_STAGES",
+    "COMM_KERNEL_WARPS",
+    "COMM_KERNEL_REGISTERS",
+    "COMM_KERNEL_TILE_BYTES",
+    "COMM_PULL",
+    "COMM_PUSH",
+    "COMM_BOTH",
+    "PUSH_CHUNK_ROWS",
+    "MIN_HALF_ROWS",
+]
+
+# One warp count and pipeline depth for every role: the gate/up and down tiles must use the
+# unfused kernels' warp count (8), which fixes the wgmma shapes and hence the bits. Stages only
+# change the pipelining: 4 (as the unfused gate/up) needs ~197 KB of shared memory of 227.
+FUSED_WARPS = 8
+FUSED_STAGES = 4
+# Rates of one program on an H200 at dsv3 shapes (docs/tuning.md): a pull program moves
+# ~12 GB/s of rows over NVLink and ~18 GB/s of local rows, a GEMM program ~5 TFLOP/s.
+PULL_GBPS_PER_PROGRAM = 12.0
+LOCAL_PULL_GBPS_PER_PROGRAM = 18.0
+GEMM_TFLOPS_PER_PROGRAM = 5.0
+# Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
+# bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
+PUSH_CHUNK_ROWS = 32
+# Smallest half block that runs as half tiles: tl.dot needs 16 rows.
+MIN_HALF_ROWS = 16
+# The comm kernel (config.comm_kernel): small programs beside the compute kernel's, at most one
+# per SM. Its registers and shared memory must fit next to a compute program (208 registers x
+# 256 threads, 192 KB): 4 warps capped at 80 registers and 16 KB copy tiles do.
+COMM_KERNEL_TILE_BYTES = 16 * 1024
+COMM_KERNEL_WARPS = 4
+COMM_KERNEL_REGISTERS = 80
+# One comm program per this many SMs: the rest of the SMs run MMAs undisturbed.
+COMM_KERNEL_SM_SHARE = 2
+# Phases of the comm kernel (bit flags): the interpreter runs the pulls, then the compute
+# kernel, then the pushes; a GPU runs both phases in one launch beside the compute kernel.
+COMM_PULL, COMM_PUSH, COMM_BOTH = 1, 2, 3
+
+
+class FusedMeta(NamedTuple):
+    """The constexprs of a fused launch (one ``C`` argument of both kernels; the kernels get
+    :meth:`as_constexprs`)."""
+
+    NUM_COMM: int  # pull programs (one kernel) or comm kernel programs
+    MB: int  # rows per minibatch
+    BM: int  # rows per block (the schedule's block_rows)
+    BN_GATE_UP: int
+    BK_GATE_UP: int
+    BN_DOWN: int
+    BK_DOWN: int
+    TOP_K: int
+    ROWS: int  # copy tile of the pulls (and the comm kernel's pushes)
+    COLS: int
+    LAG: int  # routed down lag (task-list groups)
+    SHARED_LAG: int
+    SHARED: bool
+    PUSH_CHUNK: int
+    RING_WRAPS: bool  # the ring holds fewer minibatches than the schedule
+    COMM_KERNEL: bool  # pulls and pushes in the comm kernel
+    HALF: bool  # half-height tiles for half-padded blocks
+    TRACE: bool
+    PHASE: int  # the comm kernel's COMM_PULL / COMM_PUSH / COMM_BOTH; 0 for the compute kernel
+    INTERPRET: bool  # the CPU interpreter's sequential driver
+    GPU: bool  # inline PTX (fences, timer) allowed
+    UPCAST: bool  # fp32 tiles (the interpreter)
+
+    def as_constexprs(self) -> "FusedMeta":
+        """The same with every field a ``tl.constexpr``: device code then reads ``C.BM`` as a
+        compile-time value (block shapes, static loops); a plain int field would be a
+        run-time value there."""
+        return FusedMeta(*(tl.constexpr(v) for v in self))
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """What one launch is: derived sizes, the grid and the constexprs of both kernels."""
+
+    num_comm: int
+    minibatch_rows: int
+    ring_rows: int
+    slots: int  # minibatches the ring holds
+    max_minibatches: int
+    full: bool  # the ring holds every row of the schedule
+    buffer_rows: int  # rows of the routed buffers (the schedule's, or the ring's)
+    grid: int
+    expected_arrivals: int  # programs that count in at the start (0: no start-up count)
+    shared_blocks: int
+    meta: FusedMeta  # the compute kernel's
+    comm_meta: FusedMeta | None  # the comm kernel's (None without it)
+
+
+def comm_programs_for(programs: int, intermediate: int, world_size: int) -> int:
+    """Pull programs for a grid of ``programs``: enough that the rows arrive as fast as the
+    others compute them. A row of H bf16 (2H bytes) brings 6·H·I FLOPs, so pulls keep up when
+    c / (programs - c) >= 2 * GEMM rate / (6 * I * pull rate) per program; the smallest such c.
+    The pull rate is NVLink's at W > 1 and a local copy's at W = 1.
+    """
+    pull = PULL_GBPS_PER_PROGRAM if world_size > 1 else LOCAL_PULL_GBPS_PER_PROGRAM
+    ratio = 2 * GEMM_TFLOPS_PER_PROGRAM * 1e12 / (6 * intermediate * pull * 1e9)
+    return max(1, min(programs - 1, math.ceil(programs * ratio / (1 + ratio))))
+
+
+def comm_kernel_programs(device: torch.device) -> int:
+    """Programs of the comm kernel when the config leaves them to the kernel."""
+    return max(1, persistent_programs(device) // COMM_KERNEL_SM_SHARE)
+
+
+def down_lag_for(
+    programs: int, group_blocks: int, hidden: int, inter: int, bn_gate_up: int, bn_down: int
+) -> int:
+    """Groups between a group's gate/up tiles and its down tiles in the task list.
+
+    A down tile should find its block's h done when it is taken: the last gate/up tile of the
+    block was taken about ``lag`` groups of work earlier, and runs for one gate/up tile time, in
+    which all ``programs`` together take ``programs * gate/up tile work`` of the list. So lag =
+    that work over one group's work, rounded up, plus one group of margin (the shapes' FLOPs per
+    tile: gate/up 2 * BN_GATE_UP * H, down BN_DOWN * I, per row)."""
+    n1, n2 = -(-inter // bn_gate_up), -(-hidden // bn_down)
+    gate_up = 2 * bn_gate_up * hidden
+    group = group_blocks * (n1 * gate_up + n2 * bn_down * inter)
+    return -(-programs * gate_up // group) + 1
+
+
+def routed_lag(lag: int, slots: int, blocks_per_minibatch: int, max_minibatches: int) -> int:
+    """The routed part's down lag: ``lag``, capped so that every down tile of minibatch
+    ``m - slots`` comes before the first gate/up tile of minibatch m (whose pull waits for those
+    rows' pushes). No cap when the ring never wraps."""
+    if slots >= max_minibatches:
+        return lag
+    return min(lag, (slots - 1) * blocks_per_minibatch)
+
+
+def fused_grid(num_comm: int, device: torch.device, comm_kernel: bool = False) -> int:
+    """Programs of the compute launch: one per SM on a GPU (comm + compute, or all computing
+    beside the comm kernel's ``num_comm``); one program under the interpreter."""
+    if interpreting():
+        return 1
+    programs = persistent_programs(device)
+    if comm_kernel and num_comm > programs:
+        raise ValueError(
+            f"num_comm ({num_comm}) comm kernel programs must sit at most one per "
+            f"SM: the GPU has {programs} SMs"
+        )
+    if not comm_kernel and num_comm >= programs:
+        raise ValueError(
+            f"num_comm ({num_comm}) must leave compute programs: the GPU has {programs} SMs"
+        )
+    return programs
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def plan_launch(
+    device: torch.device,
+    *,
+    rows: int,
+    block_rows: int,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    shared_intermediate: int,
+    top_k: int,
+    itemsize: int,
+    world_size: int,
+    num_comm: int | None,
+    minibatch_rows: int,
+    ring_rows: int | None,
+    down_lag: int | None,
+    comm_kernel: bool,
+    traced: bool,
+) -> FusedPlan:
+    """The plan of one launch; a bad value is a ValueError naming it.
+
+    ``rows``: the schedule's (worst-case) rows; ``shared_intermediate`` 0: no shared expert;
+    ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``).
+    """
+    from .. import comm
+
+    if num_comm is None:
+        num_comm = (
+            comm_kernel_programs(device)
+            if comm_kernel
+            else comm_programs_for(persistent_programs(device), intermediate, world_size)
+        )
+    _check_int("num_comm", num_comm, 1)
+    if down_lag is not None:
+        _check_int("down_lag", down_lag, 0)
+    bm = block_rows
+    _check_int("minibatch_rows", minibatch_rows, bm)
+    if minibatch_rows % bm:
+        raise ValueError(
+            f"minibatch_rows ({minibatch_rows}) must be a multiple of the block rows ({bm})"
+        )
+    max_mb = triton.cdiv(rows, minibatch_rows)
+    if ring_rows is None:
+        ring_rows = max_mb * minibatch_rows
+    _check_int("ring_rows", ring_rows, minibatch_rows)
+    if ring_rows % minibatch_rows:
+        raise ValueError(
+            f"ring_rows ({ring_rows}) must be a multiple of minibatch_rows ({minibatch_rows})"
+        )
+    full = ring_rows >= rows
+    if comm_kernel and not full:
+        raise ValueError(
+            f"comm_kernel needs a ring that holds every row: ring_rows None or >= "
+            f"{rows}, got {ring_rows}"
+        )
+    slots = ring_rows // minibatch_rows
+    grid = fused_grid(num_comm, device, comm_kernel)
+    gate_up, down = tiles_for("gate_up"), tiles_for("mm")
+    group = minibatch_rows // bm  # row blocks per task-list group
+    computing = grid if comm_kernel else max(1, grid - num_comm)
+    lag = routed_lag(
+        down_lag
+        if down_lag is not None
+        else down_lag_for(computing, group, hidden, intermediate, gate_up.bn, down.bn),
+        slots,
+        1,
+        max_mb,
+    )
+    has_shared = shared_intermediate > 0
+    shared_lag = (
+        down_lag
+        if down_lag is not None or not has_shared
+        else down_lag_for(computing, group, hidden, shared_intermediate, gate_up.bn, down.bn)
+    )
+    # Programs that count themselves in at the start: with the comm kernel on a GPU those of
+    # both kernels (they must run side by side); the interpreter runs the comm kernel's phases
+    # before and after the compute kernel, which counts its own program only.
+    arrivals = 0
+    if comm_kernel:
+        arrivals = grid if interpreting() else grid + num_comm
+    copy_rows, copy_cols = comm.copy_tile(hidden, itemsize, comm.COPY_TILE_BYTES)
+    meta = FusedMeta(
+        NUM_COMM=num_comm,
+        MB=minibatch_rows,
+        BM=bm,
+        BN_GATE_UP=gate_up.bn,
+        BK_GATE_UP=gate_up.bk,
+        BN_DOWN=down.bn,
+        BK_DOWN=down.bk,
+        TOP_K=top_k,
+        ROWS=copy_rows,
+        COLS=copy_cols,
+        LAG=lag,
+        SHARED_LAG=shared_lag or 0,
+        SHARED=has_shared,
+        PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm),
+        RING_WRAPS=slots < max_mb,
+        COMM_KERNEL=comm_kernel,
+        HALF=bm // 2 >= MIN_HALF_ROWS,  # (the interpreter's small blocks run whole)
+        TRACE=traced,
+        PHASE=0,
+        INTERPRET=interpreting(),
+        GPU=not interpreting(),
+        UPCAST=interpreting(),
+    )
+    comm_meta = None
+    if comm_kernel:
+        kernel_rows, kernel_cols = comm.copy_tile(hidden, itemsize, COMM_KERNEL_TILE_BYTES)
+        comm_meta = meta._replace(ROWS=kernel_rows, COLS=kernel_cols, TRACE=False, PHASE=COMM_BOTH)
+    return FusedPlan(
+        num_comm=num_comm,
+        minibatch_rows=minibatch_rows,
+        ring_rows=ring_rows,
+        slots=slots,
+        max_minibatches=max_mb,
+        full=full,
+        buffer_rows=rows if full else ring_rows,
+        grid=grid,
+        expected_arrivals=arrivals,
+        shared_blocks=triton.cdiv(tokens, bm) if has_shared else 0,
+        meta=meta,
+        comm_meta=comm_meta,
+    )

@@ -1,0 +1,417 @@
+"""The roles of the fused forward's programs: comm programs pull, compute programs take tasks.
+
+Device functions over bundled arguments (tuples built once at the top of each kernel):
+
+  descs     (routed, half, shared) tensor descriptors:
+              routed  (xs, w_gate, w_up, g, u, h, h_in, w_down, z) of the routed GEMMs
+              half    (xs, g, u, h, h_in, z) with BM / 2-row boxes (half-padded blocks)
+              shared  (x, s_gate, s_up, g, u, h, h_in, s_down, out) of the shared expert
+  env       (rows, dims, counters, watch, trace), what every role reads:
+              rows      (x_table, combine_table, xs_ptr, z_ptr, row_src_ptr, block_expert_ptr,
+                         num_blocks_ptr): peer tables, the local row buffers and the schedule
+              dims      (T, H, I, IS, ring, slots, max_mb, max_blocks)
+              counters  (ready, z_done, h_done, sh_done) pointers (``sync.flag_pointers``)
+              watch     (err_ptr, rank, budget): the watchdog of every wait (``sync.wait_count``)
+              trace     (trace_ptr, max_events)
+  C         the launch's constexprs (``plan.FusedMeta``)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...errors import Stage
+from .. import comm
+from ..gemm import gate_up_tile, mm_acc
+from ..tiles import cast, store_zeros
+from .sync import acquire_for_tma, publish_writes, signal, wait_count
+from .tasks import grouped_task, half_padding, take_task, task_kind
+from .trace import TRACE_PULL, trace_end, trace_start
+
+__all__ = [
+    "pull_minibatch",
+    "comm_role",
+    "routed_gate_up",
+    "routed_down",
+    "routed_task",
+    "shared_task",
+    "compute_role",
+    "push_minibatches",
+]
+
+_STAGE_ROWS = tl.constexpr(int(Stage.ROWS_READY))
+_STAGE_H = tl.constexpr(int(Stage.H_READY))
+_STAGE_RING = tl.constexpr(int(Stage.RING_FREE))
+_STAGE_Z = tl.constexpr(int(Stage.Z_READY))
+_STAGE_SHARED_H = tl.constexpr(int(Stage.SHARED_H_READY))
+
+
+# --------------------------------------------------------------------------------------------
+# Comm roles
+
+
+@triton.jit
+def pull_minibatch(m, role, used_rows, ring, slots, env, C: tl.constexpr):
+    """Comm role ``role``: wait until ring slot ``m % slots`` is free (every down tile of its
+    previous occupant, minibatch ``m - slots``, stored and pushed), pull its share of minibatch
+    m into it, count into ``ready[m]``."""
+    rows, dims, counters, watch, trace = env
+    x_table, xs_ptr, row_src_ptr = rows[0], rows[2], rows[4]
+    T, H = dims[0], dims[1]
+    ready_ptr, z_done_ptr = counters[0], counters[1]
+    alive = True
+    if m >= slots:
+        # m - slots is a full minibatch (only the last one can be partial)
+        alive = wait_count(
+            z_done_ptr + m - slots, (C.MB // C.BM) * tl.cdiv(H, C.BN_DOWN), _STAGE_RING, m, watch
+        )
+    if alive:
+        row_begin = m * C.MB
+        row_end = tl.minimum(row_begin + C.MB, used_rows)
+        comm.copy_rows(
+            x_table,
+            x_table,
+            xs_ptr + (row_begin % ring).to(tl.int64) * H,
+            H,
+            row_src_ptr,
+            row_begin,
+            row_end,
+            role,
+            C.NUM_COMM,
+            T,
+            H,
+            C.TOP_K,
+            False,
+            C.ROWS,
+            C.COLS,
+            C.UPCAST,
+        )
+        signal(ready_ptr + m)
+    return alive
+
+
+@triton.jit
+def comm_role(
+    m_begin, m_end, role, used_rows, ring, slots, env, C: tl.constexpr, TRACE: tl.constexpr
+):
+    """Comm role ``role``: pull minibatches ``[m_begin, m_end)`` in order; False if a wait gave
+    up. Traced: one event per minibatch (kind ``TRACE_PULL``, slot m)."""
+    trace = env[4]
+    m = m_begin
+    alive = True
+    while (m < m_end) & alive:
+        trace_start(trace, m, TRACE)
+        alive = pull_minibatch(m, role, used_rows, ring, slots, env, C)
+        trace_end(trace, m, TRACE_PULL, m, TRACE)
+        m += 1
+    return alive
+
+
+@triton.jit
+def push_minibatches(role, num_blocks, env, C: tl.constexpr):
+    """Comm-kernel role ``role``: push each minibatch's z rows into the source ranks' combine
+    slots once all of its down tiles are stored (``z_done``)."""
+    rows, dims, counters, watch, trace = env
+    combine_table, z_ptr, row_src_ptr = rows[1], rows[3], rows[4]
+    T, H = dims[0], dims[1]
+    z_done_ptr = counters[1]
+    used_rows = num_blocks * C.BM
+    tiles_down = tl.cdiv(H, C.BN_DOWN)
+    alive = True
+    m = 0
+    while (m < tl.cdiv(used_rows, C.MB)) & alive:
+        blocks = tl.minimum(C.MB // C.BM, num_blocks - m * (C.MB // C.BM))
+        alive = wait_count(z_done_ptr + m, blocks * tiles_down, _STAGE_Z, m, watch)
+        if alive:
+            row_begin = m * C.MB
+            comm.push_rows(
+                z_ptr + row_begin.to(tl.int64) * H,
+                H,
+                combine_table,
+                row_src_ptr,
+                row_begin,
+                tl.minimum(row_begin + C.MB, used_rows),
+                role,
+                C.NUM_COMM,
+                T,
+                H,
+                C.TOP_K,
+                C.ROWS,
+                C.COLS,
+            )
+        m += 1
+    return alive
+
+
+# --------------------------------------------------------------------------------------------
+# Compute roles
+
+
+@triton.jit
+def routed_gate_up(b, j, expert, descs, env, C: tl.constexpr):
+    """The gate/up tile (b, j): wait for the block's minibatch to be pulled, run
+    ``gemm.gate_up_tile`` (half height when the block's second half is padding, zeros stored
+    there), count into ``h_done[b]``."""
+    routed, half, shared = descs
+    rows, dims, counters, watch, trace = env
+    xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc = (
+        routed[0],
+        routed[1],
+        routed[2],
+        routed[3],
+        routed[4],
+        routed[5],
+    )
+    row_src_ptr = rows[4]
+    H, I, ring = dims[1], dims[2], dims[4]
+    ready_ptr, h_done_ptr = counters[0], counters[2]
+    row = b * C.BM
+    at = row % ring  # the block's rows in the ring
+    mb = row // C.MB
+    alive = wait_count(ready_ptr + mb, C.NUM_COMM, _STAGE_ROWS, mb, watch)
+    if alive:
+        acquire_for_tma(C.GPU)
+        col = j * C.BN_GATE_UP
+        if half_padding(row_src_ptr, row, C.HALF, C.BM):
+            xs_h, g_h, u_h, h_h = half[0], half[1], half[2], half[3]
+            gate_up_tile(
+                xs_h,
+                wg_desc,
+                wu_desc,
+                g_h,
+                u_h,
+                h_h,
+                expert,
+                at,
+                col,
+                I,
+                H,
+                C.BM // 2,
+                C.BN_GATE_UP,
+                C.BK_GATE_UP,
+                C.UPCAST,
+            )
+            store_zeros(g_h, at + C.BM // 2, col, C.BM // 2, C.BN_GATE_UP)
+            store_zeros(u_h, at + C.BM // 2, col, C.BM // 2, C.BN_GATE_UP)
+            store_zeros(h_h, at + C.BM // 2, col, C.BM // 2, C.BN_GATE_UP)
+        else:
+            gate_up_tile(
+                xs_desc,
+                wg_desc,
+                wu_desc,
+                g_desc,
+                u_desc,
+                h_desc,
+                expert,
+                at,
+                col,
+                I,
+                H,
+                C.BM,
+                C.BN_GATE_UP,
+                C.BK_GATE_UP,
+                C.UPCAST,
+            )
+        publish_writes(C.GPU)
+        signal(h_done_ptr + b)
+    return alive
+
+
+@triton.jit
+def routed_down(b, j, expert, descs, env, C: tl.constexpr):
+    """The down tile (b, j): wait for the block's h tiles, store its z tile (TMA), and either
+    count into ``z_done`` for the comm kernel's push (``COMM_KERNEL``) or push the tile's rows
+    from L2 into the source ranks' combine slots itself (``comm.push_tile``), counting into
+    ``z_done`` only when the ring wraps (``RING_WRAPS``: a later minibatch's pull waits for it;
+    otherwise nobody reads the count, and a release there may wait for the pushed rows to land
+    on the peer). With ``HALF`` and the comm kernel a half-padded block runs half height."""
+    routed, half, shared = descs
+    rows, dims, counters, watch, trace = env
+    h_in_desc, wd_desc, z_desc = routed[6], routed[7], routed[8]
+    combine_table, z_ptr, row_src_ptr = rows[1], rows[3], rows[4]
+    T, H, I, ring = dims[0], dims[1], dims[2], dims[4]
+    z_done_ptr, h_done_ptr = counters[1], counters[2]
+    row = b * C.BM
+    at = row % ring
+    mb = row // C.MB
+    alive = wait_count(h_done_ptr + b, tl.cdiv(I, C.BN_GATE_UP), _STAGE_H, b, watch)
+    if alive:
+        acquire_for_tma(C.GPU)
+        col = j * C.BN_DOWN
+        # (only with the comm kernel: a half down tile that pushes its rows itself made ptxas
+        # spill)
+        if half_padding(row_src_ptr, row, C.HALF and C.COMM_KERNEL, C.BM):
+            h_in_h, z_h = half[4], half[5]
+            acc_h = mm_acc(
+                tl.zeros([C.BM // 2, C.BN_DOWN], dtype=tl.float32),
+                h_in_h,
+                wd_desc,
+                expert,
+                at,
+                col,
+                H,
+                I,
+                C.BK_DOWN,
+                C.BN_DOWN,
+                False,
+                C.UPCAST,
+            )
+            z_h.store([at, col], cast(acc_h, z_h.dtype, C.UPCAST))
+            store_zeros(z_h, at + C.BM // 2, col, C.BM // 2, C.BN_DOWN)
+        else:
+            acc = mm_acc(
+                tl.zeros([C.BM, C.BN_DOWN], dtype=tl.float32),
+                h_in_desc,
+                wd_desc,
+                expert,
+                at,
+                col,
+                H,
+                I,
+                C.BK_DOWN,
+                C.BN_DOWN,
+                False,
+                C.UPCAST,
+            )
+            z_desc.store([at, col], cast(acc, z_desc.dtype, C.UPCAST))
+        publish_writes(C.GPU)  # the TMA store is done and visible to the generic loads
+        if C.COMM_KERNEL:  # the comm kernel pushes the minibatch once all its tiles are stored
+            signal(z_done_ptr + mb)
+        else:
+            tl.debug_barrier()
+            comm.push_tile(
+                z_ptr + at.to(tl.int64) * H,
+                H,
+                combine_table,
+                row_src_ptr,
+                row,
+                col,
+                T,
+                H,
+                C.TOP_K,
+                C.BM,
+                C.BN_DOWN,
+                C.PUSH_CHUNK,
+            )
+            if C.RING_WRAPS:
+                signal(z_done_ptr + mb)
+    return alive
+
+
+@triton.jit
+def routed_task(t, num_blocks, descs, env, C: tl.constexpr):
+    """Routed task t (of the routed part of the list); False if its wait gave up."""
+    rows, dims = env[0], env[1]
+    H, I = dims[1], dims[2]
+    block_expert_ptr = rows[5]
+    is_gate_up, b, j, real = grouped_task(
+        t, num_blocks, tl.cdiv(I, C.BN_GATE_UP), tl.cdiv(H, C.BN_DOWN), C.LAG, C.MB // C.BM
+    )
+    expert = tl.load(block_expert_ptr + b, mask=real, other=0)
+    alive = True
+    if not real:
+        pass
+    elif is_gate_up:
+        alive = routed_gate_up(b, j, expert, descs, env, C)
+    else:
+        alive = routed_down(b, j, expert, descs, env, C)
+    return alive
+
+
+@triton.jit
+def shared_task(t, shared_blocks, descs, env, C: tl.constexpr):
+    """Shared-expert task t over the T local tokens (one 'expert', rows in token order, as
+    ``gemm.gate_up`` / ``gemm.grouped_mm`` over ``uniform_schedule``); False if its wait gave
+    up. Its output is read after the kernel (the combine epilogue): no signal."""
+    x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc, sdw_desc, so_desc = descs[2]
+    rows, dims, counters, watch, trace = env
+    H, IS = dims[1], dims[3]
+    sh_done_ptr = counters[3]
+    n1 = tl.cdiv(IS, C.BN_GATE_UP)
+    is_gate_up, b, j, real = grouped_task(
+        t, shared_blocks, n1, tl.cdiv(H, C.BN_DOWN), C.SHARED_LAG, C.MB // C.BM
+    )
+    row = b * C.BM
+    alive = True
+    if not real:
+        pass
+    elif is_gate_up:
+        gate_up_tile(
+            x_desc,
+            sgw_desc,
+            suw_desc,
+            sg_desc,
+            su_desc,
+            sh_desc,
+            0,
+            row,
+            j * C.BN_GATE_UP,
+            IS,
+            H,
+            C.BM,
+            C.BN_GATE_UP,
+            C.BK_GATE_UP,
+            C.UPCAST,
+        )
+        publish_writes(C.GPU)
+        signal(sh_done_ptr + b)
+    else:
+        alive = wait_count(sh_done_ptr + b, n1, _STAGE_SHARED_H, b, watch)
+        if alive:
+            acquire_for_tma(C.GPU)
+            col = j * C.BN_DOWN
+            acc = mm_acc(
+                tl.zeros([C.BM, C.BN_DOWN], dtype=tl.float32),
+                sh_in_desc,
+                sdw_desc,
+                0,
+                row,
+                col,
+                H,
+                IS,
+                C.BK_DOWN,
+                C.BN_DOWN,
+                False,
+                C.UPCAST,
+            )
+            so_desc.store([row, col], cast(acc, so_desc.dtype, C.UPCAST))
+    return alive
+
+
+@triton.jit
+def compute_role(limit, counts, ticket_ptr, first_event, descs, env, C: tl.constexpr):
+    """Take tasks from the ticket until ``limit`` or a wait gave up. The list: the shared part
+    (``SHARED``: its first ``shared_total`` positions), then the routed part (``counts``:
+    ``tasks.task_counts``). Traced: one event per task (its kind, its position in the list),
+    the wait included, from trace slot ``first_event`` on."""
+    num_blocks, shared_blocks, shared_total = counts[0], counts[1], counts[2]
+    dims, trace = env[1], env[4]
+    task = take_task(ticket_ptr, limit, C.INTERPRET)
+    alive = True
+    n = first_event
+    while (task < limit) & alive:
+        trace_start(trace, n, C.TRACE)
+        is_shared = False
+        if C.SHARED:
+            is_shared = task < shared_total
+        if is_shared:
+            alive = shared_task(task, shared_blocks, descs, env, C)
+        else:
+            alive = routed_task(task - shared_total, num_blocks, descs, env, C)
+        if C.TRACE:
+            H, I, IS = dims[1], dims[2], dims[3]
+            kind = task_kind(
+                task,
+                counts,
+                tl.cdiv(IS, C.BN_GATE_UP),
+                tl.cdiv(I, C.BN_GATE_UP),
+                tl.cdiv(H, C.BN_DOWN),
+                C.LAG,
+                C.SHARED_LAG,
+                C.MB // C.BM,
+            )
+            trace_end(trace, n, kind, task, C.TRACE)
+            n += 1
+        if alive:
+            task = take_task(ticket_ptr, limit, C.INTERPRET)

@@ -1,0 +1,141 @@
+"""Flags of the fused kernels: counters in one zeroed int32 buffer per launch, release/acquire.
+
+A producer counts itself into a counter after its writes (:func:`signal`, release); a consumer
+spins until the counter reaches what it needs (:func:`wait_count`, acquire, with the watchdog
+budget of ``comm.wait_at_least``). TMA traffic runs in the async proxy: a producer that stored
+with TMA publishes first (:func:`publish_writes`), a consumer that loads with TMA fences after
+its acquire (:func:`acquire_for_tma`).
+
+Flag buffer layout (:func:`flag_layout` on the host, :func:`flag_pointers` on the device)::
+
+    [ticket | arrived | ready[max_mb] | z_done[max_mb] | h_done[max_blocks] | sh_done[blocks]]
+
+``ticket``: the compute task ticket; ``arrived``: programs that started (comm-kernel launches);
+``ready[m]``: comm programs that pulled minibatch m; ``z_done[m]``: down tiles of minibatch m
+stored (and pushed); ``h_done[b]`` / ``sh_done[b]``: gate/up tiles of routed / shared row block b.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from ...errors import Stage
+from .. import comm
+
+__all__ = [
+    "FlagLayout",
+    "flag_layout",
+    "flag_pointers",
+    "signal",
+    "wait_count",
+    "publish_writes",
+    "acquire_for_tma",
+    "arrive_all",
+    "HEADER_WORDS",
+]
+
+# Words before the counters: the compute task ticket, then the programs that arrived.
+HEADER_WORDS = 2
+_HEADER_WORDS = tl.constexpr(HEADER_WORDS)
+_ARRIVED = tl.constexpr(1)
+_STAGE_CORESIDENT = tl.constexpr(int(Stage.CORESIDENT))
+
+
+@dataclass(frozen=True)
+class FlagLayout:
+    """Word offsets of the counters in the flag buffer, and its length."""
+
+    ticket: int
+    arrived: int
+    ready: int
+    z_done: int
+    h_done: int
+    sh_done: int
+    words: int
+
+
+def flag_layout(max_minibatches: int, max_blocks: int, shared_blocks: int) -> FlagLayout:
+    """The flag buffer of a launch, as the kernel addresses it (:func:`flag_pointers`)."""
+    ready = HEADER_WORDS
+    z_done = ready + max_minibatches
+    h_done = z_done + max_minibatches
+    sh_done = h_done + max_blocks
+    return FlagLayout(0, 1, ready, z_done, h_done, sh_done, sh_done + shared_blocks)
+
+
+@triton.jit
+def flag_pointers(flags_ptr, max_mb, max_blocks):
+    """(ticket, ready, z_done, h_done, sh_done) pointers into the flag buffer."""
+    ready_ptr = flags_ptr + _HEADER_WORDS
+    z_done_ptr = ready_ptr + max_mb
+    h_done_ptr = z_done_ptr + max_mb
+    return flags_ptr, ready_ptr, z_done_ptr, h_done_ptr, h_done_ptr + max_blocks
+
+
+@triton.jit
+def publish_writes(GPU: tl.constexpr):
+    """Make this program's TMA stores (async proxy) complete and visible before a release.
+
+    Triton waits only for the shared-memory source of a TMA store (``wait_group.read``); a
+    consumer on another SM needs the global writes done, and generic-proxy readers need the
+    proxy fence. Every thread runs it (only the issuing thread has bulk groups); the CTA barrier
+    in :func:`signal` follows. No-op under the interpreter (stores are immediate there).
+    """
+    if GPU:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
+            "=r,r",
+            [tl.full([1], 0, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def acquire_for_tma(GPU: tl.constexpr):
+    """After an acquire: order later TMA loads (async proxy) after the generic-proxy sync."""
+    if GPU:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, 0;",
+            "=r,r",
+            [tl.full([1], 0, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    tl.debug_barrier()
+
+
+@triton.jit
+def signal(flag_ptr):
+    """Count this program into ``flag`` (release: everything it wrote before is visible)."""
+    tl.debug_barrier()
+    tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_count(flag_ptr, wanted, stage, index, watch):
+    """Spin (acquire) until ``flag >= wanted``; False (and a stall record) if the budget ran out.
+
+    ``comm.wait_at_least`` on one local flag (GPU scope: every counter of the kernel is set by
+    this GPU's programs); the record names this rank as the 'peer'. ``watch``: the watchdog's
+    (error record, rank, budget).
+    """
+    err_ptr, rank, budget = watch
+    one = tl.arange(0, 1)
+    return comm.wait_at_least(
+        flag_ptr + one, one == 0, one + rank, wanted, budget, err_ptr, stage, index, rank, "gpu"
+    )
+
+
+@triton.jit
+def arrive_all(flags_ptr, expected_arrivals, watch):
+    """Count this program as started and wait until ``expected_arrivals`` did (both kernels of
+    a comm-kernel launch): programs that wait on each other must all be resident; if the GPU
+    does not run them side by side, this stalls first and names that."""
+    tl.atomic_add(flags_ptr + _ARRIVED, 1, sem="relaxed", scope="gpu")
+    return wait_count(flags_ptr + _ARRIVED, expected_arrivals, _STAGE_CORESIDENT, 0, watch)

@@ -1,0 +1,677 @@
+"""The layer benchmark: every backend and the torch-a2a baseline on any shapes, in one run.
+
+Per (shape, tokens, backend): optionally check outputs and all gradients against the float64
+reference, then time ``warmup + iters`` training iterations (forward, then backward), the backends'
+iterations interleaved so that they all run at the same GPU clocks. Each iteration's
+forward, backward and forward+backward times are taken per rank (CUDA events on a GPU, the host
+clock on the CPU), reduced with MAX over ranks, and the MEDIAN over iterations is reported, with
+TFLOP/s per GPU from :meth:`MoEConfig.flops_per_token` (backward counts twice the forward) and
+the dense bf16 GEMM rate measured in the same run. BENCHMARKS.md "Method" lists the record
+fields.
+
+Backend "triton" at W > 1 on GPUs also gets the bandwidth of its NVLink copies: after its layer
+timing, the step's schedule is built once on the case's routing and the dispatch pull, combine
+push, dy pull and d_x push are timed alone (``bench_comm.layer_comm_gbps``: GB/s of remote bytes,
+median of the per-iteration max over ranks), with the config's ``copy_programs``.
+
+Every rank calls :func:`run_bench` (it uses collectives); rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import functools
+import itertools
+import os
+import platform
+import random
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import functional
+from ..backends import BACKENDS, available_backends, get_backend, resolve_backend
+from ..config import TUNABLES, MoEConfig
+from ..reference import moe_reference
+from .harness import (
+    BASELINE,
+    DEFAULT_SEED,
+    BenchShape,
+    Case,
+    DistEnv,
+    layer_fn,
+    make_case,
+    resolve_shape,
+)
+from .report import ProgressBar
+from .routing import ROUTING_KINDS
+from .testing import MoEFn, RunResult, compare_results, run_with_grads
+
+__all__ = [
+    "BASELINE",
+    "RECORD_FIELDS",
+    "DistEnv",
+    "BenchOptions",
+    "default_shapes",
+    "default_backends",
+    "measure_gemm_peak",
+    "measures_comm",
+    "tunable_fields",
+    "reads_tunables",
+    "parse_tune",
+    "tuning_variants",
+    "run_bench",
+    "git_commit",
+]
+
+# The fields of a layer record (BENCHMARKS.md "Method").
+RECORD_FIELDS: tuple[str, ...] = (
+    "preset",
+    "model",
+    "world_size",
+    "backend",
+    "gpu",
+    "commit",
+    "date",
+    "tokens_per_rank",
+    "hidden",
+    "intermediate",
+    "experts",
+    "top_k",
+    "shared_intermediate",
+    "fwd_ms",
+    "bwd_ms",
+    "fwdbwd_ms",
+    "fwd_tflops",
+    "fwdbwd_tflops",
+    "gemm_peak_tflops",
+    "routing",
+    "iters",
+    "check",
+    "speedup_vs_torch_a2a",
+    "check_rel",
+    "check_ok",
+    "fwd_speedup_vs_torch_a2a",
+    "local_experts",
+    "warmup",
+    "status",
+    "note",
+    "torch",
+    # Where they apply (else null): GB/s of the NVLink copies and the config tunables used.
+    "dispatch_gbps",
+    "combine_gbps",
+    "dispatch_bwd_gbps",
+    "combine_bwd_gbps",
+    "comm_programs",
+    "minibatch_rows",
+    "ring_rows",
+    "down_lag",
+    "copy_programs",
+    "overlap_shared",
+    "comm_kernel",
+)
+# Worst relative error (norm-wise, output and every gradient) a bf16 layer may have vs float64.
+CHECK_RTOL = 2e-2
+# Dense GEMM for the peak: n^3 bf16 (8192 as in docs/hardware.md on a GPU; small on the CPU).
+GEMM_PEAK_SIZE = {"cuda": 8192, "cpu": 512}
+GEMM_PEAK_WARMUP, GEMM_PEAK_ITERS = 3, 10
+# Backward FLOPs are twice the forward's (dgrad + wgrad), so fwd+bwd = 3x forward.
+FWDBWD_FLOP_FACTOR = 3
+# Config tunables each backend reads, recorded with its results (DESIGN.md: "where they apply")
+# and swept by ``--tune``. The unfused "triton" backend moves rows with copy_programs programs
+# at W > 1 (nothing moves at W = 1); the fused kernel reads its five at any W (MoEConfig), and
+# copy_programs for the pull of its backward replay (a ring smaller than the rows). Both run
+# the shared expert beside the copies (overlap_shared), "fused" in its (unfused) backward.
+BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
+    "triton": ("copy_programs", "overlap_shared"),
+    "fused": (
+        "comm_programs",
+        "minibatch_rows",
+        "ring_rows",
+        "down_lag",
+        "overlap_shared",
+        "comm_kernel",
+    ),
+}
+# The tunables that matter at W = 1 too (no copies there), per backend.
+_TUNED_AT_W1: dict[str, tuple[str, ...]] = {
+    "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag", "comm_kernel"),
+}
+
+
+@dataclass
+class BenchOptions:
+    shapes: list[str | BenchShape]  # presets, model names or "H,I,E,K[,Is]" (resolve_shape)
+    backends: list[str]
+    iters: int = 20
+    warmup: int = 3
+    tokens: list[int] | None = None  # tokens per rank, one case each (None: the shape's)
+    routing: str = "uniform"
+    check: bool = True
+    seed: int = DEFAULT_SEED
+    tune: dict[str, list[int]] = field(default_factory=dict)  # tunable -> values to sweep
+
+    def __post_init__(self) -> None:
+        self.shapes = [resolve_shape(s) for s in self.shapes]  # raises with the valid names
+        valid = [*BACKENDS, BASELINE]
+        for b in self.backends:
+            if b not in valid:
+                raise ValueError(f"backend must be one of {valid + ['auto']}, got {b!r}")
+        if self.routing not in ROUTING_KINDS:
+            raise ValueError(f"routing must be one of {list(ROUTING_KINDS)}, got {self.routing!r}")
+        if self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got {self.iters}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if isinstance(self.tokens, int):
+            self.tokens = [self.tokens]
+        for t in self.tokens or ():
+            if t < 1:
+                raise ValueError(f"tokens must be >= 1, got {t}")
+        for name, values in self.tune.items():
+            if name not in TUNABLES:
+                raise ValueError(f"tune: the tunable must be one of {list(TUNABLES)}, got {name!r}")
+            if not values:
+                raise ValueError(f"tune: {name} needs at least one value")
+        for shape in self.shapes:  # every swept combination must be a valid config
+            for combo in _combinations(self.tune):
+                shape.config(1, **combo)
+
+
+# ------------------------------------------------------------------------------------ defaults
+
+
+def default_shapes(device: torch.device) -> list[str]:
+    return ["dsv3"] if device.type == "cuda" else ["tiny"]
+
+
+# Without a GPU the bench compares the PyTorch paths only: Triton's interpreter (which may be
+# switched on for tests) is for correctness, far too slow to time.
+CPU_DEFAULT_BACKENDS: tuple[str, ...] = ("reference", BASELINE)
+
+
+def default_backends(device: torch.device) -> list[str]:
+    """On a GPU every backend available there, then the baseline; on the CPU reference and the
+    baseline."""
+    if device.type != "cuda":
+        return list(CPU_DEFAULT_BACKENDS)
+    names = [n for n, (ok, _) in available_backends(device).items() if ok]
+    return [*names, BASELINE]
+
+
+def expand_backends(names: list[str], device: torch.device, world_size: int = 1) -> list[str]:
+    """Resolve "auto" as ``MoE(backend="auto")`` does at this world size; keep order, drop
+    repeats."""
+    out: list[str] = []
+    for name in names:
+        if name == "auto":
+            name = resolve_backend("auto", device, world_size)
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
+    if name == BASELINE:
+        how = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert matmul loop"
+        return True, f"all_to_all_single + {how}"
+    return available_backends(device).get(name, (False, "unknown backend"))
+
+
+# --------------------------------------------------------------------------------- run facts
+
+
+def git_commit() -> str:
+    """$MEGAMOE_COMMIT when set (a copied tree may carry stale git metadata), else ``git
+    rev-parse --short HEAD`` of the source tree, else "unknown"."""
+    pinned = os.environ.get("MEGAMOE_COMMIT")
+    if pinned:
+        return pinned
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# -------------------------------------------------------------------------------------- timing
+
+
+class _Clock:
+    """Marks on the device timeline: CUDA events on a GPU, the host clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def _max_over_ranks(values: list[list[float]], env: DistEnv) -> torch.Tensor:
+    """Per-iteration values [iters, n] reduced with MAX over the ranks of the group."""
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    if env.group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=env.group)
+    return t.cpu()
+
+
+def _median(column: torch.Tensor) -> float:
+    return float(statistics.median(column.tolist()))
+
+
+def measure_gemm_peak(env: DistEnv) -> float:
+    """Dense bf16 n^3 matmul rate (TFLOP/s): median over iterations of the max over ranks."""
+    n = GEMM_PEAK_SIZE["cuda" if env.device.type == "cuda" else "cpu"]
+    gen = torch.Generator(device=env.device).manual_seed(DEFAULT_SEED + env.rank)
+    a = torch.randn((n, n), generator=gen, device=env.device).to(torch.bfloat16)
+    b = torch.randn((n, n), generator=gen, device=env.device).to(torch.bfloat16)
+    clock = _Clock(env.device)
+    for _ in range(GEMM_PEAK_WARMUP):
+        torch.matmul(a, b)
+    marks = []
+    for _ in range(GEMM_PEAK_ITERS):
+        m0 = clock.mark()
+        torch.matmul(a, b)
+        marks.append((m0, clock.mark()))
+    clock.sync()
+    times = _max_over_ranks([[clock.elapsed_ms(s, e)] for s, e in marks], env)
+    return 2 * n**3 / (_median(times[:, 0]) * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------- the cases
+
+
+def float64_result(case: Case, env: DistEnv) -> RunResult:
+    """Output and every gradient of the float64 reference path (the accuracy oracle)."""
+    fn = functools.partial(moe_reference, compute_dtype=torch.float64)
+    return run_with_grads(fn, *case.inputs(), case.config, env.group, dtype=torch.float64)
+
+
+def check_backend(fn: MoEFn, case: Case, expected: RunResult, env: DistEnv) -> dict[str, Any]:
+    """check = max |y - y64| (worst rank); check_rel = worst relative error of y and all grads."""
+    got = run_with_grads(fn, *case.inputs(), case.config, env.group)
+    errs = compare_results(got, expected)
+    max_abs = (got.y.double() - expected.y).abs().max().item() if got.y.numel() else 0.0
+    worst = _max_over_ranks([[max_abs, max(errs.values())]], env)[0]
+    worst_abs, worst_rel = float(worst[0]), float(worst[1])
+    ok = worst_rel <= CHECK_RTOL  # NaN/inf fail
+    return {"check": worst_abs, "check_rel": worst_rel, "check_ok": ok}
+
+
+def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock) -> tuple[Any, Any, Any]:
+    """One training iteration (grads reset, forward, backward): marks before, between, after."""
+    for t in case.leaves():
+        t.grad = None
+    m0 = clock.mark()
+    y = fn(case.x, case.topk_ids, case.topk_weights, case.weights, case.config, env.group)
+    m1 = clock.mark()
+    y.backward(case.grad_y)
+    m2 = clock.mark()
+    return m0, m1, m2
+
+
+def iteration_order(iteration: int, num_runs: int) -> list[int]:
+    """The order the runs take in one interleaved iteration: a shuffle seeded by the iteration
+    alone, so every rank draws the same one (the runs are collective).
+
+    A fixed round robin puts each run always after the same other one, and a run right after a
+    heavy one starts at a lower clock: backend "fused", always after "triton", measured its
+    backward (the same kernels as triton's) 0.7 ms above triton's on dsv3 and 0.3-0.4 ms on
+    mok-v4; shuffled 0.5-0.6 ms and none (fresh H200 pair, BENCHMARKS.md). Shuffling gives every
+    run every predecessor.
+    """
+    order = list(range(num_runs))
+    random.Random(iteration).shuffle(order)
+    return order
+
+
+def time_interleaved(
+    runs: list[tuple[MoEFn, Case]], opts: BenchOptions, env: DistEnv, tick: Callable[[int], None]
+) -> list[dict[str, float] | BaseException]:
+    """Median over iterations of the per-iteration max over ranks, fwd, bwd and fwd+bwd (ms),
+    of every run, their iterations interleaved (each iteration in :func:`iteration_order`).
+
+    Interleaving gives every run the same GPU clocks: sustained forward + backward heats an
+    H200 and slows its kernels by up to ~20% within ~100 ms (BENCHMARKS.md), so runs timed one
+    after another favoured the first. A run that raises is dropped from the rotation; its entry
+    is the exception. ``tick(i)`` after each iteration of run i.
+    """
+    clock = _Clock(env.device)
+    marks: list[list[tuple[Any, Any, Any]]] = [[] for _ in runs]
+    results: list[dict[str, float] | BaseException | None] = [None] * len(runs)
+    for it in range(opts.warmup + opts.iters):
+        for i in iteration_order(it, len(runs)):
+            fn, case = runs[i]
+            if results[i] is not None:
+                continue
+            try:
+                m = _iteration(fn, case, env, clock)
+            except Exception as exc:  # the caller records it and goes on with the others
+                results[i] = exc
+                _free_memory(env.device)
+                continue
+            if it >= opts.warmup:
+                marks[i].append(m)
+            tick(i)
+    clock.sync()
+    for case in {id(c): c for _, c in runs}.values():
+        for t in case.leaves():
+            t.grad = None
+    for i, run_marks in enumerate(marks):
+        if results[i] is None:
+            per_iter = [
+                [clock.elapsed_ms(a, b), clock.elapsed_ms(b, c), clock.elapsed_ms(a, c)]
+                for a, b, c in run_marks
+            ]
+            worst = _max_over_ranks(per_iter, env)
+            results[i] = {
+                "fwd_ms": _median(worst[:, 0]),
+                "bwd_ms": _median(worst[:, 1]),
+                "fwdbwd_ms": _median(worst[:, 2]),
+            }
+    return results  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------ communication
+
+
+def reads_tunables(backend: str, world_size: int) -> tuple[str, ...]:
+    """The config tunables ``backend`` reads at this world size ("triton" none at W = 1)."""
+    if world_size == 1:
+        return _TUNED_AT_W1.get(backend, ())
+    return BACKEND_TUNABLES.get(backend, ())
+
+
+def tunable_fields(
+    backend: str, config: MoEConfig, world_size: int, device: torch.device | None = None
+) -> dict[str, int]:
+    """The record fields of the tunables ``backend`` reads at this world size; on a GPU, values
+    the config leaves to the backend (None) are recorded as the backend resolves them, where it
+    says (``resolved_tunables`` of the backend module)."""
+    fields = {name: getattr(config, name) for name in reads_tunables(backend, world_size)}
+    if fields and backend in BACKENDS and device is not None and device.type == "cuda":
+        resolve = getattr(get_backend(backend), "resolved_tunables", None)
+        if resolve is not None:
+            resolved = resolve(config, device, world_size)
+            fields.update({k: v for k, v in resolved.items() if k in fields})
+    return fields
+
+
+def parse_tune(specs: list[str] | None) -> dict[str, list[int]]:
+    """``["comm_programs=8,16", "down_lag=auto,2"]`` -> {name: [values]} (``--tune``; "auto" is
+    None: derived, for down_lag; 0 / 1 for overlap_shared and comm_kernel)."""
+    tune: dict[str, list[int]] = {}
+    for spec in specs or ():
+        name, sep, values = spec.partition("=")
+        if not sep or not values:
+            raise ValueError(f"tune must look like NAME=V1,V2,..., got {spec!r}")
+        try:
+            tune[name.strip()] = [
+                None if v.strip() == "auto" else int(v) for v in values.split(",")
+            ]
+        except ValueError:
+            raise ValueError(f"tune: {name} values must be integers, got {values!r}") from None
+    return tune
+
+
+def _combinations(tune: dict[str, list[int]]) -> list[dict[str, int]]:
+    names = list(tune)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(tune[n] for n in names))]
+
+
+def tuning_variants(
+    backend: str, world_size: int, tune: dict[str, list[int]]
+) -> list[dict[str, int]]:
+    """Config overrides to run ``backend`` with: every combination of the swept tunables it
+    reads; one run with the defaults ([{}]) when it reads none of them."""
+    read = reads_tunables(backend, world_size)
+    return _combinations({n: v for n, v in tune.items() if n in read})
+
+
+def measures_comm(backend: str, env: DistEnv) -> bool:
+    """Copy bandwidth is timed for backend "triton" expert-parallel on GPUs only."""
+    return backend == "triton" and env.world_size > 1 and env.device.type == "cuda"
+
+
+def time_comm(case: Case, opts: BenchOptions, env: DistEnv) -> dict[str, float]:
+    """GB/s of remote bytes of triton's dispatch/combine copies (forward and backward) on the
+    case's routing: its schedule is built once, x and dy are published, each copy is timed alone.
+
+    A collective (barriers, all-reduce): every rank calls it.
+    """
+    from ..ep.workspace import publish
+    from .bench_comm import layer_comm_gbps
+
+    schedule = functional.build_schedule(case.topk_ids, case.config, env.group, backend="triton")
+    ws = schedule.inner.ep.workspace
+    publish(ws, x=case.x.detach(), dy=case.grad_y)  # visible to peers after the next barrier
+    return layer_comm_gbps(
+        ws, schedule.inner.routed, case.config.copy_programs, opts.iters, opts.warmup, env.group
+    )
+
+
+# ------------------------------------------------------------------------------------ records
+
+
+def base_record(
+    case: Case, backend: str, opts: BenchOptions, env: DistEnv, peak: float, facts: dict[str, str]
+) -> dict[str, Any]:
+    c = case.config
+    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+    rec.update(
+        **case.shape.record_fields(),
+        world_size=env.world_size,
+        backend=backend,
+        tokens_per_rank=case.tokens,
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        experts=c.num_experts,
+        local_experts=c.local_experts(env.world_size),
+        top_k=c.top_k,
+        shared_intermediate=c.shared_intermediate_size,
+        gemm_peak_tflops=peak,
+        routing=opts.routing,
+        iters=opts.iters,
+        warmup=opts.warmup,
+        status="ok",
+        note="",
+        torch=torch.__version__,
+        **facts,
+    )
+    return rec
+
+
+def add_rates(rec: dict[str, Any], config: MoEConfig, tokens: int) -> None:
+    flops = config.flops_per_token() * tokens
+    rec["fwd_tflops"] = flops / (rec["fwd_ms"] * 1e-3) / 1e12
+    rec["fwdbwd_tflops"] = FWDBWD_FLOP_FACTOR * flops / (rec["fwdbwd_ms"] * 1e-3) / 1e12
+
+
+def _case_key(rec: dict[str, Any]) -> tuple:
+    return (
+        rec["preset"],
+        rec.get("model"),
+        rec["hidden"],
+        rec["intermediate"],
+        rec["experts"],
+        rec["top_k"],
+        rec["shared_intermediate"],
+        rec["world_size"],
+        rec["tokens_per_rank"],
+    )
+
+
+def add_speedups(records: list[dict[str, Any]]) -> None:
+    """speedup_vs_torch_a2a = baseline fwd+bwd time / this fwd+bwd time (same shape, W, tokens)."""
+    base = {_case_key(r): r for r in records if r["backend"] == BASELINE and r["status"] == "ok"}
+    for r in records:
+        b = base.get(_case_key(r))
+        if b is None or r["status"] != "ok":
+            continue
+        r["speedup_vs_torch_a2a"] = b["fwdbwd_ms"] / r["fwdbwd_ms"]
+        r["fwd_speedup_vs_torch_a2a"] = b["fwd_ms"] / r["fwd_ms"]
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+def total_steps(opts: BenchOptions, world_size: int = 1) -> int:
+    """Progress steps of :func:`run_bench`: GEMM peak, float64 references, checks, iterations."""
+    per_run = (1 if opts.check else 0) + opts.warmup + opts.iters
+    runs = sum(len(tuning_variants(b, world_size, opts.tune)) for b in opts.backends)
+    per_case = (1 if opts.check else 0) + per_run * runs
+    return 1 + per_case * len(opts.shapes) * len(opts.tokens or [None])
+
+
+def _free_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_bench(
+    opts: BenchOptions, env: DistEnv, *, progress: ProgressBar | None = None
+) -> list[dict]:
+    """Benchmark every (shape, tokens, backend); returns the records (the same on every
+    rank)."""
+    bar = progress or ProgressBar(total_steps(opts), enabled=False)
+    bar.update("dense GEMM peak")
+    peak = measure_gemm_peak(env)
+    bar.step()
+    facts = {"gpu": device_name(env.device), "commit": git_commit(), "date": _utc_now()}
+    records: list[dict] = []
+    for shape, tokens in itertools.product(opts.shapes, opts.tokens or [None]):
+        bar.update(f"{shape.name}: inputs")
+        case = make_case(shape, env, tokens=tokens, routing=opts.routing, seed=opts.seed)
+        expected = None
+        if opts.check:
+            bar.update(f"{shape.name}: float64 reference")
+            expected = float64_result(case, env)
+            bar.step()
+        runs = [
+            _Run(backend, dataclasses.replace(case, config=case.config.replace(**variant)))
+            for backend in opts.backends
+            for variant in tuning_variants(backend, env.world_size, opts.tune)
+        ]
+        _run_case(runs, expected, opts, env, peak, facts, bar)
+        records.extend(r.rec for r in runs)
+        del case, expected, runs
+        _free_memory(env.device)
+    add_speedups(records)
+    return records
+
+
+@dataclass
+class _Run:
+    """One (backend, tunables) of a case: what it runs on and its record."""
+
+    backend: str
+    case: Case
+    rec: dict[str, Any] = field(default_factory=dict)
+    fn: MoEFn | None = None  # None once skipped or failed
+
+    @property
+    def label(self) -> str:
+        return f"{self.case.shape.name} {self.backend}"
+
+    def stop(self, exc: BaseException, bar: ProgressBar, steps_left: int) -> None:
+        """Record why this run ends early (skipped: a backend that cannot run this case)."""
+        skipped = isinstance(exc, NotImplementedError)  # e.g. a one-GPU backend under EP
+        note = str(exc) if skipped else f"{type(exc).__name__}: {exc}"
+        self.rec.update(
+            status="skipped" if skipped else "error", note=(note.splitlines() or [""])[0][:300]
+        )
+        self.fn = None
+        bar.step(steps_left, f"{self.label}: {self.rec['status']}")
+
+
+def _run_case(
+    runs: list[_Run],
+    expected: RunResult | None,
+    opts: BenchOptions,
+    env: DistEnv,
+    peak: float,
+    facts: dict[str, str],
+    bar: ProgressBar,
+) -> None:
+    """Check every run, time them interleaved, then add rates, tunables and copy bandwidth."""
+    per_run = (1 if expected is not None else 0) + opts.warmup + opts.iters
+    for run in runs:
+        run.rec = base_record(run.case, run.backend, opts, env, peak, facts)
+        ok, reason = backend_status(run.backend, env.device)
+        if not ok:
+            run.rec.update(status="skipped", note=reason)
+            bar.step(per_run, f"{run.label}: skipped")
+            continue
+        run.fn = layer_fn(run.backend)
+        if expected is not None:
+            bar.update(f"{run.label}: check")
+            try:
+                run.rec.update(check_backend(run.fn, run.case, expected, env))
+            except Exception as exc:  # report and go on with the next backend
+                run.stop(exc, bar, per_run)
+                _free_memory(env.device)
+                continue
+            bar.step()
+    timed = [run for run in runs if run.fn is not None]
+    done = [0] * len(timed)
+
+    def tick(i: int) -> None:
+        done[i] += 1
+        bar.step(1, f"{timed[i].label}: timing")
+
+    results = time_interleaved([(run.fn, run.case) for run in timed], opts, env, tick)
+    for i, (run, result) in enumerate(zip(timed, results)):
+        if isinstance(result, BaseException):
+            run.stop(result, bar, opts.warmup + opts.iters - done[i])
+            continue
+        run.rec.update(result)
+        add_rates(run.rec, run.case.config, run.case.tokens)
+        run.rec.update(tunable_fields(run.backend, run.case.config, env.world_size, env.device))
+        if measures_comm(run.backend, env):
+            bar.update(f"{run.label}: dispatch/combine GB/s")
+            try:
+                run.rec.update(time_comm(run.case, opts, env))
+            except Exception as exc:
+                run.stop(exc, bar, 0)
+
+
+def run_failed(records: list[dict]) -> bool:
+    """True when a backend errored or failed its accuracy check (skips are fine)."""
+    return any(r.get("status") == "error" or r.get("check_ok") is False for r in records)

@@ -1,0 +1,168 @@
+"""Plots of layer benchmark records.
+
+``megamoe plot results.json ... --out layer.png``: bars of TFLOP/s per backend for each (preset,
+world size). ``--x tokens``: forward and fwd+bwd time against tokens per rank, one line per
+(preset, W, backend) (records of ``megamoe bench --tokens N1 N2 ...``). matplotlib is optional
+(``pip install megamoe[plot]``); it is imported only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config import TUNABLES
+from .report import load_records
+
+__all__ = ["plot_layer", "plot_tokens", "series_name", "main"]
+
+# Fixed colours so that a backend looks the same in every plot.
+BACKEND_COLORS = {
+    "fused": "#d62728",
+    "triton": "#1f77b4",
+    "torch-a2a": "#7f7f7f",
+    "reference": "#bcbd22",
+}
+METRICS = (("fwd_tflops", "forward"), ("fwdbwd_tflops", "forward + backward"))
+TIME_METRICS = (("fwd_ms", "forward"), ("fwdbwd_ms", "forward + backward"))
+LINE_STYLES = ("-", "--", ":", "-.")
+HATCHES = ("", "//", "..", "xx")
+
+
+def _layer_ok(records: Sequence[dict]) -> list[dict]:
+    return [
+        r
+        for r in records
+        if "preset" in r and r.get("fwdbwd_tflops") is not None and r.get("status", "ok") == "ok"
+    ]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok_records(records: Sequence[dict]) -> list[dict]:
+    recs = _layer_ok(records)
+    if not recs:
+        raise ValueError("records must hold at least one layer record with a status of ok")
+    return recs
+
+
+def _finish(plt, fig, axes, recs: Sequence[dict], path: str, ylabel: str, legend: str) -> None:
+    """Label, title (GPU and commit of the first record), legend, write the PNG, close."""
+    axes[0].set_ylabel(ylabel)
+    axes[-1].legend(loc=legend, fontsize=8)
+    first = recs[0]
+    fig.suptitle(
+        f"megamoe layer, {first.get('gpu', '?')}, commit {first.get('commit', '?')}", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_tokens(records: Sequence[dict], path: str) -> None:
+    """Write a PNG of time (ms) against tokens per rank, one line per (preset, W, backend)."""
+    plt = _pyplot()
+    recs = _ok_records(records)
+    lines: dict[tuple, list[dict]] = {}
+    for r in recs:
+        lines.setdefault(
+            (r["preset"], r["world_size"], r["backend"], series_name(r, recs)), []
+        ).append(r)
+    worlds = sorted({key[1] for key in lines})
+    fig, axes = plt.subplots(1, len(TIME_METRICS), figsize=(6 * len(TIME_METRICS), 4))
+    for ax, (field, title) in zip(axes, TIME_METRICS):
+        for (preset, world, backend, name), rs in lines.items():
+            rs = sorted(rs, key=lambda r: r["tokens_per_rank"])
+            ax.plot(
+                [r["tokens_per_rank"] for r in rs],
+                [r[field] for r in rs],
+                marker="o",
+                color=BACKEND_COLORS.get(backend),
+                linestyle=LINE_STYLES[worlds.index(world) % len(LINE_STYLES)],
+                label=f"{preset} W={world} {name}",
+            )
+        ax.set_xlabel("tokens per rank")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    _finish(plt, fig, axes, recs, path, "ms (median, max over ranks)", "upper left")
+
+
+def series_name(rec: dict, records: Sequence[dict]) -> str:
+    """The backend, plus the tunables whose values differ among its records of the same preset
+    and world size (a ``--tune`` sweep), so that every variant gets its own bars."""
+    key = (rec["backend"], rec["preset"], rec["world_size"])
+    mine = [r for r in records if (r["backend"], r["preset"], r["world_size"]) == key]
+    varied = [f for f in TUNABLES if len({r.get(f) for r in mine}) > 1]
+    return " ".join([rec["backend"], *(f"{f}={rec.get(f)}" for f in varied)])
+
+
+def plot_layer(records: Sequence[dict], path: str) -> None:
+    """Write a PNG with one panel per metric; groups = (preset, W), bars = backends (and their
+    tunable variants: hatched)."""
+    plt = _pyplot()
+    recs = _ok_records(records)
+    groups = list(dict.fromkeys((r["preset"], r["world_size"]) for r in recs))
+    names = {id(r): series_name(r, recs) for r in recs}
+    series = list(dict.fromkeys((r["backend"], names[id(r)]) for r in recs))
+    by_key = {(r["preset"], r["world_size"], names[id(r)]): r for r in recs}
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4), sharey=True)
+    for ax, (field, title) in zip(axes, METRICS):
+        for j, (backend, name) in enumerate(series):
+            xs, ys = [], []
+            for g, (preset, world) in enumerate(groups):
+                rec = by_key.get((preset, world, name))
+                if rec is not None:
+                    xs.append(g + (j - (len(series) - 1) / 2) * width)
+                    ys.append(rec[field])
+            variant = [n for b, n in series if b == backend].index(name)
+            ax.bar(
+                xs,
+                ys,
+                width,
+                label=name,
+                color=BACKEND_COLORS.get(backend),
+                hatch=HATCHES[variant % len(HATCHES)],
+                edgecolor="white",
+            )
+        peaks = [r["gemm_peak_tflops"] for r in recs if r.get("gemm_peak_tflops")]
+        if peaks:
+            ax.axhline(
+                max(peaks), color="black", linestyle="--", linewidth=0.8, label="dense bf16 GEMM"
+            )
+        ax.set_xticks(range(len(groups)), [f"{p}\nW={w}" for p, w in groups])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    _finish(plt, fig, axes, recs, path, "TFLOP/s per GPU", "upper right")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="megamoe plot", description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="JSON files written by `megamoe bench --out`")
+    parser.add_argument("--out", required=True, help="PNG file to write")
+    parser.add_argument(
+        "--x",
+        choices=("backend", "tokens"),
+        default="backend",
+        help="bars per backend (default) or time against tokens per rank",
+    )
+    args = parser.parse_args(argv)
+    plot = plot_tokens if args.x == "tokens" else plot_layer
+    try:
+        plot(load_records(args.results), args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

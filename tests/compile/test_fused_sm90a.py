@@ -1,0 +1,97 @@
+"""The fused forward kernels lower to real sm_90a code on the CPU and fit one program per SM.
+
+Compiled as the backend launches them at dsv3 sizes on an H200 (``compile_check``'s recorded
+launches: 16-byte aligned pointers, the sizes' divisibility, the GPU tiles). Checked: wgmma and
+TMA in the GEMM tiles, the release/acquire atomics of the flags, the TMA-store completion and
+proxy fences, 16-byte row copies, shared memory <= 227 KB, registers that let one 8-warp program
+sit on every SM with no spills, and a comm-kernel program that fits beside it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from megamoe.kernels.fused.plan import COMM_KERNEL_REGISTERS
+from megamoe.kernels.fused.residency import SM90_REGISTERS_PER_SM, SM90_SHARED_PER_SM, sm_usage
+from support.compiled import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, pick
+
+UNTRACED = (
+    "fused dsv3 comm kernel",
+    "fused dsv3 one kernel",
+    "fused dsv3 one kernel, ring of 4 minibatches",
+)
+
+
+def _compute(compiled, scenario: str) -> dict:
+    return next(r for r in pick(compiled, "fused_forward_kernel") if r["scenario"] == scenario)
+
+
+def test_every_untraced_variant_fits_one_program_per_sm_without_spills(compiled) -> None:
+    for scenario in UNTRACED:
+        r = _compute(compiled, scenario)
+        assert ".target sm_90a" in r["ptx"] and r["wgmma"] and r["tma"], scenario
+        assert 0 < r["shared"] <= SMEM_LIMIT, f"{scenario}: {r['shared']} B of shared memory"
+        threads = r["num_warps"] * 32
+        assert r["registers"] <= MAX_REGISTERS_PER_THREAD, scenario
+        assert r["registers"] * threads <= REGISTERS_PER_SM, scenario
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, (scenario, r["spill_bytes"])
+
+
+def test_flags_use_release_and_acquire(compiled) -> None:
+    for scenario in UNTRACED:
+        ptx = _compute(compiled, scenario)["ptx"]
+        assert re.search(r"atom\.global\.gpu\.release\.add", ptx), "counters must be released"
+        # set by this GPU's programs: acquire at GPU scope, nothing at system scope
+        assert re.search(r"atom\.global\.gpu\.acquire\.add", ptx), "waits must acquire"
+        assert not re.search(r"atom\.global\.sys\.", ptx), "no system-scope atomics"
+        assert re.search(r"atom\.global\.gpu\.relaxed\.add", ptx), "the task ticket"
+        # TMA stores complete (not just read their source) before a release; proxy fences order
+        # the async-proxy TMA traffic against the generic-proxy flags and row copies.
+        assert "cp.async.bulk.wait_group 0;" in ptx
+        assert "fence.proxy.async.global" in ptx
+
+
+def test_row_copies_use_16_byte_vectors(compiled) -> None:
+    for ptx in (
+        _compute(compiled, "fused dsv3 one kernel")["ptx"],
+        pick(compiled, "fused_comm_kernel", "fused dsv3 comm kernel")[0]["ptx"],
+    ):
+        assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
+        assert re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
+
+
+def test_traced_variants_read_the_global_timer_the_plain_ones_not(compiled) -> None:
+    for scenario in UNTRACED:
+        assert "%globaltimer" not in _compute(compiled, scenario)["ptx"]
+    for scenario in ("fused dsv3 comm kernel traced", "fused dsv3 one kernel traced"):
+        r = _compute(compiled, scenario)
+        assert "%globaltimer" in r["ptx"] and 0 < r["shared"] <= SMEM_LIMIT
+        assert r["registers"] <= MAX_REGISTERS_PER_THREAD
+
+
+def test_comm_kernel_fits_beside_the_compute_kernel(compiled) -> None:
+    """config.comm_kernel: a comm program must fit on every SM next to a compute program, or the
+    two kernels cannot run at once (each waits for the other: the start-up count reports it).
+    At a row width that is not a multiple of the copy tile the comm kernel would take 159
+    registers uncapped (the pair did not run side by side on an H200); the cap keeps it at 80.
+    The traced compute kernel needs a few more registers: the pair must still fit."""
+    pairs = [
+        ("fused dsv3 comm kernel", "fused dsv3 comm kernel"),
+        ("fused dsv3 odd row width", "fused dsv3 odd row width"),
+        ("fused dsv3 comm kernel traced", "fused dsv3 comm kernel"),
+    ]
+    for compute_scenario, comm_scenario in pairs:
+        compute = _compute(compiled, compute_scenario)
+        (comm,) = pick(compiled, "fused_comm_kernel", comm_scenario)
+        assert compute["spill_bytes"] == 0 and compute["stack_bytes"] == 0, compute_scenario
+        if comm_scenario == "fused dsv3 comm kernel":  # at dsv3 the cap costs nothing
+            assert comm["spill_bytes"] == 0, comm
+        assert comm["registers"] <= COMM_KERNEL_REGISTERS
+        regs, smem = sm_usage(
+            [
+                (compute["registers"], compute["num_warps"], compute["shared"]),
+                (comm["registers"], comm["num_warps"], comm["shared"]),
+            ]
+        )
+        assert regs <= SM90_REGISTERS_PER_SM, f"{compute_scenario}: {regs} registers per SM"
+        assert smem <= SM90_SHARED_PER_SM, f"{compute_scenario}: {smem} B shared memory per SM"

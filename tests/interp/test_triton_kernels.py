@@ -1,0 +1,143 @@
+"""Backend "triton" under the Triton interpreter on the CPU: every kernel, tiny shapes.
+
+The same kernel source as on the GPU runs here with fp32 copies of bf16 tiles (the interpreter
+cannot do bf16 math). Outputs and all gradients are checked against the float64 reference, with
+every buffer poisoned so unwritten elements or leaking padding rows fail the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe.backends import triton as backend
+from megamoe.kernels.runtime import poisoned_buffers
+from megamoe.kernels.schedule import build_row_schedule
+from support.oracle import compare, reference_grads, run_backend
+from support.problems import Case, make_problem, params
+
+CPU = torch.device("cpu")
+
+CASES = [
+    Case(37, 64, 96, 4, 2, shared=64),
+    Case(29, 64, 64, 6, 2, routing="empty_experts"),
+    Case(41, 64, 64, 3, 2, shared=32, routing="one_expert", block_rows=32),
+    Case(23, 96, 64, 5, 3, routing="zipf"),
+    Case(1, 64, 32, 4, 2, shared=32),  # a single token
+    Case(27, 72, 40, 3, 2, shared=24),  # sizes that are not tile multiples
+]
+
+
+@pytest.mark.parametrize("case", params(*CASES))
+def test_matches_the_float64_reference(case: Case) -> None:
+    p = make_problem(case, seed=CASES.index(case))
+    compare(run_backend(p), reference_grads(p, torch.float64), reference_grads(p, torch.bfloat16))
+
+
+def test_int32_ids_and_bitwise_repeat() -> None:
+    p = make_problem(Case(19, 64, 64, 4, 2, shared=32), seed=7, ids_dtype=torch.int32)
+    y1, g1 = run_backend(p)
+    y2, g2 = run_backend(p)
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    compare((y1, g1), reference_grads(p, torch.float64), reference_grads(p, torch.bfloat16))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "empty_experts", "one_expert"])
+def test_schedule_layout(routing: str) -> None:
+    t, e, k, bm = 53, 7, 3, 16
+    p = make_problem(Case(t, 64, 64, e, k, routing=routing, block_rows=bm), seed=3)
+    with poisoned_buffers():
+        s = build_row_schedule(p.topk_ids, e, bm)
+    flat = p.topk_ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=e)
+    padded = (counts + bm - 1) // bm * bm
+    starts = torch.cumsum(padded, 0) - padded
+    assert torch.equal(s.counts.long(), counts)
+    assert torch.equal(s.row_start.long(), torch.cat([starts, padded.sum().view(1)]))
+    assert s.num_blocks.item() == padded.sum().item() // bm
+    used = int(padded.sum())
+    for ex in range(e):
+        slots = (flat == ex).nonzero().flatten()  # global (token, k) order
+        r0 = int(starts[ex])
+        rows = torch.arange(r0, r0 + len(slots))
+        assert torch.equal(s.dest_row[slots].long(), rows)
+        assert torch.equal(s.row_src[rows].long(), slots)
+        assert (s.row_src[r0 + len(slots) : r0 + int(padded[ex])] == -1).all()
+        assert (s.block_expert[r0 // bm : (r0 + int(padded[ex])) // bm] == ex).all()
+    assert (s.block_expert[used // bm :] == -1).all()
+
+
+def test_schedule_of_one_rank_among_several() -> None:
+    """Expert-parallel form: only ids in [expert_lo, expert_lo + E) are placed; slots carry the
+    source rank's offset."""
+    t, k, e_local, bm, rank = 31, 2, 3, 16, 1
+    ids = torch.stack([torch.randperm(9)[:k] for _ in range(t)])
+    with poisoned_buffers():
+        s = build_row_schedule(ids, e_local, bm, expert_lo=3, rank=rank)
+    flat = ids.reshape(-1)
+    local = (flat >= 3) & (flat < 6)
+    assert (s.dest_row[~local] == -1).all()
+    assert torch.equal(s.counts.long(), torch.bincount(flat[local] - 3, minlength=e_local))
+    placed = s.dest_row[local].long()
+    assert torch.equal(s.row_src[placed].long(), local.nonzero().flatten() + rank * t * k)
+
+
+def test_world_size_above_one_needs_a_process_group() -> None:
+    """W > 1 builds the symmetric workspace: without torch.distributed it says so clearly."""
+
+    class FakeGroup:  # only asked for its size
+        pass
+
+    import torch.distributed as dist
+
+    cfg = Case(4, 64, 64, 4, 2).config()
+    orig = dist.get_world_size
+    dist.get_world_size = lambda group=None: 2  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError, match="process group"):
+            backend.build_schedule(torch.zeros((4, 2), dtype=torch.int64), cfg, FakeGroup())
+    finally:
+        dist.get_world_size = orig  # type: ignore[assignment]
+
+
+def test_cpu_is_not_offered_as_a_backend() -> None:
+    """The interpreter is for tests: backend="auto" must not pick it on the CPU."""
+    ok, reason = backend.is_available(CPU)
+    assert not ok and "interpreter" in reason
+
+
+def test_gemm_grid_size_never_changes_bits() -> None:
+    """Every GEMM with a smaller grid (the shared expert beside the copies uses SMs - copy
+    programs) walks the same tiles with the same K loop: identical bits, every tile written."""
+    from megamoe.kernels import gemm
+
+    p = make_problem(Case(29, 64, 96, 4, 2), seed=11)
+    sched = build_row_schedule(p.topk_ids, 4, 16)
+    w = p.weights
+    gen = torch.Generator().manual_seed(3)
+    xs = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+    dz = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+
+    def every_gemm(programs):
+        with poisoned_buffers():
+            g, u, h = gemm.gate_up(xs, w.w_gate, w.w_up, sched, programs)
+            z = gemm.grouped_mm(h, w.w_down, sched, programs)
+            dg, du = gemm.dgrad_swiglu(dz, w.w_down, g, u, sched, programs)
+            dx = gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched, programs)
+            return g, u, h, z, dg, du, dx, gemm.wgrad(dg, xs, sched, programs)
+
+    used = int(sched.num_blocks.item()) * sched.block_rows
+    default = every_gemm(None)
+    for out in default[:-1]:
+        assert not out[:used].isnan().any()  # poisoned with NaN: every used row was written
+    assert not default[-1].isnan().any()
+    for programs in (1, 3):
+        for a, b in zip(default, every_gemm(programs)):
+            assert torch.equal(
+                a[:used] if a.shape[0] == sched.rows else a,
+                b[:used] if b.shape[0] == sched.rows else b,
+            )
+    with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
+        gemm.grouped_mm(xs, w.w_down, sched, 0)

@@ -1,0 +1,62 @@
+"""Processes for tests: gloo ranks spawned on the CPU, and Python without the interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Seconds a CLI subprocess of a test may take.
+CLI_TIMEOUT_S = 120
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        torch.manual_seed(1234)  # same per rank; tests derive per-rank data explicitly
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(world_size: int, fn: Callable, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks."""
+    fd, init_file = tempfile.mkstemp(prefix="megamoe-gloo-")
+    os.close(fd)
+    os.unlink(init_file)
+    mp.spawn(_worker, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
+
+
+def run_without_interpreter(args: list[str], timeout: int = 300) -> str:
+    """Run ``python <args>`` with TRITON_INTERPRET=0 (the interpreter replaces ``triton.jit``,
+    so kernels defined under it cannot be compiled for sm_90a); return its stdout."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def run_python(*args: str, timeout: int = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python <args>`` as a user runs it on a machine without a GPU (no interpreter: "auto"
+    would time it)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )

@@ -1,0 +1,183 @@
+"""The layer benchmark's parts: tunable sweeps, the accuracy check, the interleaved timing and
+the tunables each record carries."""
+
+import pytest
+import torch
+
+
+def test_tuning_variants_cover_what_each_backend_reads():
+    from megamoe.tools.bench import parse_tune, tuning_variants
+
+    tune = parse_tune(
+        ["comm_programs=8,16", "minibatch_rows=256,1024", "copy_programs=24,32", "down_lag=auto"]
+    )
+    assert tune == {
+        "comm_programs": [8, 16],
+        "minibatch_rows": [256, 1024],
+        "copy_programs": [24, 32],
+        "down_lag": [None],
+    }
+    fused = tuning_variants("fused", 1, tune)
+    assert len(fused) == 4
+    assert {"comm_programs": 16, "minibatch_rows": 256, "down_lag": None} in fused
+    assert tuning_variants("triton", 1, tune) == [{}]  # nothing moves at W = 1
+    assert tuning_variants("triton", 2, tune) == [{"copy_programs": 24}, {"copy_programs": 32}]
+    assert tuning_variants("torch-a2a", 2, tune) == [{}]
+    assert tuning_variants("fused", 2, {}) == [{}]
+
+
+def test_accuracy_check_catches_a_wrong_layer():
+    """The bench's check must fail a layer that is slightly off (5% on the output)."""
+    from megamoe.tools.baselines import torch_a2a_moe
+    from megamoe.tools.bench import check_backend, float64_result
+    from megamoe.tools.harness import DistEnv, make_case
+
+    env = DistEnv()
+    case = make_case("tiny", env, tokens=40, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    expected = float64_result(case, env)
+    assert check_backend(torch_a2a_moe, case, expected, env)["check_ok"] is True
+
+    def off_by_5_percent(*args):
+        return torch_a2a_moe(*args) * 1.05
+
+    bad = check_backend(off_by_5_percent, case, expected, env)
+    assert bad["check_ok"] is False and bad["check_rel"] > 0.04
+
+
+def test_iteration_order_gives_every_run_every_predecessor():
+    """Each iteration runs every run once, the same order for the same iteration (all ranks
+    agree), and over a benchmark's iterations each run follows each other run."""
+    from megamoe.tools.bench import iteration_order
+
+    orders = [iteration_order(it, 4) for it in range(23)]
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert orders == [iteration_order(it, 4) for it in range(23)]
+    sequence = [i for o in orders for i in o]
+    follows = {(a, b) for a, b in zip(sequence, sequence[1:])}
+    assert follows >= {(a, b) for a in range(4) for b in range(4) if a != b}
+    assert len({tuple(o) for o in orders}) > 4  # not a fixed cycle
+
+
+def test_timed_runs_interleave_and_a_failing_run_leaves_the_others():
+    """Iterations interleave the runs (same GPU clocks for all), in iteration_order; a run that
+    raises is dropped from the rotation and reported, the others finish."""
+    from megamoe.tools.baselines import torch_a2a_moe
+    from megamoe.tools.bench import BenchOptions, iteration_order, time_interleaved
+    from megamoe.tools.harness import DistEnv, make_case
+
+    opts = BenchOptions(shapes=["tiny"], backends=["torch-a2a"], tokens=16, iters=3, warmup=1)
+    env = DistEnv()
+    case = make_case("tiny", env, tokens=16)
+    calls: list[str] = []
+
+    def named(name: str, fail_at: int | None = None):
+        def fn(*args):
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} broke")
+            return torch_a2a_moe(*args)
+
+        return fn
+
+    ticks: list[int] = []
+    results = time_interleaved(
+        [(named("a"), case), (named("b", fail_at=2), case), (named("c"), case)],
+        opts,
+        env,
+        ticks.append,
+    )
+    expected: list[tuple[int, bool]] = []  # (run, finished) per call
+    b_calls = 0
+    for it in range(4):  # 1 warm-up + 3 timed
+        for i in iteration_order(it, 3):
+            if i == 1:
+                if b_calls == 2:  # b raised on its second call: out of the rotation
+                    continue
+                b_calls += 1
+            expected.append((i, not (i == 1 and b_calls == 2)))
+    assert calls == ["abc"[i] for i, _ in expected]
+    assert ticks == [i for i, finished in expected if finished]
+    assert isinstance(results[1], RuntimeError) and "b broke" in str(results[1])
+    for r in (results[0], results[2]):
+        assert set(r) == {"fwd_ms", "bwd_ms", "fwdbwd_ms"} and r["fwdbwd_ms"] > 0
+    assert all(t.grad is None for t in case.leaves())
+
+
+def test_tunables_and_copy_timing_only_where_they_apply():
+    from megamoe.shapes import get_preset
+    from megamoe.tools.bench import measures_comm, tunable_fields
+    from megamoe.tools.harness import DistEnv
+
+    config = get_preset("tiny").config(2).replace(copy_programs=12)
+    assert tunable_fields("triton", config, 2) == {"copy_programs": 12, "overlap_shared": True}
+    assert tunable_fields("triton", config, 1) == {}
+    assert "overlap_shared" not in tunable_fields("fused", config, 1)  # no copies at W = 1
+    assert tunable_fields("reference", config, 2) == tunable_fields("torch-a2a", config, 2) == {}
+    cpu2 = DistEnv(world_size=2, rank=0)
+    assert not measures_comm("triton", cpu2)  # no CUDA
+    gpu = torch.device("cuda", 0)
+    assert measures_comm("triton", DistEnv(world_size=2, device=gpu))
+    assert not measures_comm("triton", DistEnv(world_size=1, device=gpu))
+    assert not measures_comm("torch-a2a", DistEnv(world_size=2, device=gpu))
+
+
+def test_fused_records_the_comm_programs_it_uses():
+    pytest.importorskip("triton")
+    from megamoe.backends.fused import resolved_tunables
+    from megamoe.kernels.fused import comm_kernel_programs, comm_programs_for
+    from megamoe.kernels.runtime import persistent_programs
+    from megamoe.shapes import get_preset
+    from megamoe.tools.bench import tunable_fields
+
+    config = get_preset("dsv3").config(2)
+    cpu = torch.device("cpu")
+    # W = 2 with a ring of every row: the comm kernel, with one program per two SMs
+    assert resolved_tunables(config, cpu, 2) == {
+        "comm_programs": comm_kernel_programs(cpu),
+        "comm_kernel": True,
+    }
+    assert resolved_tunables(config.replace(comm_programs=12), cpu, 2) == {
+        "comm_programs": 12,
+        "comm_kernel": True,
+    }
+    # one kernel: with a bounded ring, or when asked (at W = 1 its pull rate is a local copy's)
+    one = {
+        "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 2),
+        "comm_kernel": False,
+    }
+    assert resolved_tunables(config.replace(comm_kernel=False), cpu, 2) == one
+    assert resolved_tunables(config.replace(ring_rows=4096), cpu, 2) == one
+    assert resolved_tunables(config.replace(ring_rows=4096), cpu, 1) == {
+        "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 1),
+        "comm_kernel": False,
+    }
+    # W = 1 with a ring of every row: the comm kernel too
+    assert resolved_tunables(config, cpu, 1) == {
+        "comm_programs": comm_kernel_programs(cpu),
+        "comm_kernel": True,
+    }
+    # no GPU: the record keeps the config's None (derived) rather than a CPU-grid number
+    assert tunable_fields("fused", config, 2, cpu)["comm_programs"] is None
+
+
+def test_set_applies_tunables_and_names_bad_ones(capsys):
+    import argparse
+
+    from megamoe.shapes import get_preset
+    from megamoe.tools.harness import apply_settings
+
+    parser = argparse.ArgumentParser(prog="tool")
+    config = apply_settings(
+        get_preset("tiny").config(1),
+        ["overlap_shared=0", "down_lag=auto", "comm_programs=4"],
+        parser,
+    )
+    assert (config.overlap_shared, config.down_lag, config.comm_programs) == (False, None, 4)
+    for spec, message in (
+        ("overlap_shared=2", "overlap_shared must be a bool"),
+        ("warps=4", "the tunable must be one of"),
+        ("comm_programs=0", "comm_programs must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            apply_settings(config, [spec], parser)
+        assert message in capsys.readouterr().err
