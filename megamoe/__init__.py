@@ -5,7 +5,7 @@ Public API: :class:`MoEConfig`, :class:`MoE`, :class:`TopKRouter`, :mod:`megamoe
 
 from . import functional
 from .config import MoEConfig
-from .errors import CapacityError, StallError
+from .errors import CapacityError, RoutingError, StallError
 from .layer import MoE, TopKRouter
 from .shapes import MODEL_SHAPES, PRESETS, get_model_shape, get_preset
 from .types import ExpertWeights, MoEGrads
@@ -20,6 +20,7 @@ __all__ = [
     "MoEGrads",
     "functional",
     "CapacityError",
+    "RoutingError",
     "StallError",
     "MODEL_SHAPES",
     "get_model_shape",

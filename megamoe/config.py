@@ -7,6 +7,8 @@ it afterwards, so a bad value is reported once, with its name, the value and wha
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +127,14 @@ class MoEConfig:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf >= 1.0:
                 raise ValueError(f"capacity_factor must be a number >= 1.0 or None, got {cf!r}")
+        # The config as a string (not a field): how it travels through the custom ops.
+        object.__setattr__(self, "key", json.dumps(dataclasses.asdict(self), sort_keys=True))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def from_key(key: str) -> "MoEConfig":
+        """The config whose :attr:`key` this is."""
+        return MoEConfig(**json.loads(key))
 
     @property
     def has_shared_expert(self) -> bool:

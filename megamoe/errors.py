@@ -1,9 +1,11 @@
 """Errors the device records and Python raises: their exceptions, stage codes and record words.
 
 Kernels never raise. A spin-wait that gives up writes the *stall record* (``ErrorWord``) of its
-workspace; the capacity kernel writes the *capacity record* (``CapacityWord``). The host decodes
-both at its next check (``megamoe.ep.checks``) into :class:`StallError` / :class:`CapacityError`.
-Every code and word offset lives here; the device functions use ``tl.constexpr`` copies of them.
+workspace; the capacity kernel writes the *capacity record* (``CapacityWord``); the id check of a
+schedule writes the *id record* (``IdWord``). The host decodes them at its next check
+(``megamoe.ep.checks``) into :class:`StallError`, :class:`CapacityError` and
+:class:`RoutingError`. Every code and word offset lives here; the device functions use
+``tl.constexpr`` copies of them.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ import enum
 __all__ = [
     "StallError",
     "CapacityError",
+    "RoutingError",
     "Stage",
     "ErrorWord",
     "ERROR_WORDS",
     "CapacityWord",
     "CAPACITY_WORDS",
+    "IdWord",
+    "ID_WORDS",
     "stage_name",
     "describe_stall",
     "describe_capacity",
+    "describe_ids",
 ]
 
 
@@ -41,6 +47,15 @@ class CapacityError(RuntimeError):
     Recorded on every rank (each checks all ranks' loads), so every rank raises it at the same
     check. The overflowed steps computed no routed rows; their y, d_x and d topk_weights are NaN.
     The workspace stays usable: the next step that fits is exact.
+    """
+
+
+class RoutingError(ValueError):
+    """A step's ``topk_ids`` held an expert id outside ``[0, num_experts)``.
+
+    Found on the device by the schedule's id check (so also with ``check_values=False`` and
+    inside captured graphs), on every rank (each checks all ranks' ids). The step computed no
+    routed rows; its y, d_x and d topk_weights are NaN. The message names the first bad entry.
     """
 
 
@@ -101,6 +116,23 @@ class CapacityWord(enum.IntEnum):
 CAPACITY_WORDS = len(CapacityWord)
 
 
+class IdWord(enum.IntEnum):
+    """Word offsets of the id record (int32 [ID_WORDS]): the flag; the rank, token and k of the
+    first bad id of the first bad step, its value and the number of global experts; then the
+    number of bad steps since the record was last cleared."""
+
+    FLAG = 0
+    RANK = 1
+    TOKEN = 2
+    K = 3
+    VALUE = 4
+    EXPERTS = 5
+    COUNT = 6
+
+
+ID_WORDS = len(IdWord)
+
+
 def stage_name(code: int) -> str:
     try:
         return _STAGE_TEXT[Stage(code)]
@@ -132,4 +164,18 @@ def describe_capacity(words: list[int]) -> str:
         f"routed rows were computed in an overflowed step on any rank; its y, d_x and d "
         f"topk_weights are NaN. Raise capacity_factor, or set it to None to allow the worst "
         f"case (W*T*top_k rows)."
+    )
+
+
+def describe_ids(words: list[int], world_size: int = 1) -> str:
+    """The message of a recorded bad expert id (``words``: the id record)."""
+    w = IdWord
+    n = words[w.COUNT]
+    where = f"token {words[w.TOKEN]}, k {words[w.K]}"
+    if world_size > 1:
+        where += f" of rank {words[w.RANK]}"
+    return (
+        f"topk_ids must be in [0, {words[w.EXPERTS]}), got {words[w.VALUE]} ({where}); "
+        f"{n} step{'s' if n != 1 else ''} with bad ids since the last check computed no "
+        f"routed rows: their y, d_x and d topk_weights are NaN."
     )

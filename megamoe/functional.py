@@ -1,7 +1,8 @@
 """The MoE layer as plain functions: build_schedule / forward / backward, no autograd magic.
 
-For users who manage their own autograd (pipeline schedules, activation recomputation) and
-the layer's own ``torch.autograd.Function``. ``moe`` is the autograd-enabled one-call form.
+For users who manage their own autograd (pipeline schedules, activation recomputation), and
+what the custom ops of :mod:`megamoe.ops` run. ``moe`` is the autograd-enabled one-call form
+(through those ops: compile-ready).
 
     sched = build_schedule(topk_ids, cfg, group, backend="triton")    # once per step
     y, ctx = forward(x, topk_ids, topk_weights, weights, cfg, group=group, schedule=sched, ...)
@@ -15,12 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from .backends import get_backend, resolve_backend
 from .config import MoEConfig
 from .ep import checks
-from .ep.workspace import cached_workspaces
+from .ep.workspace import cached_workspaces, local_workspaces
 from .types import ExpertWeights, MoEGrads
 from .validation import group_size_rank, validate_inputs
 
@@ -150,45 +150,6 @@ def backward(ctx: MoEContext, grad_y: torch.Tensor) -> MoEGrads:
     return get_backend(ctx.backend).backward(ctx.state, grad_y.to(ctx.y_dtype).contiguous())
 
 
-class _MoEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        autograd_ctx,
-        options: dict,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        *weight_list: torch.Tensor | None,
-    ) -> torch.Tensor:
-        y, ctx = forward(x, topk_ids, topk_weights, ExpertWeights(*weight_list), **options)
-        autograd_ctx.moe_ctx = ctx
-        return y
-
-    @staticmethod
-    @once_differentiable  # the kernels' backward is not itself differentiable
-    def backward(autograd_ctx, grad_y: torch.Tensor):
-        if autograd_ctx.moe_ctx is None:
-            raise RuntimeError(
-                "megamoe's backward ran twice for one forward: its saved "
-                "activations are freed after the first (retain_graph=True is not "
-                "supported)"
-            )
-        g = backward(autograd_ctx.moe_ctx, grad_y)
-        autograd_ctx.moe_ctx = None  # free saved activations
-        return (
-            None,
-            g.x,
-            None,
-            g.topk_weights,
-            g.w_gate,
-            g.w_up,
-            g.w_down,
-            g.s_gate,
-            g.s_up,
-            g.s_down,
-        )
-
-
 def moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -198,23 +159,39 @@ def moe(
     *,
     group: dist.ProcessGroup | None = None,
     backend: str = "reference",
-    schedule: Any = None,
     check_values: bool = True,
 ) -> torch.Tensor:
-    """Autograd-enabled MoE: gradients flow to x, topk_weights and the weights."""
-    options = dict(
-        config=config, group=group, backend=backend, schedule=schedule, check_values=check_values
+    """Autograd-enabled MoE: gradients flow to x, topk_weights and the weights.
+
+    Through the custom ops of :mod:`megamoe.ops`, so ``torch.compile(fullgraph=True)`` traces it
+    without graph breaks (value checks are off in a compiled step: the kernels check on the
+    device). The schedule is built inside; pass none (``forward`` takes one).
+    """
+    from . import ops
+
+    return ops.moe(
+        x,
+        topk_ids,
+        topk_weights,
+        weights,
+        config,
+        group=group,
+        backend=backend,
+        check_values=check_values,
     )
-    return _MoEFunction.apply(options, x, topk_ids, topk_weights, *weights)
 
 
 def check(group: dist.ProcessGroup | None = None) -> None:
-    """Raise what the device recorded on ``group``'s expert-parallel workspaces since the last
-    check: ``CapacityError`` (a step routed more rows than a rank's capacity; every rank raises)
-    or ``StallError`` (a device wait gave up; fatal, see :class:`megamoe.errors.StallError`).
+    """Raise what the device recorded since the last check: ``RoutingError`` (a step's ids were
+    outside ``[0, E)``), ``CapacityError`` (a step routed more rows than a rank's capacity;
+    every rank raises both) or ``StallError`` (a device wait gave up; fatal, see
+    :class:`megamoe.errors.StallError`), for one-process steps on every device and for the
+    expert-parallel workspaces of ``group`` (default: the world, when torch.distributed is
+    initialized).
 
     The Triton backends check on their own at the next ``build_schedule``; call this where no
     schedule is built by the library, e.g. after replaying a captured CUDA graph. A host sync.
     """
-    for ws in cached_workspaces(group):
-        checks.check(ws)
+    targets = [*checks.all_device_records(), *local_workspaces(), *cached_workspaces(group)]
+    for target in targets:
+        checks.check(target)

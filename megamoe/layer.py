@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import functional
+from . import functional, ops
 from .backends import BACKENDS
 from .config import MoEConfig
 from .types import ExpertWeights
@@ -57,6 +57,10 @@ class MoE(nn.Module):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(
+                f"dtype must be a floating torch.dtype (bfloat16 for the kernels), got {dtype}"
+            )
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {backend!r}")
         self.config = config
@@ -64,6 +68,7 @@ class MoE(nn.Module):
         self.backend = backend
         self.check_values = check_values
         self.world_size, self.rank = group_size_rank(group)
+        self._group_name = ops.group_key(group)  # (the custom ops take the group by name)
         self.num_local_experts = config.local_experts(self.world_size)
         e, h, i = self.num_local_experts, config.hidden_size, config.intermediate_size
         kw = dict(device=device, dtype=dtype)
@@ -107,22 +112,22 @@ class MoE(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """``y[t] = shared(x[t]) + sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t])``."""
-        return functional.moe(
+        return ops.moe(
             x,
             topk_ids,
             topk_weights,
             self.weights(),
             self.config,
-            group=self.group,
             backend=self.backend,
             check_values=self.check_values,
+            group_name=self._group_name,
         )
 
     def check(self) -> None:
-        """Raise device-recorded errors of this layer's expert-parallel step (capacity overflow,
-        stalled waits); see :func:`megamoe.functional.check`. Call it after CUDA-graph replays."""
-        if self.world_size > 1:
-            functional.check(self.group)
+        """Raise device-recorded errors of this layer's steps (bad expert ids, capacity
+        overflow, stalled waits); see :func:`megamoe.functional.check`. Call it after CUDA-graph
+        replays."""
+        functional.check(self.group)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import MoEConfig
+from .errors import RoutingError
 from .types import ExpertWeights
 from .validation import group_size_rank
 
@@ -31,6 +32,7 @@ __all__ = [
     "weighted_combine",
     "RoutingPlan",
     "plan_routing",
+    "check_ids",
     "all_to_all_rows",
     "moe_reference",
 ]
@@ -141,10 +143,35 @@ class RoutingPlan:
     recv_local_ids: torch.Tensor  # [sum(recv_counts)] local expert id of each received row
 
 
+def check_ids(topk_ids: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None) -> None:
+    """Raise :class:`~megamoe.errors.RoutingError` on every rank when some rank's ids are
+    outside ``[0, num_experts)``, naming the first (a host read and, with a group, a collective:
+    this is the reference)."""
+    world_size, _ = group_size_rank(group)
+    flat = topk_ids.reshape(-1)
+    bad = ((flat < 0) | (flat >= num_experts)).nonzero()
+    k = topk_ids.shape[1]
+    # (found, token, k, value) of this rank's first bad id
+    mine = torch.zeros(4, dtype=torch.int64, device=flat.device)
+    if len(bad):
+        i = int(bad[0])
+        mine = torch.tensor([1, i // k, i % k, int(flat[i])], device=flat.device)
+    every = [mine]
+    if group is not None:
+        every = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(every, mine, group=group)
+    for rank, (found, token, j, value) in enumerate(t.tolist() for t in every):
+        if found:
+            where = f"token {token}, k {j}" + (f" of rank {rank}" if group is not None else "")
+            raise RoutingError(f"topk_ids must be in [0, {num_experts}), got {value} ({where})")
+
+
 def plan_routing(
     topk_ids: torch.Tensor, config: MoEConfig, group: dist.ProcessGroup | None
 ) -> RoutingPlan:
+    """Where each row goes; the ids are checked first (:func:`check_ids`)."""
     world_size, rank = group_size_rank(group)
+    check_ids(topk_ids, config.num_experts, group)
     e_local = config.local_experts(world_size)
     flat = topk_ids.reshape(-1).long()
     if group is None:

@@ -69,7 +69,8 @@ def validate_weights(
     _check_tensor("w_gate", weights.w_gate, (e_local, i, h), FLOAT_DTYPES, device)
     if dtype is not None and weights.w_gate.dtype != dtype:
         raise TypeError(
-            f"w_gate must have the dtype of x ({_name(dtype)}), got {_name(weights.w_gate.dtype)}"
+            f"x must have the dtype of the layer's weights ({_name(weights.w_gate.dtype)}), got "
+            f"{_name(dtype)}"
         )
     dtypes = (weights.w_gate.dtype,)
     _check_tensor("w_up", weights.w_up, (e_local, i, h), dtypes, device)

@@ -9,6 +9,10 @@ A backend is a module with three functions, the split of docs/design.md::
 plus ``is_available(device) -> (bool, reason)``, ``MAX_WORLD_SIZE`` (None: any) and optionally
 ``supports(config, dtype) -> (bool, reason)`` for shapes or dtypes its kernels do not handle.
 ``ctx`` is whatever the backend needs for its backward; the functional API treats it as opaque.
+For the custom ops of ``megamoe.ops`` a backend also flattens it: ``save(ctx) -> [tensors]``,
+``restore(saved, x, topk_ids, topk_weights, weights, config, group) -> ctx`` and
+``saved_layout(config, tokens, world_size, dtype) -> [(name, shape, dtype)]`` (what ``save``
+returns, for the ops' fake implementations).
 Backends are imported lazily so that the package imports on machines without Triton or a GPU.
 
 The Triton backends ("triton", "fused") are thin adapters over shared modules: ``requirements``
@@ -98,6 +102,23 @@ def resolve_backend(
         raise RuntimeError("no megamoe backend is available")  # reference is always available
     get_backend(name)  # raises for an unknown name
     ok, reason = _availability(name, device, world_size, config, dtype)
-    if not ok:
+    if not ok and not _interpreted(name, device, world_size, config, dtype):
         raise RuntimeError(f"backend {name!r} is not available on {device}: {reason}")
     return name
+
+
+def _interpreted(
+    name: str,
+    device: torch.device,
+    world_size: int,
+    config: MoEConfig | None,
+    dtype: torch.dtype | None,
+) -> bool:
+    """A Triton backend named explicitly on the CPU under ``TRITON_INTERPRET=1`` runs in the
+    interpreter (the tests; "auto" never picks it there)."""
+    if name not in ("triton", "fused") or torch.device(device).type != "cpu":
+        return False
+    from ..kernels.runtime import interpreting
+
+    module = get_backend(name)
+    return interpreting() and (config is None or module.supports(config, dtype)[0])

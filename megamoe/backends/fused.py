@@ -33,12 +33,15 @@ from ..ep.workspace import Workspace
 from ..kernels.fused import comm_kernel_programs, comm_programs_for, fused_forward
 from ..kernels.runtime import persistent_programs
 from ..types import ExpertWeights
-from . import steps
+from . import state, steps
 from .requirements import is_available, supports
-from .state import TritonContext, TritonSchedule
+from .state import TritonContext, TritonSchedule, save
 from .steps import backward, build_schedule, check
 
 __all__ = [
+    "saved_layout",
+    "save",
+    "restore",
     "is_available",
     "supports",
     "build_schedule",
@@ -138,15 +141,57 @@ def forward(
     """y [T, H] bf16 and the Triton backends' context (``routed`` None when the ring dropped
     the routed rows: the backward replays them). ``trace``: a profile of the kernel
     (``fused_forward``, ``megamoe.tools.fused_trace``)."""
+    if x.shape[0] == 0:
+        return steps.empty_forward(x, topk_weights, weights)
     x, topk_weights, weights, schedule = steps.prepare(
         x, topk_ids, topk_weights, weights, config, group, schedule
     )
     run = schedule if schedule.ep is not None else steps.single_rank(schedule, topk_ids)
     ws = run.ep.workspace
-    if schedule.ep is None:  # W > 1 checks in build_schedule; the private workspace here
+    if schedule.ep is None:  # the private workspace's stall record (the ids: build_schedule)
         checks.lagged_check(ws)
     y, ctx = steps.run_steps(forward_steps(x, topk_weights, weights, run, trace), ws)
     checks.eager_check(ws)
     if schedule.ep is None:  # the backward runs the one-process path: weights in token order
+        checks.eager_check(checks.device_records(x.device))
         ctx = dataclasses.replace(ctx, schedule=schedule, slot_weights=topk_weights.view(-1))
     return y, ctx
+
+
+def keeps_routed(config: MoEConfig, tokens: int, world_size: int) -> bool:
+    """Whether the forward saves the routed activations: the ring holds every row."""
+    return (
+        config.ring_rows is None
+        or config.ring_rows >= state.schedule_rows(config, tokens, world_size)[1]
+    )
+
+
+def saved_layout(
+    config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """What :func:`save` returns for such a step (``megamoe.ops``' fake forward)."""
+    return state.saved_layout(
+        config, tokens, world_size, dtype, keeps_routed(config, tokens, world_size)
+    )
+
+
+def restore(
+    saved: list[torch.Tensor],
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None,
+) -> TritonContext:
+    return state.restore(
+        saved,
+        x,
+        topk_weights,
+        weights,
+        config,
+        group,
+        keeps_routed(
+            config, topk_weights.shape[0], 1 if group is None else dist.get_world_size(group)
+        ),
+    )

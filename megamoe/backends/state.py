@@ -1,17 +1,31 @@
-"""The schedule and the saved state of the Triton backends ("triton" and "fused" share them)."""
+"""The schedule and the saved state of the Triton backends ("triton" and "fused" share them),
+and that state as a flat list of tensors (the custom ops of ``megamoe.ops`` carry it from the
+forward to the backward).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..config import MoEConfig
-from ..ep.workspace import Workspace
-from ..kernels.schedule import RowSchedule
+from ..ep.workspace import Workspace, get_workspace
+from ..kernels.schedule import RowSchedule, max_rows
 from ..types import ExpertWeights, RoutedActivations, SharedActivations
 
-__all__ = ["EpRouting", "TritonSchedule", "TritonContext", "workspace_of"]
+__all__ = [
+    "EpRouting",
+    "TritonSchedule",
+    "TritonContext",
+    "EmptyContext",
+    "workspace_of",
+    "schedule_rows",
+    "saved_layout",
+    "save",
+    "restore",
+]
 
 
 @dataclass(frozen=True)
@@ -21,18 +35,22 @@ class EpRouting:
     workspace: Workspace
     all_ids: torch.Tensor  # [W*T, K] int32, the schedule's input (global slot order)
     capacity: int  # real routed rows one rank may hold
-    # int32 [1], written by the capacity kernel: 1 when this schedule overflowed (then the
-    # combines output NaN), else 0. None when nothing is checked (worst-case capacity).
-    invalid: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class TritonSchedule:
     """Row layout of the routed experts (device tensors) plus the config it was built for;
-    ``ep`` is None for one process."""
+    ``ep`` is None for one process.
+
+    ``invalid`` (int32 [1], written by the schedule's device checks, ``kernels.checks``): 1 when
+    the step's ids were out of range or overflowed the capacity. The schedule is then empty and
+    the combines write NaN instead of reading missing slots; 0 otherwise (the same bits as
+    without the check).
+    """
 
     routed: RowSchedule
     config: MoEConfig
+    invalid: torch.Tensor
     ep: EpRouting | None = None
 
 
@@ -49,10 +67,132 @@ class TritonContext:
     shared: SharedActivations | None
 
 
-def workspace_of(target: TritonSchedule | TritonContext | Workspace) -> Workspace | None:
+@dataclass
+class EmptyContext:
+    """A step of no tokens (T = 0 on every rank): nothing to compute, zero weight gradients."""
+
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    weights: ExpertWeights
+
+
+def workspace_of(target) -> Workspace | None:
     """The workspace of a schedule, a context or a workspace; None for one process."""
     if isinstance(target, TritonContext):
         target = target.schedule
     if isinstance(target, TritonSchedule):
         return target.ep.workspace if target.ep is not None else None
+    if isinstance(target, EmptyContext):
+        return None
     return target
+
+
+# --------------------------------------------------------------------------------------------
+# The context as a list of tensors
+
+
+def schedule_rows(config: MoEConfig, tokens: int, world_size: int) -> tuple[int, int]:
+    """(rows of the schedule's tables, rows of the routed buffers) of a step of ``tokens`` per
+    rank: the worst case, and below it the capacity's rows at W > 1 (``kernels.checks``)."""
+    entries = world_size * tokens * config.top_k
+    e_local = config.local_experts(world_size)
+    full = max_rows(entries, e_local, config.block_rows)
+    if world_size == 1:
+        return full, full
+    capacity = config.capacity_rows(tokens, world_size)
+    if capacity >= entries:
+        return full, full
+    return full, min(full, max_rows(capacity, e_local, config.block_rows))
+
+
+_SCHEDULE = ("dest_row", "row_src", "row_start", "counts", "block_expert", "num_blocks")
+
+
+def saved_layout(
+    config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype, keeps_routed: bool
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor :func:`save` returns for such a step, in order:
+    the schedule, its invalid word, every rank's ids and router weights (W > 1), the routed
+    activations (``keeps_routed``) and the shared expert's."""
+    if tokens == 0:
+        return []
+    i32, k = torch.int32, config.top_k
+    e_local = config.local_experts(world_size)
+    entries = world_size * tokens * k
+    table_rows, rows = schedule_rows(config, tokens, world_size)
+    out = [
+        ("dest_row", (entries,), i32),
+        ("row_src", (table_rows,), i32),
+        ("row_start", (e_local + 1,), i32),
+        ("counts", (e_local,), i32),
+        ("block_expert", (table_rows // config.block_rows,), i32),
+        ("num_blocks", (1,), i32),
+        ("invalid", (1,), i32),
+    ]
+    if world_size > 1:
+        out += [
+            ("all_ids", (world_size * tokens, k), i32),
+            ("slot_weights", (entries,), torch.float32),
+        ]
+    h, i, i_s = config.hidden_size, config.intermediate_size, config.shared_intermediate_size
+    if keeps_routed:
+        out += [
+            ("xs", (rows, h), dtype),
+            ("g", (rows, i), dtype),
+            ("u", (rows, i), dtype),
+            ("h", (rows, i), dtype),
+            ("z", (rows, h), dtype),
+        ]
+    if i_s:
+        out += [(f"shared_{n}", (tokens, i_s), dtype) for n in ("g", "u", "h")]
+    return out
+
+
+def save(ctx: TritonContext | EmptyContext) -> list[torch.Tensor]:
+    """The context's tensors in :func:`saved_layout`'s order (inputs not included)."""
+    if isinstance(ctx, EmptyContext):
+        return []
+    sched = ctx.schedule
+    out = [getattr(sched.routed, n) for n in _SCHEDULE] + [sched.invalid]
+    if sched.ep is not None:
+        out += [sched.ep.all_ids, ctx.slot_weights]
+    out += list(ctx.routed or ()) + list(ctx.shared or ())
+    return out
+
+
+def restore(
+    saved: list[torch.Tensor],
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None,
+    keeps_routed: bool,
+) -> TritonContext | EmptyContext:
+    """The context :func:`save` flattened, from its tensors and the step's inputs."""
+    if x.shape[0] == 0:
+        return EmptyContext(x, topk_weights, weights)
+    world = 1 if group is None else dist.get_world_size(group)
+    tokens, k = topk_weights.shape
+    it = iter(saved)
+    tables = {n: next(it) for n in _SCHEDULE}
+    invalid = next(it)
+    _, rows = schedule_rows(config, tokens, world)
+    routed = RowSchedule(
+        **tables,
+        num_tokens=world * tokens,
+        top_k=k,
+        num_experts=config.local_experts(world),
+        block_rows=config.block_rows,
+        rows=rows,
+    )
+    ep, slot_weights = None, topk_weights.view(-1)
+    if world > 1:
+        all_ids, slot_weights = next(it), next(it)
+        ws = get_workspace(group, tokens, config.hidden_size, k, x.dtype, x.device)
+        ep = EpRouting(ws, all_ids, config.capacity_rows(tokens, world))
+    acts = RoutedActivations(*(next(it) for _ in range(5))) if keeps_routed else None
+    shared = SharedActivations(*(next(it) for _ in range(3))) if weights.has_shared else None
+    return TritonContext(
+        TritonSchedule(routed, config, invalid, ep), x, slot_weights, weights, acts, shared
+    )

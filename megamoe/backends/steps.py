@@ -19,12 +19,12 @@ from ..config import MoEConfig
 from ..ep import checks
 from ..ep.workspace import Workspace, get_workspace, local_workspace, publish
 from ..kernels import comm, rows
-from ..kernels.capacity import limit_capacity
+from ..kernels.checks import check_ids, limit_capacity
 from ..kernels.schedule import build_row_schedule
 from ..types import ExpertWeights, MoEGrads, RoutedActivations, SharedActivations
 from . import experts
 from .requirements import KERNEL_DTYPE, check_supported
-from .state import EpRouting, TritonContext, TritonSchedule, workspace_of
+from .state import EmptyContext, EpRouting, TritonContext, TritonSchedule, workspace_of
 from .streams import BesideCopies
 
 __all__ = [
@@ -67,7 +67,7 @@ ExpertsForward = Callable[[Workspace, TritonSchedule, ExpertWeights, torch.Tenso
 def barrier_point(ws: Workspace) -> Steps[None]:
     """Every rank passes a device barrier here; afterwards no peer still reads our routing."""
     yield
-    checks.state(ws).routing_in_use = False
+    checks.records(ws).routing_in_use = False
 
 
 def run_steps(steps: Steps[_T], ws: Workspace) -> _T:
@@ -96,36 +96,42 @@ def drain(steps: Steps[_T]) -> _T:
 def schedule_steps(
     topk_ids: torch.Tensor, config: MoEConfig, ws: Workspace
 ) -> Steps[TritonSchedule]:
-    """Publish ids, exchange, and lay out the rows of this rank's experts (no host sync)."""
-    state = checks.state(ws)
-    if state.routing_in_use:  # two schedules in a row: peers may still read the last ids
+    """Publish ids, exchange, lay out the rows of this rank's experts and check every rank's
+    ids and loads (no host sync)."""
+    rec = checks.records(ws)
+    if rec.routing_in_use:  # two schedules in a row: peers may still read the last ids
         yield from barrier_point(ws)
     publish(ws, topk_ids=topk_ids.detach())
     yield from barrier_point(ws)
     all_ids, _ = comm.gather_routing(ws)
-    state.routing_in_use = True
+    rec.routing_in_use = True
     e_local = config.local_experts(ws.world_size)
     full = build_row_schedule(all_ids, e_local, config.block_rows, expert_lo=ws.rank * e_local)
+    invalid = check_ids(all_ids, config.num_experts, ws.num_tokens, full, rec.ids)
     capacity = config.capacity_rows(ws.num_tokens, ws.world_size)
-    routed, invalid = limit_capacity(
-        full, all_ids, capacity, ws.rank, ws.world_size, state.capacity_record
-    )
-    return TritonSchedule(routed, config, EpRouting(ws, all_ids, capacity, invalid))
+    routed = limit_capacity(full, all_ids, capacity, ws.rank, ws.world_size, rec.capacity, invalid)
+    return TritonSchedule(routed, config, invalid, EpRouting(ws, all_ids, capacity))
 
 
 def build_schedule(
     topk_ids: torch.Tensor, config: MoEConfig, group: dist.ProcessGroup | None
-) -> TritonSchedule:
-    """Device-side row layout of this step's routing (no host sync).
+) -> TritonSchedule | None:
+    """Device-side row layout of this step's routing, its ids checked on the device (no host
+    sync); None for a step of no tokens.
 
-    With W > 1 this is also the step's check point for errors of earlier steps (see
-    :func:`megamoe.ep.checks.lagged_check` and ``MEGAMOE_EP_CHECK``), and the first call for a
-    shape creates the symmetric workspace (a collective: every rank must call it).
+    This is also the step's check point for errors of earlier steps (see
+    :func:`megamoe.ep.checks.lagged_check` and ``MEGAMOE_EP_CHECK``). With W > 1 the first call
+    for a shape creates the symmetric workspace (a collective: every rank must call it).
     """
-    if group is None or dist.get_world_size(group) == 1:
-        routed = build_row_schedule(topk_ids, config.num_experts, config.block_rows)
-        return TritonSchedule(routed, config)
     t, k = topk_ids.shape
+    if t == 0:
+        return None
+    if group is None or dist.get_world_size(group) == 1:
+        rec = checks.device_records(topk_ids.device)
+        checks.lagged_check(rec)
+        routed = build_row_schedule(topk_ids, config.num_experts, config.block_rows)
+        invalid = check_ids(topk_ids, config.num_experts, t, routed, rec.ids)
+        return TritonSchedule(routed, config, invalid)
     ws = get_workspace(group, t, config.hidden_size, k, KERNEL_DTYPE, topk_ids.device)
     checks.lagged_check(ws)
     return run_steps(schedule_steps(topk_ids, config, ws), ws)
@@ -138,6 +144,13 @@ def single_rank(schedule: TritonSchedule, topk_ids: torch.Tensor) -> TritonSched
     cfg = schedule.config
     ws = local_workspace(t, cfg.hidden_size, k, KERNEL_DTYPE, topk_ids.device)
     return dataclasses.replace(schedule, ep=EpRouting(ws, topk_ids, capacity=t * k))
+
+
+def empty_forward(
+    x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights
+) -> tuple[torch.Tensor, EmptyContext]:
+    """A step of no tokens (on every rank: the counts must agree)."""
+    return x.new_empty(x.shape), EmptyContext(x, topk_weights, weights)
 
 
 def check(target: TritonSchedule | TritonContext | Workspace) -> None:
@@ -158,7 +171,7 @@ def prepare(
     schedule: TritonSchedule | None,
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertWeights, TritonSchedule]:
     """A forward's inputs as the kernels take them: supported, contiguous, with a schedule (built
-    here when None) whose token count is x's."""
+    here when None) whose token count is x's. (Not for a step of no tokens: empty_forward.)"""
     check_supported(x, config)
     if schedule is None:
         schedule = build_schedule(topk_ids, config, group)
@@ -231,7 +244,7 @@ def forward_steps(
     yield from barrier_point(ws)
     # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
     y = rows.combine_slots(
-        ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype, invalid=schedule.ep.invalid
+        ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype, invalid=schedule.invalid
     )
     return y, TritonContext(schedule, x, slot_weights.view(-1), weights, routed, shared)
 
@@ -243,7 +256,7 @@ def local_forward(
     sched = schedule.routed
     routed = experts.routed_forward(routed_rows(schedule, x), weights, sched)
     shared, shared_out = experts.shared_forward(x, weights, schedule.config)
-    y = rows.combine(routed.z, sched, topk_weights, shared_out, x.dtype)
+    y = rows.combine(routed.z, sched, topk_weights, shared_out, x.dtype, schedule.invalid)
     return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared)
 
 
@@ -285,16 +298,15 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
         beside.join()
     dx_shared = None if shared_dgrad is None else shared_dgrad[0]
     yield from barrier_point(ws)
-    invalid = schedule.ep.invalid
+    invalid = schedule.invalid
     dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype, invalid=invalid)
-    d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k)
-    d_topk = (
-        d_topk.clone()
-        if invalid is None
-        # NaN after an overflow (stale slots)
-        else torch.where(invalid != 0, float("nan"), d_topk)
-    )
+    d_topk = _nan_if(invalid, ws.dw_slots.view(ws.num_tokens, ws.top_k))  # (else stale slots)
     return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)
+
+
+def _nan_if(invalid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, NaN everywhere when the step's ``invalid`` word is set (no host read)."""
+    return torch.where(invalid != 0, float("nan"), t)
 
 
 def local_backward(ctx: TritonContext, dy: torch.Tensor) -> MoEGrads:
@@ -306,19 +318,31 @@ def local_backward(ctx: TritonContext, dy: torch.Tensor) -> MoEGrads:
     shared_dgrad = experts.shared_dgrad(dy, ctx)
     shared_grads = experts.shared_wgrad(dy, shared_dgrad, ctx)
     dx_shared = None if shared_dgrad is None else shared_dgrad[0]
-    dx = rows.combine(dxs, sched, None, dx_shared, ctx.x.dtype)
-    return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)
+    invalid = ctx.schedule.invalid
+    dx = rows.combine(dxs, sched, None, dx_shared, ctx.x.dtype, invalid)
+    return MoEGrads(dx, _nan_if(invalid, d_topk), d_w_gate, d_w_up, d_w_down, *shared_grads)
 
 
-def backward(ctx: TritonContext, grad_y: torch.Tensor) -> MoEGrads:
+def empty_backward(ctx: EmptyContext) -> MoEGrads:
+    """The gradients of a step of no tokens: empty for x and the router weights, zeros for
+    every weight."""
+    w = [None if t is None else torch.zeros_like(t) for t in ctx.weights]
+    return MoEGrads(ctx.x.new_empty(ctx.x.shape), torch.zeros_like(ctx.topk_weights), *w)
+
+
+def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrads:
     """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype), after
     replaying the routed forward if a bounded ring dropped it."""
+    if isinstance(ctx, EmptyContext):
+        return empty_backward(ctx)
     dy = grad_y.to(ctx.x.dtype).contiguous()
     ws = workspace_of(ctx)
     if ctx.routed is None:
         ctx = drain(replay_steps(ctx)) if ws is None else run_steps(replay_steps(ctx), ws)
     if ws is None:
-        return local_backward(ctx, dy)
+        grads = local_backward(ctx, dy)
+        checks.eager_check(checks.device_records(dy.device))
+        return grads
     grads = run_steps(backward_steps(ctx, dy), ws)
     checks.eager_check(ws)
     return grads

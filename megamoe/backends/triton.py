@@ -31,12 +31,15 @@ import torch.distributed as dist
 from ..config import MoEConfig
 from ..ep import checks
 from ..types import ExpertWeights
-from . import steps
+from . import state, steps
 from .requirements import is_available, supports
-from .state import TritonContext, TritonSchedule
+from .state import TritonContext, TritonSchedule, save
 from .steps import backward, build_schedule, check
 
 __all__ = [
+    "saved_layout",
+    "save",
+    "restore",
     "is_available",
     "supports",
     "build_schedule",
@@ -60,12 +63,35 @@ def forward(
     schedule: TritonSchedule | None,
 ) -> tuple[torch.Tensor, TritonContext]:
     """y [T, H] bf16 and the context for :func:`backward`."""
+    if x.shape[0] == 0:
+        return steps.empty_forward(x, topk_weights, weights)
     x, topk_weights, weights, schedule = steps.prepare(
         x, topk_ids, topk_weights, weights, config, group, schedule
     )
     if schedule.ep is None:
-        return steps.local_forward(x, topk_weights, weights, schedule)
+        y, ctx = steps.local_forward(x, topk_weights, weights, schedule)
+        checks.eager_check(checks.device_records(x.device))
+        return y, ctx
     ws = schedule.ep.workspace
     y, ctx = steps.run_steps(steps.forward_steps(x, topk_weights, weights, schedule), ws)
     checks.eager_check(ws)
     return y, ctx
+
+
+def saved_layout(
+    config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """What :func:`save` returns for such a step (``megamoe.ops``' fake forward)."""
+    return state.saved_layout(config, tokens, world_size, dtype, keeps_routed=True)
+
+
+def restore(
+    saved: list[torch.Tensor],
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None,
+) -> TritonContext:
+    return state.restore(saved, x, topk_weights, weights, config, group, keeps_routed=True)

@@ -41,6 +41,7 @@ __all__ = [
     "clear_workspace_cache",
     "emulated_workspaces",
     "local_workspace",
+    "local_workspaces",
     "cached_workspaces",
     "check_errors",
     "publish",
@@ -273,6 +274,11 @@ def local_workspace(
         ws = emulated_workspaces(1, num_tokens, hidden, top_k, dtype, device, backward=False)[0]
         _LOCAL[key] = ws
     return ws
+
+
+def local_workspaces() -> list[Workspace]:
+    """The cached one-rank workspaces (:func:`local_workspace`)."""
+    return list(_LOCAL.values())
 
 
 def _group_name(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, str]:

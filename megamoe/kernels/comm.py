@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..ep.workspace import BARRIER_CHANNELS, Workspace
 from ..errors import ErrorWord, Stage
-from .runtime import interpreting
+from .runtime import empty, interpreting
 from .schedule import RowSchedule
 from .tiles import cast
 
@@ -688,8 +688,8 @@ def gather_routing(ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
     is the input of ``build_row_schedule(ids, E_local, block_rows, expert_lo=rank*E_local)``.
     """
     w, t, k = ws.world_size, ws.num_tokens, ws.top_k
-    ids = torch.empty((w * t, k), dtype=torch.int32, device=ws.device)
-    weights = torch.empty((w * t, k), dtype=torch.float32, device=ws.device)
+    ids = empty((w * t, k), torch.int32, ws.device)
+    weights = empty((w * t, k), torch.float32, ws.device)
     grid = (w, triton.cdiv(t * k, _ROUTING_BLOCK))
     _gather_routing_kernel[grid](
         ws.peers.ids, ws.peers.weights, ids, weights, t * k, BLOCK=_ROUTING_BLOCK
@@ -740,7 +740,7 @@ def dispatch_pull(
         raise ValueError("scale=True needs source='dy' (x rows are never scaled)")
     h = ws.hidden
     if out is None:
-        out = torch.empty((sched.rows, h), dtype=ws.dtype, device=ws.device)
+        out = empty((sched.rows, h), ws.dtype, ws.device)
     elif out.shape != (sched.rows, h) or out.dtype != ws.dtype or not out.is_contiguous():
         raise ValueError(
             f"out must be a contiguous [{sched.rows}, {h}] {ws.dtype} tensor, "

@@ -157,14 +157,25 @@ def gather(x: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
     return out
 
 
+def _check_invalid(invalid: torch.Tensor | None) -> None:
+    if invalid is not None and (invalid.dtype != torch.int32 or invalid.numel() < 1):
+        raise ValueError(
+            f"invalid must be an int32 tensor with >= 1 element, got "
+            f"{invalid.dtype} with {invalid.numel()} elements"
+        )
+
+
 def combine(
     z: torch.Tensor,
     sched: RowSchedule,
     weights: torch.Tensor | None,
     base: torch.Tensor | None,
     out_dtype: torch.dtype,
+    invalid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per token, ``sum_k weights[t,k] * z[row(t,k)]`` (fp32, k in order) ``+ base[t]``."""
+    """Per token, ``sum_k weights[t,k] * z[row(t,k)]`` (fp32, k in order) ``+ base[t]``;
+    ``invalid`` as in :func:`combine_slots` (NaN everywhere when the word is set)."""
+    _check_invalid(invalid)
     t, h = sched.num_tokens, z.shape[1]
     out = empty((t, h), out_dtype, z.device)
     grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
@@ -173,7 +184,7 @@ def combine(
         sched.dest_row,
         weights if weights is not None else z,
         base if base is not None else z,
-        z,
+        invalid if invalid is not None else z,
         out,
         t,
         h,
@@ -181,7 +192,7 @@ def combine(
         HAS_WEIGHT=weights is not None,
         HAS_BASE=base is not None,
         IDENTITY=False,
-        HAS_INVALID=False,
+        HAS_INVALID=invalid is not None,
         TOKENS=_TOKENS,
         COLS=_COLS,
         UPCAST=interpreting(),
@@ -209,11 +220,7 @@ def combine_slots(
     n, h = slots.shape
     if n % top_k:
         raise ValueError(f"slots must have T*top_k rows, got {n} rows with top_k={top_k}")
-    if invalid is not None and (invalid.dtype != torch.int32 or invalid.numel() < 1):
-        raise ValueError(
-            f"invalid must be an int32 tensor with >= 1 element, got "
-            f"{invalid.dtype} with {invalid.numel()} elements"
-        )
+    _check_invalid(invalid)
     t = n // top_k
     out = empty((t, h), out_dtype, slots.device)
     grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))

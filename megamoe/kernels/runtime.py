@@ -95,9 +95,17 @@ def poisoned_buffers() -> Iterator[None]:
 
 
 def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` for kernel outputs (poisoned under :func:`poisoned_buffers`)."""
+    """``torch.empty`` for kernel outputs: poisoned under :func:`poisoned_buffers`, zeros when
+    PyTorch fills uninitialized memory (``torch.use_deterministic_algorithms(True)``, whose
+    ``fill_uninitialized_memory`` is on by default: every byte of every output is then
+    determined, also the rows past a schedule's used ones that no kernel writes)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if not _POISON:
+        if (
+            torch.are_deterministic_algorithms_enabled()
+            and torch.utils.deterministic.fill_uninitialized_memory
+        ):
+            return torch.zeros(shape, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
     fill = float("nan") if dtype.is_floating_point else _INT_POISON
     return torch.full(shape, fill, dtype=dtype, device=device)

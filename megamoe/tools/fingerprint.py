@@ -21,8 +21,9 @@ import sys
 import torch
 
 # dsv3's layer on one GPU (32 experts of the 256, one shared expert), 4096 tokens
-SHAPE = dict(hidden_size=7168, intermediate_size=2048, num_experts=32, top_k=8,
-             shared_intermediate_size=2048)
+SHAPE = dict(
+    hidden_size=7168, intermediate_size=2048, num_experts=32, top_k=8, shared_intermediate_size=2048
+)
 TOKENS = 4096
 
 
@@ -39,15 +40,28 @@ def problem(seed: int, device: torch.device):
 
     cfg = megamoe.MoEConfig(**SHAPE)
     gen = torch.Generator().manual_seed(seed)
-    h, i, e, k, i_s = (SHAPE[f] for f in ("hidden_size", "intermediate_size", "num_experts",
-                                            "top_k", "shared_intermediate_size"))
+    h, i, e, k, i_s = (
+        SHAPE[f]
+        for f in (
+            "hidden_size",
+            "intermediate_size",
+            "num_experts",
+            "top_k",
+            "shared_intermediate_size",
+        )
+    )
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16).to(device)
 
-    weights = megamoe.ExpertWeights(rnd(e, i, h, scale=h**-0.5), rnd(e, i, h, scale=h**-0.5),
-                                    rnd(e, h, i, scale=i**-0.5), rnd(i_s, h, scale=h**-0.5),
-                                    rnd(i_s, h, scale=h**-0.5), rnd(h, i_s, scale=i_s**-0.5))
+    weights = megamoe.ExpertWeights(
+        rnd(e, i, h, scale=h**-0.5),
+        rnd(e, i, h, scale=h**-0.5),
+        rnd(e, h, i, scale=i**-0.5),
+        rnd(i_s, h, scale=h**-0.5),
+        rnd(i_s, h, scale=h**-0.5),
+        rnd(h, i_s, scale=i_s**-0.5),
+    )
     ids = torch.rand(TOKENS, e, generator=gen).argsort(dim=1)[:, :k].to(device)
     w = torch.softmax(torch.randn(TOKENS, k, generator=gen), dim=1).to(device)
     return cfg, rnd(TOKENS, h), ids, w, weights, rnd(TOKENS, h)
@@ -77,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {b: fingerprint(b, args.seed, device) for b in args.backend}
     for backend, fp in result.items():
         combined = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
-        print(f"{backend:8s} {combined[:16]}  " + " ".join(f"{k}={(v or '-')[:8]}"
-                                                        for k, v in fp.items()))
+        print(
+            f"{backend:8s} {combined[:16]}  "
+            + " ".join(f"{k}={(v or '-')[:8]}" for k, v in fp.items())
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -191,7 +191,8 @@ def test_two_runs_are_bitwise_equal(ep) -> None:
 
 def test_capacity_overflow_raises_on_every_rank_and_recovers(ep, monkeypatch) -> None:
     """Every token to rank 0 with capacity T*K: every rank reports it (explicit check, and the
-    lagged check two schedules later); afterwards a step that fits has the bits of W = 1."""
+    lagged check once the GPU has made its snapshot); afterwards a step that fits has the bits of
+    W = 1."""
     group, device = ep
     monkeypatch.setenv(checks.CHECK_ENV, "lagged")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -208,7 +209,8 @@ def test_capacity_overflow_raises_on_every_rank_and_recovers(ep, monkeypatch) ->
         if f"rank 0 was routed {world * tokens * 2} rows" not in str(exc):
             problems.append(f"unexpected message: {exc}")
     _step(inputs, local, cfg, group)  # overflows again, unchecked
-    backend.build_schedule(inputs[1], cfg, group)  # sees the snapshot from before that step
+    backend.build_schedule(inputs[1], cfg, group)  # snapshots the records after that step
+    torch.cuda.synchronize()  # (the lagged check reads a snapshot only once the GPU made it)
     try:
         backend.build_schedule(inputs[1], cfg, group)
         problems.append("lagged check did not raise")

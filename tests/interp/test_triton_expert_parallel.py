@@ -101,7 +101,7 @@ def test_capacity_overflow_gives_nan_is_counted_and_recovers(
                 routed = scheds[r].routed
                 assert routed.num_blocks.item() == 0  # nothing computed, nothing out of bounds
                 assert routed.rows < max_rows(world * t * k, e_local, BLOCK_ROWS)  # smaller buffers
-                assert scheds[r].ep.invalid.tolist() == [1]
+                assert scheds[r].invalid.tolist() == [1]
                 # The slots were not written this step: NaN, never stale or zero rows.
                 assert ys[r].isnan().all(), f"step {step} rank {r}: y"
                 assert grads[r].x.isnan().all(), f"step {step} rank {r}: d_x"
@@ -188,7 +188,7 @@ def test_capacity_that_fits_changes_nothing() -> None:
     ys2, grads2, scheds, _ = _run_ep(p, cap_cfg, wss)
     for r in range(world):
         backend.check(scheds[r])
-        assert scheds[r].ep.invalid.tolist() == [0]  # checked, fits: the same bits as unchecked
+        assert scheds[r].invalid.tolist() == [0]  # checked, fits: the same bits as unchecked
         assert torch.equal(ys[r], ys2[r]) and torch.equal(grads[r].x, grads2[r].x)
         assert torch.equal(grads[r].topk_weights, grads2[r].topk_weights)
 

@@ -1,0 +1,215 @@
+"""The layer as two custom ops with fake implementations and a registered autograd formula.
+
+``megamoe::moe_forward`` returns ``y`` and the backend's saved state as a flat list of tensors
+(``save`` of the backend: the schedule, the routed and shared activations, ...);
+``megamoe::moe_backward`` takes them back and returns every gradient. Both are opaque to
+``torch.compile``: Dynamo sees one call and traces no host code of the layer, AOTAutograd puts
+the backward op in the backward graph, and their fake implementations give every output's shape
+and dtype from the inputs and the config alone (``saved_layout`` of the backend). So a model
+with megamoe layers compiles with ``fullgraph=True``, and a compiled training step can be
+captured in a CUDA graph (the Triton backends read nothing from the device on the host).
+
+The config and the process group travel as strings (``MoEConfig.key``, the group's name). Not
+supported: second-order gradients (the backward raises), ``torch.func`` transforms (``grad``,
+``vjp``, ``jvp``, ``vmap``, ...; :func:`moe` raises before the op).
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import functional
+from .backends import get_backend, resolve_backend
+from .config import MoEConfig
+from .types import ExpertWeights
+from .validation import group_size_rank, validate_inputs
+
+__all__ = ["moe", "moe_forward", "moe_backward", "group_key"]
+
+
+def group_key(group: dist.ProcessGroup | None) -> str:
+    """How a process group travels through the ops: its name ("" for one process)."""
+    return "" if group is None else group.group_name
+
+
+@functools.lru_cache(maxsize=64)
+def _group(key: str) -> dist.ProcessGroup | None:
+    if not key:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(key)
+
+
+def _unpack(config: str, group: str) -> tuple[MoEConfig, dist.ProcessGroup | None, int]:
+    grp = _group(group)
+    return MoEConfig.from_key(config), grp, group_size_rank(grp)[0]
+
+
+@torch.library.custom_op("megamoe::moe_forward", mutates_args=())
+def moe_forward(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    s_gate: Tensor | None,
+    s_up: Tensor | None,
+    s_down: Tensor | None,
+    config: str,
+    group: str,
+    backend: str,
+    check_values: bool,
+) -> tuple[Tensor, list[Tensor]]:
+    """``y`` and the saved state of ``functional.forward`` (the schedule is built inside)."""
+    cfg, grp, _ = _unpack(config, group)
+    weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
+    y, ctx = functional.forward(
+        x,
+        topk_ids,
+        topk_weights,
+        weights,
+        cfg,
+        group=grp,
+        backend=backend,
+        check_values=check_values,
+    )
+    return y, get_backend(ctx.backend).save(ctx.state)
+
+
+@moe_forward.register_fake
+def _forward_fake(
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate,
+    w_up,
+    w_down,
+    s_gate,
+    s_up,
+    s_down,
+    config,
+    group,
+    backend,
+    check_values,
+):
+    cfg, grp, world = _unpack(config, group)
+    weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
+    validate_inputs(x, topk_ids, topk_weights, weights, cfg, grp, check_values=False)
+    name = resolve_backend(backend, x.device, world, cfg, x.dtype)
+    layout = get_backend(name).saved_layout(cfg, x.shape[0], world, x.dtype)
+    return x.new_empty(x.shape), [x.new_empty(shape, dtype=dt) for _, shape, dt in layout]
+
+
+@torch.library.custom_op("megamoe::moe_backward", mutates_args=())
+def moe_backward(
+    grad_y: Tensor,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    s_gate: Tensor | None,
+    s_up: Tensor | None,
+    s_down: Tensor | None,
+    saved: list[Tensor],
+    config: str,
+    group: str,
+    backend: str,
+) -> list[Tensor]:
+    """d_x, d topk_weights and the weight gradients (the shared expert's last, when present)."""
+    cfg, grp, world = _unpack(config, group)
+    weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
+    name = resolve_backend(backend, x.device, world, cfg, x.dtype)
+    impl = get_backend(name)
+    state = impl.restore(saved, x, topk_ids, topk_weights, weights, cfg, grp)
+    ctx = functional.MoEContext(name, state, tuple(x.shape), x.dtype, x.device)
+    return [g for g in functional.backward(ctx, grad_y) if g is not None]
+
+
+@moe_backward.register_fake
+def _backward_fake(
+    grad_y,
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate,
+    w_up,
+    w_down,
+    s_gate,
+    s_up,
+    s_down,
+    saved,
+    config,
+    group,
+    backend,
+):
+    inputs = (x, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down)
+    return [t.new_empty(t.shape) for t in inputs if t is not None]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, *weights, config, group, backend, _ = inputs
+    _, saved = output
+    ctx.save_for_backward(x, topk_ids, topk_weights, *weights, *saved)
+    ctx.static = (config, group, backend)
+    ctx.mark_non_differentiable(*saved)
+
+
+def _backward(ctx, grad_y, grad_saved):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "megamoe's backward is not differentiable: second-order gradients "
+            "(backward with create_graph=True, double backward) are not supported"
+        )
+    x, topk_ids, topk_weights, *rest = ctx.saved_tensors
+    weights, saved = rest[:6], rest[6:]
+    grads = torch.ops.megamoe.moe_backward(
+        grad_y, x, topk_ids, topk_weights, *weights, saved, *ctx.static
+    )
+    dx, d_topk, d_gate, d_up, d_down, *shared = grads
+    shared = shared if shared else [None, None, None]
+    return dx, None, d_topk, d_gate, d_up, d_down, *shared, None, None, None, None
+
+
+torch.library.register_autograd("megamoe::moe_forward", _backward, setup_context=_setup_context)
+
+
+def moe(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "reference",
+    check_values: bool = True,
+    group_name: str | None = None,
+) -> Tensor:
+    """Autograd-enabled MoE through the custom ops (``functional.moe``). ``group_name``: the
+    group's :func:`group_key` when the caller has it (a module computes it once)."""
+    if torch.compiler.is_compiling():
+        check_values = False  # nothing in a traced step reads the device: the kernels check
+    elif torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RuntimeError(
+            "megamoe does not support torch.func transforms (grad, vjp, jvp, "
+            "vmap, jacrev, ...): its ops' autograd formula is not one functorch "
+            "can transform. Use torch.autograd (backward() or "
+            "torch.autograd.grad) instead."
+        )
+    y, _ = torch.ops.megamoe.moe_forward(
+        x,
+        topk_ids,
+        topk_weights,
+        *weights,
+        config.key,
+        group_key(group) if group_name is None else group_name,
+        backend,
+        check_values,
+    )
+    return y

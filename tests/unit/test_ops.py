@@ -1,0 +1,107 @@
+"""The layer's custom ops (backend "reference" on the CPU): torch.compile traces a block of router
+and MoE with fullgraph and no graph break and gives eager's bits, forward and backward;
+opcheck passes; what the ops refuse (second-order gradients, torch.func transforms) says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megamoe
+from megamoe.ops import moe_forward
+from support.problems import Case, make_problem
+from support.procs import run_gloo
+
+CASE = Case(13, 64, 32, 4, 2, shared=32, block_rows=16)
+
+
+def _block(backend: str, world: int = 1, group=None):
+    """A router and an MoE layer (the same weights for a seed), and a training step's loss."""
+    cfg = CASE._replace(experts=CASE.experts * world).config()
+    torch.manual_seed(0)
+    router = megamoe.TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k)
+    moe = megamoe.MoE(cfg, group=group, backend=backend, seed=1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = moe(x, *router(x))
+        return (y.float() * torch.linspace(-1, 1, y.shape[1])).square().sum()
+
+    return router, moe, step
+
+
+def _grads(step, x, *modules) -> list[torch.Tensor]:
+    """The loss and every gradient of one training step."""
+    leaf = x.detach().clone().requires_grad_(True)
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+    loss = step(leaf)
+    loss.backward()
+    return [loss.detach(), leaf.grad, *(p.grad for m in modules for p in m.parameters())]
+
+
+def _assert_compiled_equals_eager(backend: str, world: int = 1, group=None, rank: int = 0):
+    router, moe, step = _block(backend, world, group)
+    x = make_problem(CASE, seed=3 + rank).x
+    eager = _grads(step, x, router, moe)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = _grads(compiled, x, router, moe)
+    for i, (a, b) in enumerate(zip(got, eager)):
+        assert b is not None and torch.equal(a, b), f"output {i} differs from eager"
+
+
+def test_fullgraph_compile_of_router_and_moe_equals_eager() -> None:
+    _assert_compiled_equals_eager("reference")
+
+
+def test_compiled_step_has_no_graph_break() -> None:
+    router, moe, step = _block("reference")
+    explained = torch._dynamo.explain(step)(make_problem(CASE, seed=4).x.requires_grad_(True))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def _compile_over_ranks(rank: int, world: int) -> None:
+    _assert_compiled_equals_eager("reference", world, dist.group.WORLD, rank)
+
+
+def test_fullgraph_compile_over_two_gloo_ranks_equals_eager() -> None:
+    run_gloo(2, _compile_over_ranks)
+
+
+def _op_args(backend: str, requires_grad: bool = True) -> tuple:
+    p = make_problem(CASE, seed=5)
+    leaf = lambda t: t.clone().requires_grad_(requires_grad)  # noqa: E731
+    return (
+        leaf(p.x),
+        p.topk_ids,
+        leaf(p.topk_weights),
+        *(leaf(w) for w in p.weights),
+        p.config.key,
+        "",
+        backend,
+        False,
+    )
+
+
+def test_opcheck() -> None:
+    result = torch.library.opcheck(moe_forward, _op_args("reference"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_second_order_gradients_are_refused() -> None:
+    router, moe, step = _block("reference")
+    x = make_problem(CASE, seed=6).x.requires_grad_(True)
+    (grad,) = torch.autograd.grad(step(x), x, create_graph=False)
+    assert torch.isfinite(grad.float()).all()
+    with pytest.raises(RuntimeError, match="second-order gradients .* are not supported"):
+        torch.autograd.grad(step(x), x, create_graph=True)
+
+
+def test_torch_func_transforms_are_refused() -> None:
+    router, moe, step = _block("reference")
+    x = make_problem(CASE, seed=7).x
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        torch.func.grad(step)(x)
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        torch.func.vjp(step, x)
