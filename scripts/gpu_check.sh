@@ -2,7 +2,7 @@
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
 #   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [fingerprint] [comm] [bench] [kernels]
-#                        [sustained] [sweep] [all]
+#                        [sustained] [sweep] [shapes] [host] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -23,6 +23,13 @@
 #   sweep    (not part of all) W=$NGPU on $MEGAMOE_SWEEP_PRESET: backend fused over the tunable
 #            grid $MEGAMOE_SWEEP_TUNE next to triton and torch-a2a, then every backend over
 #            $MEGAMOE_SWEEP_TOKENS tokens per rank (the time-vs-tokens plot)
+#   shapes   (not part of all) W=1 on every model of $MEGAMOE_MODELS (default: the whole model
+#            table): backends $MEGAMOE_SHAPES_BACKENDS at $MEGAMOE_SHAPES_TOKENS tokens, in the
+#            throughput and the latency mode, one bench per model (shapes_<model>.json; a
+#            model that runs past STEP_TIMEOUT_S loses only its own records), no float64 check
+#            (the weights of the whole table's experts on one GPU; the tests check accuracy)
+#   host     (not part of all) where the host time of a call goes (megamoe.tools.profile
+#            --host): triton and fused, forward + backward, on $MEGAMOE_HOST_MODEL
 #
 # Environment (all optional):
 #   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); the device tool
@@ -50,6 +57,10 @@
 #   MEGAMOE_SWEEP_TUNE   default "comm_programs=33,66,132 minibatch_rows=256,1024" (--tune
 #                        each; at W > 1 comm_programs are the comm kernel's programs)
 #   MEGAMOE_SWEEP_TOKENS default "1024 2048 4096 8192"
+#   MEGAMOE_MODELS       default: every model of megamoe.shapes.MODEL_SHAPES
+#   MEGAMOE_SHAPES_BACKENDS default "triton fused auto torch-a2a"
+#   MEGAMOE_SHAPES_TOKENS default "4096 16384"
+#   MEGAMOE_HOST_MODEL   default qwen3-30b-a3b
 #
 # The package is used from this checkout through PYTHONPATH (no install: the GPU machine may have
 # no network for build dependencies). Exit status: the number of failed steps (0 = all passed).
@@ -78,8 +89,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -87,7 +98,7 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     for p in "${parts[@]}"; do
         case "$p" in
             "$1") return 0 ;;
-            all) [ "$1" != sweep ] && return 0 ;;
+            all) case "$1" in sweep | shapes | host) ;; *) return 0 ;; esac ;;
             tests) [ "$1" = tests-1gpu ] || [ "$1" = tests-ep ] && return 0 ;;
         esac
     done
@@ -222,6 +233,25 @@ if want sweep; then
     else
         echo "sweep: skipped (1 GPU)" | tee -a "$SUMMARY"
     fi
+fi
+
+if want shapes; then
+    models="${MEGAMOE_MODELS:-$("$PY" -c 'from megamoe.shapes import MODEL_SHAPES; print(*MODEL_SHAPES)')}"
+    for model in $models; do
+        # shellcheck disable=SC2086
+        step "shapes $model W=1" "$OUT/shapes.log" "$PY" -m megamoe bench --model "$model" \
+            --tokens ${MEGAMOE_SHAPES_TOKENS:-4096 16384} \
+            --backend ${MEGAMOE_SHAPES_BACKENDS:-triton fused auto torch-a2a} \
+            --mode throughput latency --iters "$ITERS" --warmup "$WARMUP" --no-check \
+            --out "$OUT/shapes_$model.json"
+    done
+fi
+
+if want host; then
+    for backend in triton fused; do
+        step "host time $backend" "$OUT/host.log" "$PY" -m megamoe.tools.profile --host \
+            --backward --model "${MEGAMOE_HOST_MODEL:-qwen3-30b-a3b}" --backend "$backend"
+    done
 fi
 
 if [ "${MEGAMOE_SAVE_TRITON_CACHE:-0}" = 1 ]; then

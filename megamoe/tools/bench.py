@@ -86,9 +86,13 @@ RECORD_FIELDS: tuple[str, ...] = (
     "experts",
     "top_k",
     "shared_intermediate",
+    "mode",
+    "resolved_backend",
     "fwd_ms",
     "bwd_ms",
     "fwdbwd_ms",
+    "host_fwd_ms",
+    "host_bwd_ms",
     "fwd_tflops",
     "fwdbwd_tflops",
     "gemm_peak_tflops",
@@ -140,6 +144,11 @@ BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
         "comm_kernel",
     ),
 }
+# How iterations follow each other. "throughput": back to back, the host running ahead of the
+# GPU (a training loop without syncs; the host time then hides behind the GPU's). "latency": a
+# device sync before each iteration, so the GPU idles while the host prepares each call and
+# the host time adds to the step (a loop that syncs, e.g. for a loss print, or a host-bound one).
+TIMING_MODES: dict[str, bool] = {"throughput": False, "latency": True}  # mode -> sync first
 # The tunables that matter at W = 1 too (no copies there), per backend.
 _TUNED_AT_W1: dict[str, tuple[str, ...]] = {
     "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag", "comm_kernel"),
@@ -157,13 +166,21 @@ class BenchOptions:
     check: bool = True
     seed: int = DEFAULT_SEED
     tune: dict[str, list[int]] = field(default_factory=dict)  # tunable -> values to sweep
+    modes: list[str] = field(default_factory=lambda: ["throughput"])  # see TIMING_MODES
 
     def __post_init__(self) -> None:
         self.shapes = [resolve_shape(s) for s in self.shapes]  # raises with the valid names
-        valid = [*BACKENDS, BASELINE]
+        valid = [*BACKENDS, "auto", BASELINE]
         for b in self.backends:
             if b not in valid:
-                raise ValueError(f"backend must be one of {valid + ['auto']}, got {b!r}")
+                raise ValueError(f"backend must be one of {valid}, got {b!r}")
+        if isinstance(self.modes, str):
+            self.modes = [self.modes]
+        for m in self.modes:
+            if m not in TIMING_MODES:
+                raise ValueError(f"mode must be one of {list(TIMING_MODES)}, got {m!r}")
+        if not self.modes:
+            raise ValueError("modes: give at least one of " + ", ".join(TIMING_MODES))
         if self.routing not in ROUTING_KINDS:
             raise ValueError(f"routing must be one of {list(ROUTING_KINDS)}, got {self.routing!r}")
         if self.iters < 1:
@@ -207,18 +224,15 @@ def default_backends(device: torch.device) -> list[str]:
 
 
 def expand_backends(names: list[str], device: torch.device, world_size: int = 1) -> list[str]:
-    """Resolve "auto" as ``MoE(backend="auto")`` does at this world size; keep order, drop
-    repeats."""
-    out: list[str] = []
-    for name in names:
-        if name == "auto":
-            name = resolve_backend("auto", device, world_size)
-        if name not in out:
-            out.append(name)
-    return out
+    """Keep order, drop repeats. "auto" stays a run of its own: it resolves per shape (the
+    record's ``resolved_backend``), and timing it beside the backend it picks shows what the
+    choice costs."""
+    return list(dict.fromkeys(names))
 
 
 def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
+    if name == "auto":
+        return True, "the best available backend for the shape (docs/tuning.md)"
     if name == BASELINE:
         how = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert matmul loop"
         return True, f"all_to_all_single + {how}"
@@ -335,16 +349,23 @@ def check_backend(fn: MoEFn, case: Case, expected: RunResult, env: DistEnv) -> d
     return {"check": worst_abs, "check_rel": worst_rel, "check_ok": ok}
 
 
-def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock) -> tuple[Any, Any, Any]:
-    """One training iteration (grads reset, forward, backward): marks before, between, after."""
+def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock, sync: bool) -> tuple:
+    """One training iteration (grads reset, forward, backward): device marks before, between and
+    after, and the host seconds of the forward and the backward call. ``sync``: wait for the
+    device first (latency mode)."""
     for t in case.leaves():
         t.grad = None
+    if sync:
+        clock.sync()
     m0 = clock.mark()
+    h0 = time.perf_counter()
     y = fn(case.x, case.topk_ids, case.topk_weights, case.weights, case.config, env.group)
+    h1 = time.perf_counter()
     m1 = clock.mark()
     y.backward(case.grad_y)
+    h2 = time.perf_counter()
     m2 = clock.mark()
-    return m0, m1, m2
+    return m0, m1, m2, h1 - h0, h2 - h1
 
 
 def iteration_order(iteration: int, num_runs: int) -> list[int]:
@@ -363,10 +384,16 @@ def iteration_order(iteration: int, num_runs: int) -> list[int]:
 
 
 def time_interleaved(
-    runs: list[tuple[MoEFn, Case]], opts: BenchOptions, env: DistEnv, tick: Callable[[int], None]
+    runs: list[tuple[MoEFn, Case]],
+    opts: BenchOptions,
+    env: DistEnv,
+    tick: Callable[[int], None],
+    mode: str = "throughput",
 ) -> list[dict[str, float] | BaseException]:
-    """Median over iterations of the per-iteration max over ranks, fwd, bwd and fwd+bwd (ms),
-    of every run, their iterations interleaved (each iteration in :func:`iteration_order`).
+    """Median over iterations of the per-iteration max over ranks, fwd, bwd and fwd+bwd (ms)
+    on the device and the forward's and backward's host time (ms), of every run, their
+    iterations interleaved (each iteration in :func:`iteration_order`), in a ``TIMING_MODES``
+    mode.
 
     Interleaving gives every run the same GPU clocks: sustained forward + backward heats an
     H200 and slows its kernels by up to ~20% within ~100 ms (BENCHMARKS.md), so runs timed one
@@ -374,7 +401,8 @@ def time_interleaved(
     is the exception. ``tick(i)`` after each iteration of run i.
     """
     clock = _Clock(env.device)
-    marks: list[list[tuple[Any, Any, Any]]] = [[] for _ in runs]
+    sync = TIMING_MODES[mode]
+    marks: list[list[tuple]] = [[] for _ in runs]
     results: list[dict[str, float] | BaseException | None] = [None] * len(runs)
     for it in range(opts.warmup + opts.iters):
         for i in iteration_order(it, len(runs)):
@@ -382,7 +410,7 @@ def time_interleaved(
             if results[i] is not None:
                 continue
             try:
-                m = _iteration(fn, case, env, clock)
+                m = _iteration(fn, case, env, clock, sync)
             except Exception as exc:  # the caller records it and goes on with the others
                 results[i] = exc
                 _free_memory(env.device)
@@ -397,14 +425,22 @@ def time_interleaved(
     for i, run_marks in enumerate(marks):
         if results[i] is None:
             per_iter = [
-                [clock.elapsed_ms(a, b), clock.elapsed_ms(b, c), clock.elapsed_ms(a, c)]
-                for a, b, c in run_marks
+                [
+                    clock.elapsed_ms(a, b),
+                    clock.elapsed_ms(b, c),
+                    clock.elapsed_ms(a, c),
+                    host_fwd * 1e3,
+                    host_bwd * 1e3,
+                ]
+                for a, b, c, host_fwd, host_bwd in run_marks
             ]
             worst = _max_over_ranks(per_iter, env)
             results[i] = {
                 "fwd_ms": _median(worst[:, 0]),
                 "bwd_ms": _median(worst[:, 1]),
                 "fwdbwd_ms": _median(worst[:, 2]),
+                "host_fwd_ms": _median(worst[:, 3]),
+                "host_bwd_ms": _median(worst[:, 4]),
             }
     return results  # type: ignore[return-value]
 
@@ -526,6 +562,7 @@ def add_rates(rec: dict[str, Any], config: MoEConfig, tokens: int) -> None:
 
 def _case_key(rec: dict[str, Any]) -> tuple:
     return (
+        rec.get("mode"),
         rec["preset"],
         rec.get("model"),
         rec["hidden"],
@@ -554,7 +591,7 @@ def add_speedups(records: list[dict[str, Any]]) -> None:
 
 def total_steps(opts: BenchOptions, world_size: int = 1) -> int:
     """Progress steps of :func:`run_bench`: GEMM peak, float64 references, checks, iterations."""
-    per_run = (1 if opts.check else 0) + opts.warmup + opts.iters
+    per_run = (1 if opts.check else 0) + (opts.warmup + opts.iters) * len(opts.modes)
     runs = sum(len(tuning_variants(b, world_size, opts.tune)) for b in opts.backends)
     per_case = (1 if opts.check else 0) + per_run * runs
     return 1 + per_case * len(opts.shapes) * len(opts.tokens or [None])
@@ -589,8 +626,7 @@ def run_bench(
             for backend in opts.backends
             for variant in tuning_variants(backend, env.world_size, opts.tune)
         ]
-        _run_case(runs, expected, opts, env, peak, facts, bar)
-        records.extend(r.rec for r in runs)
+        records.extend(_run_case(runs, expected, opts, env, peak, facts, bar))
         del case, expected, runs
         _free_memory(env.device)
     add_speedups(records)
@@ -605,6 +641,7 @@ class _Run:
     case: Case
     rec: dict[str, Any] = field(default_factory=dict)
     fn: MoEFn | None = None  # None once skipped or failed
+    resolved: str = ""  # the backend that runs (auto's choice)
 
     @property
     def label(self) -> str:
@@ -629,9 +666,11 @@ def _run_case(
     peak: float,
     facts: dict[str, str],
     bar: ProgressBar,
-) -> None:
-    """Check every run, time them interleaved, then add rates, tunables and copy bandwidth."""
-    per_run = (1 if expected is not None else 0) + opts.warmup + opts.iters
+) -> list[dict[str, Any]]:
+    """Check every run, time them interleaved in each mode, then add rates, tunables and copy
+    bandwidth: one record per (run, mode)."""
+    per_mode = opts.warmup + opts.iters
+    per_run = (1 if expected is not None else 0) + per_mode * len(opts.modes)
     for run in runs:
         run.rec = base_record(run.case, run.backend, opts, env, peak, facts)
         ok, reason = backend_status(run.backend, env.device)
@@ -639,6 +678,12 @@ def _run_case(
             run.rec.update(status="skipped", note=reason)
             bar.step(per_run, f"{run.label}: skipped")
             continue
+        run.resolved = run.backend
+        if run.backend == "auto":
+            run.resolved = resolve_backend(
+                "auto", env.device, env.world_size, run.case.config, run.case.x.dtype
+            )
+            run.rec["resolved_backend"] = run.resolved
         run.fn = layer_fn(run.backend)
         if expected is not None:
             bar.update(f"{run.label}: check")
@@ -649,27 +694,38 @@ def _run_case(
                 _free_memory(env.device)
                 continue
             bar.step()
-    timed = [run for run in runs if run.fn is not None]
-    done = [0] * len(timed)
+    records: dict[int, list[dict[str, Any]]] = {id(run): [] for run in runs}
+    for mode in opts.modes:
+        timed = [run for run in runs if run.fn is not None]
+        done = [0] * len(timed)
 
-    def tick(i: int) -> None:
-        done[i] += 1
-        bar.step(1, f"{timed[i].label}: timing")
+        def tick(i: int) -> None:
+            done[i] += 1
+            bar.step(1, f"{timed[i].label}: timing ({mode})")
 
-    results = time_interleaved([(run.fn, run.case) for run in timed], opts, env, tick)
-    for i, (run, result) in enumerate(zip(timed, results)):
-        if isinstance(result, BaseException):
-            run.stop(result, bar, opts.warmup + opts.iters - done[i])
-            continue
-        run.rec.update(result)
-        add_rates(run.rec, run.case.config, run.case.tokens)
-        run.rec.update(tunable_fields(run.backend, run.case.config, env.world_size, env.device))
-        if measures_comm(run.backend, env):
+        results = time_interleaved([(r.fn, r.case) for r in timed], opts, env, tick, mode)
+        for i, (run, result) in enumerate(zip(timed, results)):
+            if isinstance(result, BaseException):
+                left = opts.modes[opts.modes.index(mode) + 1 :]
+                run.stop(result, bar, per_mode * (1 + len(left)) - done[i])
+                continue
+            rec = dict(run.rec, mode=mode, **result)
+            add_rates(rec, run.case.config, run.case.tokens)
+            rec.update(tunable_fields(run.resolved, run.case.config, env.world_size, env.device))
+            records[id(run)].append(rec)
+    for run in runs:
+        if run.fn is not None and measures_comm(run.backend, env):
             bar.update(f"{run.label}: dispatch/combine GB/s")
             try:
-                run.rec.update(time_comm(run.case, opts, env))
+                gbps = time_comm(run.case, opts, env)
             except Exception as exc:
                 run.stop(exc, bar, 0)
+            else:
+                for rec in records[id(run)]:
+                    rec.update(gbps)
+        if run.fn is None:  # skipped or failed: one record saying why (no timings)
+            records[id(run)] = [dict(run.rec, mode=None)]
+    return [rec for run in runs for rec in records[id(run)]]
 
 
 def run_failed(records: list[dict]) -> bool:

@@ -23,6 +23,7 @@ from .. import __version__
 from ..backends import available_backends
 from ..shapes import MODEL_SHAPES, PRESETS
 from .bench import (
+    TIMING_MODES,
     BenchOptions,
     backend_status,
     default_backends,
@@ -120,6 +121,7 @@ def _options(args: argparse.Namespace, device: torch.device, world_size: int) ->
         seed=args.seed,
         # a --set is a sweep of one value (applied where a backend reads it)
         tune={**parse_tune(args.set), **parse_tune(args.tune)},
+        modes=args.mode,
     )
 
 
@@ -211,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep a config tunable (comm_programs, minibatch_rows, ring_rows, down_lag "
         "(or auto), copy_programs, overlap_shared, comm_kernel (0 or 1)) for "
         "the backends that read it; repeat for a grid (default: config values)",
+    )
+    p.add_argument(
+        "--mode",
+        nargs="+",
+        choices=list(TIMING_MODES),
+        default=["throughput"],
+        help="throughput: iterations back to back, the host running ahead; latency: a device "
+        "sync before each iteration (default throughput; both: one record each)",
     )
     p.add_argument("--out", help="write the records as a JSON list here (rank 0)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 accuracy check")

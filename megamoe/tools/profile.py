@@ -10,6 +10,10 @@ wall time per call on the stream, and the largest idle gaps of the GPU: for each
 around it and whether the host issued the launch after the GPU had run dry (host-bound) or
 before (something on the device side held the launch back). ``--out`` gets every rank's chrome trace
 (``trace_rank{r}.json``, open in https://ui.perfetto.dev) and ``profile_rank{r}.json``.
+
+``--host``: where the host time of a call goes instead: ``cProfile`` over the calls, each after
+a device sync (so no launch waits for a full queue), the functions with the most own time and
+the most time inside them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["Gap", "device_events", "kernel_ms", "busy_ms", "idle_gaps", "profile_calls", "main"]
+__all__ = [
+    "Gap",
+    "device_events",
+    "kernel_ms",
+    "busy_ms",
+    "idle_gaps",
+    "profile_calls",
+    "profile_host",
+    "main",
+]
 
 # Chrome-trace categories of work on the GPU, and of the host calls that launch it.
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -179,6 +192,31 @@ def profile_calls(
     }
 
 
+def profile_host(run: Callable[[], None], calls: int, top: int = 25) -> tuple[float, str]:
+    """Host ms per call of ``run()`` (each after a device sync) and the ``cProfile`` tables of
+    those calls: the ``top`` functions by own time and by time inside them."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    prof = cProfile.Profile()
+    total = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prof.enable()
+        run()
+        prof.disable()
+        total += time.perf_counter() - t0
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(top)
+    return total / calls * 1e3, text.getvalue()
+
+
 def format_profile(result: dict[str, Any], top_gaps: int = 12) -> str:
     calls = result["calls"]
     lines = [
@@ -220,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5, help="profiled calls")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", help="directory for trace_rank*.json and profile_rank*.json")
+    parser.add_argument(
+        "--host", action="store_true", help="profile the host time of the calls (cProfile)"
+    )
     args = parser.parse_args(argv)
     env = harness.init_distributed()
     if env.device.type != "cuda":
@@ -229,6 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     call = harness.layer_call(args.backend, case, config, env.group, args.backward)
     for _ in range(args.warmup):
         call()
+    what = "forward + backward" if args.backward else "forward"
+    if args.host:
+        ms, text = profile_host(call, args.iters)
+        if env.is_main:  # (rank 0's host; under cProfile, so slower than unprofiled)
+            print(f"{shape.name}, backend {args.backend}, {what}: host {ms:.3f} ms per call")
+            print(text)
+        harness.finish_distributed(env)
+        return 0
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -243,7 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank=env.rank,
         tokens_per_rank=case.tokens,
     )
-    what = "forward + backward" if args.backward else "forward"
     texts = [f"rank {env.rank}: {format_profile(result)}"]
     if env.group is not None:  # every rank's view: a rank whose host is late stalls the others
         import torch.distributed as dist

@@ -89,6 +89,11 @@ def _check_cell(rec: dict) -> str:
     return f"{verdict} ({_fmt(rec.get('check_rel'), 4)})"
 
 
+def _backend_cell(rec: dict) -> str:
+    resolved = rec.get("resolved_backend")
+    return f"{rec['backend']} ({resolved})" if resolved else rec["backend"]
+
+
 def _status_cell(rec: dict) -> str | None:
     status = rec.get("status", "ok")
     return None if status == "ok" else f"{status}: {rec.get('note', '')}"
@@ -96,11 +101,12 @@ def _status_cell(rec: dict) -> str | None:
 
 # (header, how to read one record); the check cell comes last (a skipped row's reason goes there).
 _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
-    ("preset", lambda r: r["preset"]),
+    ("shape", lambda r: r.get("model") or r["preset"]),
     ("W", lambda r: r["world_size"]),
-    ("backend", lambda r: r["backend"]),
+    ("backend", lambda r: _backend_cell(r)),
     ("routing", lambda r: r.get("routing")),
     ("tokens/rank", lambda r: r["tokens_per_rank"]),
+    ("mode", lambda r: r.get("mode") or "-"),
     ("fwd ms", lambda r: _fmt(r["fwd_ms"], 3)),
     ("bwd ms", lambda r: _fmt(r["bwd_ms"], 3)),
     ("fwd+bwd ms", lambda r: _fmt(r["fwdbwd_ms"], 3)),
@@ -115,8 +121,10 @@ _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
     ),
 )
 _CHECK_COLUMN = ("check (rel err)", _check_cell)
-# Shown only when some record has the field (NVLink copies, tunables): (header, field).
+# Shown only when some record has the field (host times, NVLink copies, tunables): (header, field).
 _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("host fwd ms", "host_fwd_ms"),
+    ("host bwd ms", "host_bwd_ms"),
     ("dispatch GB/s", "dispatch_gbps"),
     ("combine GB/s", "combine_gbps"),
     ("dy pull GB/s", "dispatch_bwd_gbps"),
@@ -134,7 +142,7 @@ _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
 def _columns(records: Sequence[dict]) -> list[tuple[str, Any]]:
     """The layer columns, with the communication ones that some record fills."""
     comm = [
-        (header, lambda r, f=field: _fmt(r.get(f), 0))
+        (header, lambda r, f=field: _fmt(r.get(f), 2 if f.startswith("host") else 0))
         for header, field in _COMM_COLUMNS
         if any(r.get(field) is not None for r in records)
     ]
@@ -157,8 +165,8 @@ def _layer_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
         if status is None:
             rows.append([str(_fmt(get(rec))) for _, get in columns])
         else:
-            head = [str(_fmt(get(rec))) for _, get in columns[:5]]
-            rows.append(head + ["-"] * (len(headers) - 6) + [status])
+            head = [str(_fmt(get(rec))) for _, get in columns[:6]]
+            rows.append(head + ["-"] * (len(headers) - 7) + [status])
     return headers, rows
 
 

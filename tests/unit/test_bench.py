@@ -99,8 +99,31 @@ def test_timed_runs_interleave_and_a_failing_run_leaves_the_others():
     assert ticks == [i for i, finished in expected if finished]
     assert isinstance(results[1], RuntimeError) and "b broke" in str(results[1])
     for r in (results[0], results[2]):
-        assert set(r) == {"fwd_ms", "bwd_ms", "fwdbwd_ms"} and r["fwdbwd_ms"] > 0
+        assert set(r) == {"fwd_ms", "bwd_ms", "fwdbwd_ms", "host_fwd_ms", "host_bwd_ms"}
+        assert r["fwdbwd_ms"] > 0 and r["host_fwd_ms"] > 0 and r["host_bwd_ms"] > 0
     assert all(t.grad is None for t in case.leaves())
+
+
+@pytest.mark.parametrize("mode, syncs_per_iteration", [("throughput", 0), ("latency", 1)])
+def test_latency_mode_waits_for_the_device_before_each_iteration(
+    monkeypatch, mode, syncs_per_iteration
+):
+    from megamoe.tools import bench
+    from megamoe.tools.baselines import torch_a2a_moe
+    from megamoe.tools.harness import DistEnv, make_case
+
+    events: list[str] = []
+    monkeypatch.setattr(bench._Clock, "sync", lambda self: events.append("sync"))
+
+    def fn(*args):
+        events.append("call")
+        return torch_a2a_moe(*args)
+
+    opts = bench.BenchOptions(shapes=["tiny"], backends=["torch-a2a"], iters=2, warmup=1)
+    case = make_case("tiny", DistEnv(), tokens=8)
+    bench.time_interleaved([(fn, case)], opts, DistEnv(), lambda i: None, mode)
+    per_iteration = ["sync"] * syncs_per_iteration + ["call"]
+    assert events == per_iteration * 3 + ["sync"]  # and the one sync before reading the clocks
 
 
 def test_tunables_and_copy_timing_only_where_they_apply():

@@ -26,9 +26,12 @@ DESIGN_FIELDS = (
     "experts",
     "top_k",
     "shared_intermediate",
+    "mode",
     "fwd_ms",
     "bwd_ms",
     "fwdbwd_ms",
+    "host_fwd_ms",
+    "host_bwd_ms",
     "fwd_tflops",
     "fwdbwd_tflops",
     "gemm_peak_tflops",
@@ -61,13 +64,14 @@ def _check_records(
         assert r["preset"] == "tiny" and r["world_size"] == world_size
         assert r["experts"] == 4 * world_size and r["top_k"] == 2
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwdbwd_ms"] > 0
+        assert r["host_fwd_ms"] > 0 and r["host_bwd_ms"] > 0
         assert r["fwd_tflops"] > 0 and r["fwdbwd_tflops"] > 0 and r["gemm_peak_tflops"] > 0
         if checked:
             assert r["check_ok"] is True and 0 <= r["check"] < 1, r
         else:
             assert r["check"] is None
-    baseline = next(r for r in records if r["backend"] == "torch-a2a")
-    assert baseline["speedup_vs_torch_a2a"] == pytest.approx(1.0)
+    for baseline in (r for r in records if r["backend"] == "torch-a2a"):  # one per mode
+        assert baseline["speedup_vs_torch_a2a"] == pytest.approx(1.0)
 
 
 def test_info():
@@ -106,17 +110,26 @@ def test_bench_under_torchrun_two_gloo_ranks_skewed(tmp_path):
     assert all(r["routing"] == "one-rank" for r in records)
 
 
-def test_bench_no_check_and_explicit_backends(tmp_path):
+def test_bench_auto_is_its_own_run_in_both_modes(tmp_path):
     out = tmp_path / "r.json"
     args = (
         "-m megamoe bench --iters 1 --warmup 0 --no-check --backend torch-a2a auto "
-        "--tokens 33 --out"
+        "--tokens 33 --mode throughput latency --out"
     )
     proc = run_python(*args.split(), str(out))
     assert_ok(proc)
     records = json.loads(out.read_text())
-    _check_records(records, 1, {"reference", "torch-a2a"}, checked=False)
+    _check_records(records, 1, {"auto", "torch-a2a"}, checked=False)
     assert all(r["tokens_per_rank"] == 33 for r in records)
+    assert sorted((r["backend"], r["mode"]) for r in records) == [
+        ("auto", "latency"),
+        ("auto", "throughput"),
+        ("torch-a2a", "latency"),
+        ("torch-a2a", "throughput"),
+    ]
+    # on the CPU auto is the reference backend; the record says so
+    assert {r["resolved_backend"] for r in records if r["backend"] == "auto"} == {"reference"}
+    assert "auto (reference)" in proc.stdout and "latency" in proc.stdout
 
 
 def test_bench_sweeps_tokens_and_skips_tunables_nobody_reads(tmp_path):
@@ -148,6 +161,7 @@ def test_bench_sweeps_tokens_and_skips_tunables_nobody_reads(tmp_path):
         ),
         (["--tune", "overlap_shared=auto"], "overlap_shared must be a bool (or 0 / 1), got None"),
         (["--tokens", "0"], "tokens must be >= 1, got 0"),
+        (["--mode", "fast"], "invalid choice: 'fast'"),
     ],
 )
 def test_bench_bad_options_are_named(args, message):
