@@ -18,9 +18,14 @@ import triton.language as tl
 
 @triton.jit
 def mma(acc, a, b, UPCAST: tl.constexpr):
-    """``acc += a @ b``, fp32 accumulation (bf16 operands; fp32 copies under the interpreter)."""
+    """``acc += a @ b``, fp32 accumulation of bf16 operands.
+
+    Under the interpreter the tile product is summed in float64 (bf16 products are exact there
+    and the order of the sum no longer shows after rounding to fp32): numpy's fp32 matmul sums
+    in an order that depends on the tile's width, so the interpreter's bits would otherwise
+    change with the tile shape, which on the GPU only splits the outputs."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
     else:
         return tl.dot(a, b, acc)
 

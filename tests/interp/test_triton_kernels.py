@@ -7,6 +7,8 @@ every buffer poisoned so unwritten elements or leaking padding rows fail the tes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -141,3 +143,39 @@ def test_gemm_grid_size_never_changes_bits() -> None:
             )
     with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
         gemm.grouped_mm(xs, w.w_down, sched, 0)
+
+
+@pytest.mark.parametrize("bn, bm", [(16, 16), (64, 64)])
+def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int, bm: int) -> None:
+    """The output tile's width (and the weight-gradient tile's height) only splits the outputs:
+    each element keeps its K loop, so a tile chosen by shape gives the same bits. (The K step
+    is not free: it orders the accumulation.)"""
+    from megamoe.kernels import gemm
+
+    p = make_problem(Case(29, 64, 96, 4, 2), seed=12)  # I = 96: partial 64-wide tiles
+    sched = build_row_schedule(p.topk_ids, 4, 16)
+    w = p.weights
+    gen = torch.Generator().manual_seed(4)
+    xs = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+    dz = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+
+    def every_gemm():
+        with poisoned_buffers():
+            g, u, h = gemm.gate_up(xs, w.w_gate, w.w_up, sched)
+            z = gemm.grouped_mm(h, w.w_down, sched)
+            dg, du = gemm.dgrad_swiglu(dz, w.w_down, g, u, sched)
+            dx = gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched)
+            return g, u, h, z, dg, du, dx, gemm.wgrad(dg, xs, sched)
+
+    used = int(sched.num_blocks.item()) * sched.block_rows
+    default = every_gemm()
+    tiles = {
+        name: dataclasses.replace(t, bn=bn, bm=bm if name == "wgrad" else 0)
+        for name, t in gemm.INTERPRETER_TILES.items()
+    }
+    monkeypatch.setattr(gemm, "INTERPRETER_TILES", tiles)
+    for i, (a, b) in enumerate(zip(default, every_gemm())):
+        if a.shape[0] == sched.rows:
+            a, b = a[:used], b[:used]
+        assert not b.isnan().any(), f"output {i}: a tile was not written"
+        assert torch.equal(a, b), f"output {i} changed with tiles {bn} x {bm}"
