@@ -70,7 +70,7 @@ def build_schedule(
     backend; anything else is refused.
     """
     world_size = group_size_rank(group)[0]
-    name = resolve_backend(backend, topk_ids.device, world_size, config)
+    name = resolve_backend(backend, topk_ids.device, world_size, config, None, topk_ids.shape[0])
     inner = get_backend(name).build_schedule(topk_ids, config, group)
     return Schedule(name, config, world_size, _ids_key(topk_ids), inner)
 
@@ -120,7 +120,7 @@ def forward(
     """
     validate_inputs(x, topk_ids, topk_weights, weights, config, group, check_values=check_values)
     world_size = group_size_rank(group)[0]
-    name = resolve_backend(backend, x.device, world_size, config, x.dtype)
+    name = resolve_backend(backend, x.device, world_size, config, x.dtype, x.shape[0])
     impl = get_backend(name)
     if schedule is None:
         inner = impl.build_schedule(topk_ids, config, group)

@@ -99,7 +99,7 @@ def _forward_fake(
     cfg, grp, world = _unpack(config, group)
     weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
     validate_inputs(x, topk_ids, topk_weights, weights, cfg, grp, check_values=False)
-    name = resolve_backend(backend, x.device, world, cfg, x.dtype)
+    name = resolve_backend(backend, x.device, world, cfg, x.dtype, x.shape[0])
     layout = get_backend(name).saved_layout(cfg, x.shape[0], world, x.dtype)
     return x.new_empty(x.shape), [x.new_empty(shape, dtype=dt) for _, shape, dt in layout]
 
@@ -124,7 +124,7 @@ def moe_backward(
     """d_x, d topk_weights and the weight gradients (the shared expert's last, when present)."""
     cfg, grp, world = _unpack(config, group)
     weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
-    name = resolve_backend(backend, x.device, world, cfg, x.dtype)
+    name = resolve_backend(backend, x.device, world, cfg, x.dtype, x.shape[0])
     impl = get_backend(name)
     state = impl.restore(saved, x, topk_ids, topk_weights, weights, cfg, grp)
     ctx = functional.MoEContext(name, state, tuple(x.shape), x.dtype, x.device)

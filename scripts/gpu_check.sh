@@ -57,7 +57,8 @@
 #   MEGAMOE_SWEEP_TUNE   default "comm_programs=33,66,132 minibatch_rows=256,1024" (--tune
 #                        each; at W > 1 comm_programs are the comm kernel's programs)
 #   MEGAMOE_SWEEP_TOKENS default "1024 2048 4096 8192"
-#   MEGAMOE_MODELS       default: every model of megamoe.shapes.MODEL_SHAPES
+#   MEGAMOE_MODELS       default: every model of megamoe.shapes.MODEL_SHAPES; an entry
+#                        H,I,E,K[,Is] is a custom shape (shapes_custom_HxIxExK.json)
 #   MEGAMOE_SHAPES_BACKENDS default "triton fused auto torch-a2a"
 #   MEGAMOE_SHAPES_TOKENS default "4096 16384"
 #   MEGAMOE_HOST_MODEL   default qwen3-30b-a3b
@@ -238,12 +239,15 @@ fi
 if want shapes; then
     models="${MEGAMOE_MODELS:-$("$PY" -c 'from megamoe.shapes import MODEL_SHAPES; print(*MODEL_SHAPES)')}"
     for model in $models; do
+        how=(--model "$model")
+        name="$model"
+        case "$model" in *,*) how=(--shape "$model") name="custom_${model//,/x}" ;; esac
         # shellcheck disable=SC2086
-        step "shapes $model W=1" "$OUT/shapes.log" "$PY" -m megamoe bench --model "$model" \
+        step "shapes $model W=1" "$OUT/shapes.log" "$PY" -m megamoe bench "${how[@]}" \
             --tokens ${MEGAMOE_SHAPES_TOKENS:-4096 16384} \
             --backend ${MEGAMOE_SHAPES_BACKENDS:-triton fused auto torch-a2a} \
             --mode throughput latency --iters "$ITERS" --warmup "$WARMUP" --no-check \
-            --out "$OUT/shapes_$model.json"
+            --out "$OUT/shapes_$name.json"
     done
 fi
 

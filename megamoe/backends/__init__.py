@@ -38,15 +38,31 @@ BACKENDS: dict[str, str] = {
     "reference": "megamoe.backends.reference",
 }
 
-# backend="auto" takes the first available backend of these, by world size (docs/tuning.md,
-# "backend auto").
+# backend="auto" takes the first available backend of these, by world size and, on one GPU, by
+# the layer's shape and rows (docs/tuning.md, "backend auto", has the rule's data).
 _AUTO_ONE_GPU = ("triton", "fused", "reference")
+_AUTO_ONE_GPU_WIDE = ("fused", "triton", "reference")
 _AUTO_EXPERT_PARALLEL = ("fused", "triton", "reference")
+# On one GPU the fused forward beats the unfused one where the expert GEMMs are wide (its fixed
+# cost, about 1 ms of host and start-up time, then hides): hidden x intermediate at least this
+# (DeepSeek-V3's 7168 x 2048 and wider; GLM-4.5's 5120 x 1536 and narrower go unfused) ...
+AUTO_FUSED_MIN_WEIGHT_ELEMENTS = 12 * 2**20
+# ... and at least this many routed rows (tokens x top-k) to fill them.
+AUTO_FUSED_MIN_ROWS = 8192
 
 
-def auto_order(world_size: int) -> tuple[str, ...]:
-    """The backends backend="auto" tries at this expert-parallel world size, best first."""
-    return _AUTO_ONE_GPU if world_size <= 1 else _AUTO_EXPERT_PARALLEL
+def auto_order(
+    world_size: int, config: MoEConfig | None = None, tokens: int | None = None
+) -> tuple[str, ...]:
+    """The backends backend="auto" tries at this expert-parallel world size, best first; on
+    one GPU, given the config and the tokens of the step, "fused" first for wide layers."""
+    if world_size > 1:
+        return _AUTO_EXPERT_PARALLEL
+    if config is not None and tokens is not None:
+        wide = config.hidden_size * config.intermediate_size >= AUTO_FUSED_MIN_WEIGHT_ELEMENTS
+        if wide and tokens * config.top_k >= AUTO_FUSED_MIN_ROWS:
+            return _AUTO_ONE_GPU_WIDE
+    return _AUTO_ONE_GPU
 
 
 def get_backend(name: str) -> ModuleType:
@@ -92,11 +108,14 @@ def resolve_backend(
     world_size: int = 1,
     config: MoEConfig | None = None,
     dtype: torch.dtype | None = None,
+    tokens: int | None = None,
 ) -> str:
     """Map "auto" to the best backend available on ``device`` at this expert-parallel size
-    (:func:`auto_order`; and for this config and dtype when given); check an explicit name."""
+    (:func:`auto_order`; and for this config, dtype and step's tokens when given); check an
+    explicit name. Both Triton backends give the same bits, so auto's choice never changes
+    results."""
     if name == "auto":
-        for candidate in auto_order(world_size):
+        for candidate in auto_order(world_size, config, tokens):
             if _availability(candidate, device, world_size, config, dtype)[0]:
                 return candidate
         raise RuntimeError("no megamoe backend is available")  # reference is always available

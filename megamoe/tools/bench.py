@@ -680,8 +680,9 @@ def _run_case(
             continue
         run.resolved = run.backend
         if run.backend == "auto":
+            x = run.case.x
             run.resolved = resolve_backend(
-                "auto", env.device, env.world_size, run.case.config, run.case.x.dtype
+                "auto", env.device, env.world_size, run.case.config, x.dtype, x.shape[0]
             )
             run.rec["resolved_backend"] = run.resolved
         run.fn = layer_fn(run.backend)
