@@ -223,13 +223,6 @@ def default_backends(device: torch.device) -> list[str]:
     return [*names, BASELINE]
 
 
-def expand_backends(names: list[str], device: torch.device, world_size: int = 1) -> list[str]:
-    """Keep order, drop repeats. "auto" stays a run of its own: it resolves per shape (the
-    record's ``resolved_backend``), and timing it beside the backend it picks shows what the
-    choice costs."""
-    return list(dict.fromkeys(names))
-
-
 def backend_status(name: str, device: torch.device) -> tuple[bool, str]:
     if name == "auto":
         return True, "the best available backend for the shape (docs/tuning.md)"

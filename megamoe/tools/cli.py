@@ -28,7 +28,6 @@ from .bench import (
     backend_status,
     default_backends,
     default_shapes,
-    expand_backends,
     parse_tune,
     run_bench,
     run_failed,
@@ -108,11 +107,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- bench
 
 
-def _options(args: argparse.Namespace, device: torch.device, world_size: int) -> BenchOptions:
+def _options(args: argparse.Namespace, device: torch.device) -> BenchOptions:
     shapes = shapes_of(args)
     return BenchOptions(
         shapes=shapes or default_shapes(device),
-        backends=expand_backends(args.backend or default_backends(device), device, world_size),
+        # "auto" stays a run of its own (resolved per shape: the record's resolved_backend)
+        backends=list(dict.fromkeys(args.backend or default_backends(device))),
         iters=args.iters,
         warmup=args.warmup,
         tokens=args.tokens,
@@ -145,7 +145,7 @@ def _kernel_records(iters: int, env: DistEnv) -> list[dict]:
 def cmd_bench(args: argparse.Namespace) -> int:
     env = init_distributed()
     try:
-        opts = _options(args, env.device, env.world_size)
+        opts = _options(args, env.device)
         bar = ProgressBar(total_steps(opts, env.world_size), enabled=env.is_main)
         records = run_bench(opts, env, progress=bar)
         bar.close()
@@ -241,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_plot.add_argument("--out", required=True, help="PNG file to write")
     p_plot.add_argument(
         "--x",
-        choices=("backend", "tokens"),
+        choices=("backend", "tokens", "shape"),
         default="backend",
-        help="bars per backend (default) or time against tokens per rank",
+        help="bars per backend (default), time against tokens per rank, or speedup per shape",
     )
     p_plot.set_defaults(func=cmd_plot)
     return parser

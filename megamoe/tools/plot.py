@@ -1,8 +1,10 @@
 """Plots of layer benchmark records.
 
-``megamoe plot results.json ... --out layer.png``: bars of TFLOP/s per backend for each (preset,
+``megamoe plot results.json ... --out layer.png``: bars of TFLOP/s per backend for each (shape,
 world size). ``--x tokens``: forward and fwd+bwd time against tokens per rank, one line per
-(preset, W, backend) (records of ``megamoe bench --tokens N1 N2 ...``). matplotlib is optional
+(shape, W, backend) (records of ``megamoe bench --tokens N1 N2 ...``). ``--x shape``: fwd+bwd
+speedup over torch-a2a per shape, bars per backend, one panel per (timing mode, tokens) (the
+model-shape sweep). matplotlib is optional
 (``pip install megamoe[plot]``); it is imported only here.
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from ..config import TUNABLES
 from .report import load_records
 
-__all__ = ["plot_layer", "plot_tokens", "series_name", "main"]
+__all__ = ["plot_layer", "plot_tokens", "plot_shapes", "shape_name", "series_name", "main"]
 
 # Fixed colours so that a backend looks the same in every plot.
 BACKEND_COLORS = {
@@ -34,6 +36,14 @@ def _layer_ok(records: Sequence[dict]) -> list[dict]:
         for r in records
         if "preset" in r and r.get("fwdbwd_tflops") is not None and r.get("status", "ok") == "ok"
     ]
+
+
+def shape_name(rec: dict) -> str:
+    """The record's shape: its preset, its model, or H,I,E,K,Is of a custom shape."""
+    if rec.get("model") == "custom":
+        dims = ("hidden", "intermediate", "experts", "top_k", "shared_intermediate")
+        return ",".join(str(rec[d]) for d in dims)
+    return rec.get("model") or rec["preset"]
 
 
 def _pyplot():
@@ -72,7 +82,7 @@ def plot_tokens(records: Sequence[dict], path: str) -> None:
     lines: dict[tuple, list[dict]] = {}
     for r in recs:
         lines.setdefault(
-            (r["preset"], r["world_size"], r["backend"], series_name(r, recs)), []
+            (shape_name(r), r["world_size"], r["backend"], series_name(r, recs)), []
         ).append(r)
     worlds = sorted({key[1] for key in lines})
     fig, axes = plt.subplots(1, len(TIME_METRICS), figsize=(6 * len(TIME_METRICS), 4))
@@ -96,8 +106,8 @@ def plot_tokens(records: Sequence[dict], path: str) -> None:
 def series_name(rec: dict, records: Sequence[dict]) -> str:
     """The backend, plus the tunables whose values differ among its records of the same preset
     and world size (a ``--tune`` sweep), so that every variant gets its own bars."""
-    key = (rec["backend"], rec["preset"], rec["world_size"])
-    mine = [r for r in records if (r["backend"], r["preset"], r["world_size"]) == key]
+    key = (rec["backend"], shape_name(rec), rec["world_size"])
+    mine = [r for r in records if (r["backend"], shape_name(r), r["world_size"]) == key]
     varied = [f for f in TUNABLES if len({r.get(f) for r in mine}) > 1]
     return " ".join([rec["backend"], *(f"{f}={rec.get(f)}" for f in varied)])
 
@@ -107,10 +117,10 @@ def plot_layer(records: Sequence[dict], path: str) -> None:
     tunable variants: hatched)."""
     plt = _pyplot()
     recs = _ok_records(records)
-    groups = list(dict.fromkeys((r["preset"], r["world_size"]) for r in recs))
+    groups = list(dict.fromkeys((shape_name(r), r["world_size"]) for r in recs))
     names = {id(r): series_name(r, recs) for r in recs}
     series = list(dict.fromkeys((r["backend"], names[id(r)]) for r in recs))
-    by_key = {(r["preset"], r["world_size"], names[id(r)]): r for r in recs}
+    by_key = {(shape_name(r), r["world_size"], names[id(r)]): r for r in recs}
     width = 0.8 / len(series)
     fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4), sharey=True)
     for ax, (field, title) in zip(axes, METRICS):
@@ -142,6 +152,46 @@ def plot_layer(records: Sequence[dict], path: str) -> None:
     _finish(plt, fig, axes, recs, path, "TFLOP/s per GPU", "upper right")
 
 
+def plot_shapes(records: Sequence[dict], path: str, baseline: str = "torch-a2a") -> None:
+    """Write a PNG of fwd+bwd speedup over ``baseline`` per shape (bars: our backends), one
+    panel per (timing mode, tokens per rank)."""
+    plt = _pyplot()
+    recs = [r for r in _ok_records(records) if r.get("speedup_vs_torch_a2a") is not None]
+    ours = [r for r in recs if r["backend"] != baseline]
+    if not ours:
+        raise ValueError(f"records must hold layer records of a backend other than {baseline}")
+    panels = sorted({(r.get("mode") or "throughput", r["tokens_per_rank"]) for r in ours})
+    shapes = list(dict.fromkeys(shape_name(r) for r in ours))
+    backends = list(dict.fromkeys(r["backend"] for r in ours))
+    width = 0.8 / len(backends)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(max(8, 0.7 * len(shapes)), 3 * len(panels)), squeeze=False
+    )
+    axes = [row[0] for row in axes]
+    for ax, (mode, tokens) in zip(axes, panels):
+        for j, backend in enumerate(backends):
+            got = {
+                shape_name(r): r["speedup_vs_torch_a2a"]
+                for r in ours
+                if r["backend"] == backend
+                and (r.get("mode") or "throughput") == mode
+                and r["tokens_per_rank"] == tokens
+            }
+            xs = [i + (j - (len(backends) - 1) / 2) * width for i, s in enumerate(shapes)]
+            ax.bar(
+                [x for x, s in zip(xs, shapes) if s in got],
+                [got[s] for s in shapes if s in got],
+                width,
+                label=backend,
+                color=BACKEND_COLORS.get(backend, "#2ca02c"),
+            )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)), shapes, rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{mode} mode, {tokens} tokens", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    _finish(plt, fig, axes, recs, path, f"fwd+bwd speedup over {baseline}", "upper right")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
@@ -150,12 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="PNG file to write")
     parser.add_argument(
         "--x",
-        choices=("backend", "tokens"),
+        choices=("backend", "tokens", "shape"),
         default="backend",
-        help="bars per backend (default) or time against tokens per rank",
+        help="bars per backend (default), time against tokens per rank, or speedup per shape",
     )
     args = parser.parse_args(argv)
-    plot = plot_tokens if args.x == "tokens" else plot_layer
+    plot = {"tokens": plot_tokens, "shape": plot_shapes}.get(args.x, plot_layer)
     try:
         plot(load_records(args.results), args.out)
     except ValueError as exc:

@@ -23,6 +23,9 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
     try:
         torch.manual_seed(1234)  # same per rank; tests derive per-rank data explicitly
         fn(rank, world_size, *args)
+        # every rank done before any tears gloo down: without it, a rank's teardown while a
+        # peer still ran aborted a process now and then (std::terminate inside gloo)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

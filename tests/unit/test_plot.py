@@ -101,3 +101,34 @@ def test_sweep_variants_get_their_own_series():
         "triton",
         "triton",
     ]
+
+
+def test_shape_plot_draws_each_mode_and_token_count(tmp_path):
+    from megamoe.tools.plot import plot_shapes, shape_name
+
+    records = []
+    for model in ("qwen3-30b-a3b", "custom"):
+        for mode in ("throughput", "latency"):
+            for tokens in (4096, 16384):
+                for backend, speedup in (("triton", 1.5), ("auto", 1.4), ("torch-a2a", 1.0)):
+                    rec = _record(None, 1, backend, 400.0)
+                    rec.update(
+                        model=model,
+                        mode=mode,
+                        tokens_per_rank=tokens,
+                        speedup_vs_torch_a2a=speedup,
+                        hidden=96,
+                        intermediate=64,
+                        experts=8,
+                        top_k=2,
+                        shared_intermediate=0,
+                    )
+                    records.append(rec)
+    assert shape_name(records[-1]) == "96,64,8,2,0"
+    assert shape_name(records[0]) == "qwen3-30b-a3b"
+    assert shape_name(_record("dsv3", 1, "triton", 1.0)) == "dsv3"
+    out = tmp_path / "shapes.png"
+    plot_shapes(records, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="a backend other than torch-a2a"):
+        plot_shapes([r for r in records if r["backend"] == "torch-a2a"], str(out))
