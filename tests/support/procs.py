@@ -28,7 +28,7 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         dist.destroy_process_group()
         raise
     # Passed on every rank: leave without tearing gloo down. Its teardown aborted a rank now
-    # and then (std::terminate inside gloo, about one run in forty of the suite, on tests
+    # and then (std::terminate inside gloo, in two of four full runs of the suite, on tests
     # whose every assertion had passed); the process ends here either way.
     sys.stdout.flush()
     sys.stderr.flush()
