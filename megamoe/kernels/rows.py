@@ -249,27 +249,8 @@ def route_grad(
     dy: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz [rows, H] in the layout, zeros on padding rows; dw [T, K] fp32)."""
-    h = dy.shape[1]
-    dz = empty((sched.rows, h), z.dtype, z.device)
     dw = empty((sched.num_tokens, sched.top_k), torch.float32, z.device)
-    grid = (sched.rows // _ROWS,)
-    _route_grad_kernel[grid](
-        dy,
-        z,
-        weights,
-        sched.row_src,
-        sched.num_blocks,
-        dz,
-        dw,
-        h,
-        TOP_K=sched.top_k,
-        BLOCK_ROWS=sched.block_rows,
-        BY_ROW=False,
-        ROWS=_ROWS,
-        COLS=_COLS,
-        UPCAST=interpreting(),
-    )
-    return dz, dw
+    return _launch_route_grad(dy, z, weights, sched, dw, by_row=False)
 
 
 def route_grad_rows(
@@ -281,24 +262,34 @@ def route_grad_rows(
     Returns (dz [rows, H], zeros on padding rows; dw [rows] fp32, set on real rows only), with
     the bits :func:`route_grad` gives for the same rows.
     """
-    h = dy_rows.shape[1]
     if dy_rows.shape[0] < sched.rows:
         raise ValueError(f"dy_rows must have >= {sched.rows} rows, got {dy_rows.shape[0]}")
-    dz = empty((sched.rows, h), z.dtype, z.device)
     dw = empty(sched.rows, torch.float32, z.device)
-    grid = (sched.rows // _ROWS,)
-    _route_grad_kernel[grid](
-        dy_rows,
+    return _launch_route_grad(dy_rows, z, weights, sched, dw, by_row=True)
+
+
+def _launch_route_grad(
+    dy: torch.Tensor,
+    z: torch.Tensor,
+    weights: torch.Tensor,
+    sched: RowSchedule,
+    dw: torch.Tensor,
+    by_row: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_route_grad_kernel`` over every row block: dy by token (``by_row`` False) or by row."""
+    dz = empty((sched.rows, dy.shape[1]), z.dtype, z.device)
+    _route_grad_kernel[(sched.rows // _ROWS,)](
+        dy,
         z,
         weights,
         sched.row_src,
         sched.num_blocks,
         dz,
         dw,
-        h,
+        dy.shape[1],
         TOP_K=sched.top_k,
         BLOCK_ROWS=sched.block_rows,
-        BY_ROW=True,
+        BY_ROW=by_row,
         ROWS=_ROWS,
         COLS=_COLS,
         UPCAST=interpreting(),

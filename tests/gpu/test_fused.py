@@ -284,3 +284,21 @@ def test_trace_records_every_task_and_pull_and_changes_no_bits() -> None:
     assert len(kinds) == routed + shared_tasks + pulls
     assert kinds.count(0) == pulls and set(kinds) <= set(KINDS)
     assert summarize(trace.cpu(), num_comm=4)["kinds"]["down"]["count"] > 0
+
+
+def test_auto_takes_fused_for_a_wide_layer_and_keeps_the_bits() -> None:
+    """backend="auto" on one GPU: the dsv3 layer at 4096 tokens (7168 x 2048, 32768 rows) runs
+    the fused forward, the same layer with few rows the unfused; either way triton's bits."""
+    from megamoe import functional
+    from megamoe.tools import fingerprint
+
+    cfg, x, ids, w, weights, dy = fingerprint.problem(seed=4, device=DEV)
+    y, ctx = functional.forward(x, ids, w, weights, cfg, backend="auto")
+    assert ctx.backend == "fused"
+    y_ref, ctx_ref = functional.forward(x, ids, w, weights, cfg, backend="triton")
+    assert torch.equal(y, y_ref)
+    grads, grads_ref = functional.backward(ctx, dy), functional.backward(ctx_ref, dy)
+    for name, a, b in zip(grads._fields, grads, grads_ref):
+        assert a is None or torch.equal(a, b), name
+    few = functional.forward(x[:512], ids[:512], w[:512], weights, cfg, backend="auto")[1]
+    assert few.backend == "triton"  # 4096 rows: too few to fill the wide GEMMs
