@@ -23,7 +23,7 @@ from torch import Tensor
 from . import functional
 from .backends import get_backend, resolve_backend
 from .config import MoEConfig
-from .types import ExpertWeights
+from .types import ExpertWeights, MoEGrads, stacked_gate_up
 from .validation import group_size_rank, validate_inputs
 
 __all__ = ["moe", "moe_forward", "moe_backward", "group_key"]
@@ -43,6 +43,23 @@ def _group(key: str) -> dist.ProcessGroup | None:
     return _resolve_process_group(key)
 
 
+def _weights(w_gate, w_up, w_down, s_gate, s_up, s_down) -> ExpertWeights:
+    """The op's weight inputs as the backends take them: ``w_up`` None means ``w_gate`` is the
+    stacked ``[E, 2I, H]`` gate/up weight (read through views, no copy)."""
+    if w_up is None:
+        return ExpertWeights.from_gate_up(w_gate, w_down, s_gate, s_up, s_down)
+    return ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
+
+
+def _op_weights(weights: ExpertWeights) -> tuple[Tensor | None, ...]:
+    """The six weight inputs of the ops: a stacked gate/up weight goes in as itself (its
+    gradient is then one tensor), with ``w_up`` None."""
+    stacked = stacked_gate_up(weights.w_gate, weights.w_up)
+    if stacked is None:
+        return tuple(weights)
+    return (stacked, None, *weights[2:])
+
+
 def _unpack(config: str, group: str) -> tuple[MoEConfig, dist.ProcessGroup | None, int]:
     grp = _group(group)
     return MoEConfig.from_key(config), grp, group_size_rank(grp)[0]
@@ -54,7 +71,7 @@ def moe_forward(
     topk_ids: Tensor,
     topk_weights: Tensor,
     w_gate: Tensor,
-    w_up: Tensor,
+    w_up: Tensor | None,
     w_down: Tensor,
     s_gate: Tensor | None,
     s_up: Tensor | None,
@@ -66,7 +83,7 @@ def moe_forward(
 ) -> tuple[Tensor, list[Tensor]]:
     """``y`` and the saved state of ``functional.forward`` (the schedule is built inside)."""
     cfg, grp, _ = _unpack(config, group)
-    weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
+    weights = _weights(w_gate, w_up, w_down, s_gate, s_up, s_down)
     y, ctx = functional.forward(
         x,
         topk_ids,
@@ -97,7 +114,7 @@ def _forward_fake(
     check_values,
 ):
     cfg, grp, world = _unpack(config, group)
-    weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
+    weights = _weights(w_gate, w_up, w_down, s_gate, s_up, s_down)
     validate_inputs(x, topk_ids, topk_weights, weights, cfg, grp, check_values=False)
     name = resolve_backend(backend, x.device, world, cfg, x.dtype, x.shape[0])
     layout = get_backend(name).saved_layout(cfg, x.shape[0], world, x.dtype)
@@ -111,7 +128,7 @@ def moe_backward(
     topk_ids: Tensor,
     topk_weights: Tensor,
     w_gate: Tensor,
-    w_up: Tensor,
+    w_up: Tensor | None,
     w_down: Tensor,
     s_gate: Tensor | None,
     s_up: Tensor | None,
@@ -123,12 +140,15 @@ def moe_backward(
 ) -> list[Tensor]:
     """d_x, d topk_weights and the weight gradients (the shared expert's last, when present)."""
     cfg, grp, world = _unpack(config, group)
-    weights = ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
+    weights = _weights(w_gate, w_up, w_down, s_gate, s_up, s_down)
     name = resolve_backend(backend, x.device, world, cfg, x.dtype, x.shape[0])
     impl = get_backend(name)
     state = impl.restore(saved, x, topk_ids, topk_weights, weights, cfg, grp)
     ctx = functional.MoEContext(name, state, tuple(x.shape), x.dtype, x.device)
-    return [g for g in functional.backward(ctx, grad_y) if g is not None]
+    grads = functional.backward(ctx, grad_y)
+    if w_up is None:  # one gradient for the stacked gate/up weight
+        grads = MoEGrads(grads.x, grads.topk_weights, grads.w_gate_up, None, *grads[4:])
+    return [g for g in grads if g is not None]
 
 
 @moe_backward.register_fake
@@ -171,9 +191,10 @@ def _backward(ctx, grad_y, grad_saved):
     grads = torch.ops.megamoe.moe_backward(
         grad_y, x, topk_ids, topk_weights, *weights, saved, *ctx.static
     )
-    dx, d_topk, d_gate, d_up, d_down, *shared = grads
-    shared = shared if shared else [None, None, None]
-    return dx, None, d_topk, d_gate, d_up, d_down, *shared, None, None, None, None
+    dx, d_topk, *d_weights = grads
+    d_weights = iter(d_weights)  # one per weight input that is not None, in order
+    d_w = [None if w is None else next(d_weights) for w in weights]
+    return dx, None, d_topk, *d_w, None, None, None, None
 
 
 torch.library.register_autograd("megamoe::moe_forward", _backward, setup_context=_setup_context)
@@ -206,7 +227,7 @@ def moe(
         x,
         topk_ids,
         topk_weights,
-        *weights,
+        *_op_weights(weights),
         config.key,
         group_key(group) if group_name is None else group_name,
         backend,

@@ -4,6 +4,7 @@
   unit/     pure Python and PyTorch (gloo ranks on the CPU)
   interp/   the Triton kernels under the interpreter (TRITON_INTERPRET=1)
   compile/  every kernel compiled for sm_90a on the CPU (subprocess without the interpreter)
+  integrations/  the transformers and torchtitan adapters (tiny models on the CPU)
   gpu/      on an H200 (scripts/gpu_check.sh; CI has no GPU)
 """
 
