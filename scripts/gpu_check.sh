@@ -2,7 +2,7 @@
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
 #   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [fingerprint] [comm] [bench] [kernels]
-#                        [sustained] [sweep] [shapes] [host] [all]
+#                        [sustained] [sweep] [shapes] [host] [gemms] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -30,6 +30,9 @@
 #            (the weights of the whole table's experts on one GPU; the tests check accuracy)
 #   host     (not part of all) where the host time of a call goes (megamoe.tools.profile
 #            --host): triton and fused, forward + backward, on $MEGAMOE_HOST_MODEL
+#   gemms    (not part of all) our six grouped GEMMs against torch._grouped_mm on every model
+#            of $MEGAMOE_MODELS (default all) at $MEGAMOE_GEMM_TOKENS tokens (default 4096)
+#            (megamoe.tools.bench_kernels; gemms.json)
 #
 # Environment (all optional):
 #   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); the device tool
@@ -90,8 +93,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host | gemms) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host, gemms or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -99,7 +102,7 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     for p in "${parts[@]}"; do
         case "$p" in
             "$1") return 0 ;;
-            all) case "$1" in sweep | shapes | host) ;; *) return 0 ;; esac ;;
+            all) case "$1" in sweep | shapes | host | gemms) ;; *) return 0 ;; esac ;;
             tests) [ "$1" = tests-1gpu ] || [ "$1" = tests-ep ] && return 0 ;;
         esac
     done
@@ -256,6 +259,12 @@ if want host; then
         step "host time $backend" "$OUT/host.log" "$PY" -m megamoe.tools.profile --host \
             --backward --model "${MEGAMOE_HOST_MODEL:-qwen3-30b-a3b}" --backend "$backend"
     done
+fi
+
+if want gemms; then
+    # shellcheck disable=SC2086
+    step "grouped GEMMs vs torch._grouped_mm" "$OUT/gemms.log" "$PY" -m megamoe.tools.bench_kernels \
+        --model ${MEGAMOE_MODELS:-all} --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" --out "$OUT/gemms.json"
 fi
 
 if [ "${MEGAMOE_SAVE_TRITON_CACHE:-0}" = 1 ]; then

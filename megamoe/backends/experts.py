@@ -12,8 +12,9 @@ import torch
 
 from ..config import MoEConfig
 from ..kernels import gemm
+from ..kernels.runtime import empty
 from ..kernels.schedule import RowSchedule, uniform_schedule
-from ..types import ExpertWeights, RoutedActivations, SharedActivations
+from ..types import ExpertWeights, RoutedActivations, SharedActivations, stacked_gate_up
 from .state import TritonContext
 
 __all__ = [
@@ -59,13 +60,18 @@ def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> tuple[torch.Tensor, ..
 def routed_wgrad(
     dz: torch.Tensor, dg: torch.Tensor, du: torch.Tensor, ctx: TritonContext
 ) -> tuple[torch.Tensor, ...]:
-    """(d_w_gate, d_w_up, d_w_down) of the routed experts."""
-    sched, routed = ctx.schedule.routed, ctx.routed
-    return (
-        gemm.wgrad(dg, routed.xs, sched),
-        gemm.wgrad(du, routed.xs, sched),
-        gemm.wgrad(dz, routed.h, sched),
-    )
+    """(d_w_gate, d_w_up, d_w_down) of the routed experts. For a stacked gate/up weight the
+    first two are the halves of one stacked gradient, written in place (no concatenation)."""
+    sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
+    stacked = stacked_gate_up(w.w_gate, w.w_up)
+    if stacked is None:
+        d_gate, d_up = gemm.wgrad(dg, routed.xs, sched), gemm.wgrad(du, routed.xs, sched)
+    else:
+        d_stacked = empty(stacked.shape, dg.dtype, dg.device)
+        i = w.w_gate.shape[1]
+        d_gate = gemm.wgrad(dg, routed.xs, sched, out=d_stacked[:, :i])
+        d_up = gemm.wgrad(du, routed.xs, sched, out=d_stacked[:, i:])
+    return d_gate, d_up, gemm.wgrad(dz, routed.h, sched)
 
 
 def shared_dgrad(

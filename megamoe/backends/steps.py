@@ -171,11 +171,14 @@ def prepare(
     schedule: TritonSchedule | None,
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertWeights, TritonSchedule]:
     """A forward's inputs as the kernels take them: supported, contiguous, with a schedule (built
-    here when None) whose token count is x's. (Not for a step of no tokens: empty_forward.)"""
+    here when None) whose token count is x's. The routed weights go as they are: the launchers
+    read views in place (``gemm.weight_2d``). (Not for a step of no tokens: empty_forward.)"""
     check_supported(x, config)
     if schedule is None:
         schedule = build_schedule(topk_ids, config, group)
-    weights = ExpertWeights(*(w.contiguous() if w is not None else None for w in weights))
+    if weights.has_shared:
+        s_gate, s_up, s_down = (w.contiguous() for w in weights[3:])
+        weights = weights._replace(s_gate=s_gate, s_up=s_up, s_down=s_down)
     if schedule.ep is not None and x.shape[0] != schedule.ep.workspace.num_tokens:
         raise ValueError(
             f"x has {x.shape[0]} tokens, the schedule was built for "

@@ -81,14 +81,15 @@ def gate_up_tile(
     expert,
     row,
     col,
-    N,
+    w_rows,
     K,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One [BM, BN] tile of g = A Wg^T, u = A Wu^T and h = silu(g) * u at (row, col).
+    """One [BM, BN] tile of g = A Wg^T, u = A Wu^T and h = silu(g) * u at (row, col); the
+    experts of both weights' 2-D views are ``w_rows`` rows apart (``tiles.load_weight_tile``).
 
     Shared by the unfused kernel and the fused forward, so both give the same bits.
     """
@@ -98,10 +99,10 @@ def gate_up_tile(
         k = ki * BK
         a = a_desc.load([row, k])
         acc_g = mma(
-            acc_g, a, load_weight_tile(bg_desc, expert, k, col, K, N, BK, BN, False), UPCAST
+            acc_g, a, load_weight_tile(bg_desc, expert, k, col, w_rows, BK, BN, False), UPCAST
         )
         acc_u = mma(
-            acc_u, a, load_weight_tile(bu_desc, expert, k, col, K, N, BK, BN, False), UPCAST
+            acc_u, a, load_weight_tile(bu_desc, expert, k, col, w_rows, BK, BN, False), UPCAST
         )
     g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
     u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
@@ -116,20 +117,21 @@ def mm_acc(
     expert,
     row,
     col,
-    N,
+    w_rows,
     K,
     BK: tl.constexpr,
     BN: tl.constexpr,
     B_KN: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """``acc += A[row:row+BM] @ W_expert`` over all of K, in K order (one output tile)."""
+    """``acc += A[row:row+BM] @ W_expert`` over all of K, in K order (one output tile); the
+    experts of W's 2-D view are ``w_rows`` rows apart."""
     for ki in range(tl.cdiv(K, BK)):
         k = ki * BK
         acc = mma(
             acc,
             a_desc.load([row, k]),
-            load_weight_tile(b_desc, expert, k, col, K, N, BK, BN, B_KN),
+            load_weight_tile(b_desc, expert, k, col, w_rows, BK, BN, B_KN),
             UPCAST,
         )
     return acc
@@ -147,6 +149,7 @@ def _gate_up_kernel(
     num_blocks_ptr,
     N,
     K,
+    w_rows,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -168,7 +171,7 @@ def _gate_up_kernel(
             tl.load(block_expert_ptr + mb),
             mb * BM,
             nb * BN,
-            N,
+            w_rows,
             K,
             BM,
             BN,
@@ -191,6 +194,8 @@ def _grouped_mm_kernel(
     num_blocks_ptr,
     N,
     K,
+    w_rows,
+    w2_rows,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -215,7 +220,7 @@ def _grouped_mm_kernel(
             expert,
             row,
             col,
-            N,
+            w_rows,
             K,
             BK,
             BN,
@@ -223,7 +228,7 @@ def _grouped_mm_kernel(
             UPCAST,
         )
         if TWO_PAIRS:
-            acc = mm_acc(acc, a2_desc, b2_desc, expert, row, col, N, K, BK, BN, B_KN, UPCAST)
+            acc = mm_acc(acc, a2_desc, b2_desc, expert, row, col, w2_rows, K, BK, BN, B_KN, UPCAST)
         if SWIGLU_BWD:
             g = g_desc.load([row, col]).to(tl.float32)
             u = u_desc.load([row, col]).to(tl.float32)
@@ -272,9 +277,32 @@ def _launch_grid(work_items: int, device: torch.device, programs: int | None = N
     return (max(1, min(limit, work_items)),)
 
 
-def weight_2d(w: torch.Tensor) -> torch.Tensor:
-    """[E, R, C] -> [E*R, C] (experts stacked along rows, as the kernels index them)."""
-    return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
+def weight_2d(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """An [E, R, C] weight as the kernels index it: a [rows, C] view with the experts stacked
+    along the rows, and the rows from one expert to the next.
+
+    Read in place whenever its rows are contiguous and its experts a whole number of rows apart:
+    a weight of its own (R rows apart) or either half of a stacked gate/up weight ``[E, 2I, H]``
+    (2I rows apart; the view of the gate half runs into the up rows, which only feed output
+    columns past I that the stores clip). Any other layout is copied once here."""
+    e, r, c = w.shape
+    row, step = w.stride(1), w.stride(0)
+    if w.stride(2) != 1 or (r > 1 and row < c) or (e > 1 and (step % row or step < r * row)):
+        w = w.contiguous()
+        row, step = c, r * c
+    rows_apart = step // row if e > 1 else r
+    return w.as_strided(((e - 1) * rows_apart + r, c), (row, 1)), rows_apart
+
+
+def gate_up_2d(
+    w_gate: torch.Tensor, w_up: torch.Tensor
+) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
+    """:func:`weight_2d` of both gate/up weights, whose experts one kernel argument spaces: the
+    halves of one stacked weight, or two weights of their own (copied when they are neither)."""
+    views = weight_2d(w_gate), weight_2d(w_up)
+    if views[0][1] != views[1][1]:
+        views = weight_2d(w_gate.contiguous()), weight_2d(w_up.contiguous())
+    return views
 
 
 def gate_up(
@@ -292,16 +320,18 @@ def gate_up(
     n = w_gate.shape[1]
     g, u, h = (empty((rows, n), a.dtype, a.device) for _ in range(3))
     out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
+    (wg, w_rows), (wu, _) = gate_up_2d(w_gate, w_up)
     grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _gate_up_kernel[grid](
         descriptor(a, [bm, t.bk]),
-        descriptor(weight_2d(w_gate), [t.bn, t.bk]),
-        descriptor(weight_2d(w_up), [t.bn, t.bk]),
+        descriptor(wg, [t.bn, t.bk]),
+        descriptor(wu, [t.bn, t.bk]),
         *out_descs,
         sched.block_expert,
         sched.num_blocks,
         n,
         k,
+        w_rows,
         BM=bm,
         BN=t.bn,
         BK=t.bk,
@@ -333,7 +363,8 @@ def _mm_launch(
     outs = [empty((rows, n), a.dtype, a.device) for _ in range(2 if gu is not None else 1)]
     b_block = [t.bk, t.bn] if b_kn else [t.bn, t.bk]
     a_desc = descriptor(a, [bm, t.bk])
-    b_desc = descriptor(weight_2d(w), b_block)
+    (wb, w_rows), (wb2, w2_rows) = weight_2d(w), weight_2d(w if w2 is None else w2)
+    b_desc = descriptor(wb, b_block)
     c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
     grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
@@ -341,7 +372,7 @@ def _mm_launch(
         a_desc,
         b_desc,
         descriptor(a2, [bm, t.bk]) if a2 is not None else a_desc,
-        descriptor(weight_2d(w2), b_block) if w2 is not None else b_desc,
+        descriptor(wb2, b_block) if w2 is not None else b_desc,
         c_descs[0],
         c_descs[-1],
         gu_descs[0],
@@ -350,6 +381,8 @@ def _mm_launch(
         sched.num_blocks,
         n,
         k,
+        w_rows,
+        w2_rows,
         BM=bm,
         BN=t.bn,
         BK=t.bk,
@@ -398,14 +431,27 @@ def dgrad_pair(
 
 
 def wgrad(
-    a: torch.Tensor, b: torch.Tensor, sched: RowSchedule, programs: int | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d_W [E, M, N], d_W[e] = a_e^T @ b_e over the rows of expert e (a [rows, M], b [rows, N])."""
+    """d_W [E, M, N], d_W[e] = a_e^T @ b_e over the rows of expert e (a [rows, M], b [rows, N]).
+
+    ``out``: where to write it (default: a new tensor), e.g. one half of a stacked gate/up
+    gradient; any [E, M, N] view with contiguous rows."""
     t = tiles_for("wgrad")
     bk = min(t.bk, sched.block_rows)
     m, n = a.shape[1], b.shape[1]
     e = sched.num_experts
-    out = empty((e, m, n), a.dtype, a.device)
+    if out is None:
+        out = empty((e, m, n), a.dtype, a.device)
+    elif tuple(out.shape) != (e, m, n) or out.dtype != a.dtype or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be a {a.dtype} [{e}, {m}, {n}] tensor with contiguous rows, got "
+            f"{out.dtype} {list(out.shape)} strides {out.stride()}"
+        )
     grid = _launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device, programs)
     _wgrad_kernel[grid](
         descriptor(a, [bk, t.bm]),

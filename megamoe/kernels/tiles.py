@@ -42,18 +42,20 @@ def cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def load_weight_tile(
-    desc, expert, k, n, K, N, BK: tl.constexpr, BN: tl.constexpr, B_KN: tl.constexpr
+    desc, expert, k, n, w_rows, BK: tl.constexpr, BN: tl.constexpr, B_KN: tl.constexpr
 ):
     """The [BK, BN] operand tile of expert ``expert``'s weight at (k, n).
 
-    The weight is viewed 2-D with the experts stacked along the rows: [E*K, N] when it is stored
-    K-major (``B_KN``, e.g. w_down used by dgrad) or [E*N, K] when stored N-major (``nn.Linear``
-    layout used by the forward), in which case the loaded [BN, BK] tile is transposed.
+    The weight is viewed 2-D with the experts stacked along the rows, ``w_rows`` rows apart
+    (``gemm.weight_2d``): [E*K, N] when it is stored K-major (``B_KN``, e.g. w_down used by
+    dgrad) or [E*N, K] when stored N-major (``nn.Linear`` layout used by the forward), in which
+    case the loaded [BN, BK] tile is transposed. ``w_rows`` is K or N for a weight of its own,
+    2N for either half of a stacked gate/up weight.
     """
     if B_KN:
-        return desc.load([expert * K + k, n])
+        return desc.load([expert * w_rows + k, n])
     else:
-        return desc.load([expert * N + n, k]).T
+        return desc.load([expert * w_rows + n, k]).T
 
 
 @triton.jit

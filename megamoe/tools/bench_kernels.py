@@ -1,9 +1,14 @@
 """Benchmark of the Triton grouped GEMMs alone (and the whole triton layer) on one GPU.
 
-``bench_grouped_gemm`` times our kernels against ``torch._grouped_mm`` at the MoE shapes of
-the presets (balanced routing, every expert exactly ``rows`` rows), median of per-iteration
-CUDA-event times, and returns one dict per (shape, implementation). ``python -m
-megamoe.tools.bench_kernels --out results.json`` prints a table and writes the records.
+``bench_grouped_gemm`` times our six grouped GEMMs (forward gate/up and down, the two dgrads,
+the two wgrads) against ``torch._grouped_mm`` doing the same products, at the MoE layer of each
+model of the shape table (``megamoe.shapes.MODEL_SHAPES``, W = 1) or of the presets: ``tokens``
+tokens routed top-k, every expert the same whole number of rows (a multiple of 16, as
+``torch._grouped_mm``'s offsets want; ours pads each expert to its 128-row blocks, and that
+cost is in its time). Gate and up are one stacked ``[E, 2I, H]`` weight, read in place by both.
+Median of per-iteration CUDA-event times; one record per (shape, kernel, implementation) with
+the ratio to torch from the same run. ``python -m megamoe.tools.bench_kernels --model all
+--out results.json`` prints a table and writes the records.
 """
 
 from __future__ import annotations
@@ -16,22 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..shapes import get_preset
+from ..shapes import MODEL_SHAPES, PRESETS, get_preset
 from ..types import ExpertWeights
 
-__all__ = ["bench_grouped_gemm", "bench_layer", "GEMM_SHAPES"]
+__all__ = ["bench_grouped_gemm", "bench_layer", "gemm_shapes", "KERNELS"]
 
-# name -> (experts, rows per expert, hidden, intermediate, what is timed)
-GEMM_SHAPES: dict[str, tuple[int, int, int, int, str]] = {
-    "dsv3 gate+up": (32, 1024, 7168, 2048, "gate_up"),
-    "dsv3 down": (32, 1024, 7168, 2048, "down"),
-    "qwen3 gate+up": (64, 512, 2048, 768, "gate_up"),
-    "dsv3 down dgrad+swiglu": (32, 1024, 7168, 2048, "dgrad_swiglu"),
-    "dsv3 gate+up dgrad": (32, 1024, 7168, 2048, "dgrad_pair"),
-    "dsv3 down wgrad": (32, 1024, 7168, 2048, "wgrad_down"),
-    "dsv3 gate+up wgrad": (32, 1024, 7168, 2048, "wgrad_gate_up"),
-}
-_WARMUP = 10
+KERNELS = ("gate_up", "down", "dgrad_swiglu", "dgrad_pair", "wgrad_down", "wgrad_gate_up")
+_WARMUP = 5
 
 
 def _time_ms(fn: Callable[[], object], iters: int) -> float:
@@ -58,71 +54,107 @@ def _gpu_name() -> str:
     return torch.cuda.get_device_name()
 
 
-def bench_grouped_gemm(iters: int = 50) -> list[dict]:
-    """TFLOP/s of our grouped GEMM kernels vs ``torch._grouped_mm`` (torch: forward shapes)."""
+def gemm_shapes(models: list[str], tokens: int) -> list[tuple[str, int, int, int, int]]:
+    """(name, experts, rows per expert, hidden, intermediate) of each model's routed experts at
+    W = 1 with ``tokens`` tokens: ``tokens * top_k / experts`` rows each, rounded to 16 (at
+    least 16). ``models``: names of the shape table, "all", or presets (their local experts)."""
+    names = list(MODEL_SHAPES) if models == ["all"] else models
+    shapes = []
+    for name in names:
+        if name in MODEL_SHAPES:
+            m = MODEL_SHAPES[name]
+            e, k, h, i = m.num_experts, m.top_k, m.hidden_size, m.intermediate_size
+        else:
+            p = get_preset(name)
+            e, k, h, i = p.local_experts, p.top_k, p.hidden_size, p.intermediate_size
+        rows = max(16, round(tokens * k / e / 16) * 16)
+        shapes.append((name, e, rows, h, i))
+    return shapes
+
+
+def _flops(kind: str, m: int, h: int, i: int) -> int:
+    """Useful FLOPs of one kernel over m rows (gate/up kernels do two products of I x H)."""
+    return 2 * m * h * i * (2 if kind in ("gate_up", "dgrad_pair", "wgrad_gate_up") else 1)
+
+
+def bench_grouped_gemm(
+    models: list[str] | None = None, tokens: int = 4096, iters: int = 20
+) -> list[dict]:
+    """TFLOP/s of our grouped GEMMs and of ``torch._grouped_mm`` on the same products (see the
+    module docstring); ``models`` default: the presets."""
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    records = []
+    for shape in gemm_shapes(models or ["dsv3", "qwen3-30b", "mok-v4"], tokens):
+        base = dict(shape=shape[0], tokens=tokens, gpu=_gpu_name(), date=date)
+        records += _bench_shape(*shape[1:], iters, base)
+        torch.cuda.empty_cache()  # (one shape's tensors at a time)
+    return records
+
+
+def _bench_shape(e: int, rows: int, h: int, i: int, iters: int, base: dict) -> list[dict]:
     from ..kernels import gemm
     from ..kernels.schedule import build_row_schedule
 
     dev = torch.device("cuda")
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    m = e * rows
+    # one row per token, token t in expert t // rows: every expert exactly `rows` rows
+    sched = build_row_schedule(torch.arange(m, device=dev)[:, None] // rows, e, 128)
+    offs = (torch.arange(1, e + 1, device=dev) * rows).to(torch.int32)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
+
+    # (our row layout pads every expert to 128-row blocks; torch's rows are packed)
+    x, hh, dz, g, u = rnd(m, h), rnd(m, i), rnd(m, h), rnd(m, i), rnd(m, i)
+    xp, hp, dzp, gp, up = (rows_padded(t, sched) for t in (x, hh, dz, g, u))
+    stacked, w_down = rnd(e, 2 * i, h), rnd(e, h, i)
+    w = ExpertWeights.from_gate_up(stacked, w_down)
+    gu = torch.cat([g, u], dim=1)
+    ours = {
+        "gate_up": lambda: gemm.gate_up(xp, w.w_gate, w.w_up, sched),
+        "down": lambda: gemm.grouped_mm(hp, w_down, sched),
+        "dgrad_swiglu": lambda: gemm.dgrad_swiglu(dzp, w_down, gp, up, sched),
+        "dgrad_pair": lambda: gemm.dgrad_pair(gp, w.w_gate, up, w.w_up, sched),
+        "wgrad_down": lambda: gemm.wgrad(dzp, hp, sched),
+        "wgrad_gate_up": lambda: (gemm.wgrad(gp, xp, sched), gemm.wgrad(up, xp, sched)),
+    }
+    # torch: the same products on packed rows (the SwiGLU backward that our dgrad of down does
+    # in its epilogue is not timed for torch, which favours torch)
+    theirs = {
+        "gate_up": lambda: torch._grouped_mm(x, stacked.transpose(1, 2), offs=offs),
+        "down": lambda: torch._grouped_mm(hh, w_down.transpose(1, 2), offs=offs),
+        "dgrad_swiglu": lambda: torch._grouped_mm(dz, w_down, offs=offs),
+        "dgrad_pair": lambda: torch._grouped_mm(gu, stacked, offs=offs),
+        "wgrad_down": lambda: torch._grouped_mm(dz.t(), hh, offs=offs),
+        "wgrad_gate_up": lambda: torch._grouped_mm(gu.t(), x, offs=offs),
+    }
     records = []
-    for name, (e, rows, h, i, kind) in GEMM_SHAPES.items():
-        top_k = 8 if e >= 8 else 1
-        tokens = e * rows // top_k
-        sched = build_row_schedule(_balanced_ids(tokens, e, top_k, dev), e, 128)
-        m = e * rows
-        gen = torch.Generator(device=dev).manual_seed(0)
-
-        def rnd(*shape: int) -> torch.Tensor:
-            return (torch.randn(shape, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
-
-        x, hh, dz = rnd(m, h), rnd(m, i), rnd(m, h)
-        w_gate, w_up, w_down = rnd(e, i, h), rnd(e, i, h), rnd(e, h, i)
-        g, u = rnd(m, i), rnd(m, i)
-        flops = {
-            "gate_up": 2 * m * 2 * i * h,
-            "down": 2 * m * h * i,
-            "dgrad_swiglu": 2 * m * h * i,
-            "dgrad_pair": 2 * m * 2 * i * h,
-            "wgrad_down": 2 * m * h * i,
-            "wgrad_gate_up": 2 * m * 2 * i * h,
-        }[kind]
-        ours = {
-            "gate_up": lambda: gemm.gate_up(x, w_gate, w_up, sched),
-            "down": lambda: gemm.grouped_mm(hh, w_down, sched),
-            "dgrad_swiglu": lambda: gemm.dgrad_swiglu(dz, w_down, g, u, sched),
-            "dgrad_pair": lambda: gemm.dgrad_pair(g, w_gate, u, w_up, sched),
-            "wgrad_down": lambda: gemm.wgrad(dz, hh, sched),
-            "wgrad_gate_up": lambda: (gemm.wgrad(g, x, sched), gemm.wgrad(u, x, sched)),
-        }[kind]
-        impls: dict[str, Callable[[], object]] = {"triton": ours}
-        if kind in ("gate_up", "down") and hasattr(torch, "_grouped_mm"):
-            offs = (torch.arange(1, e + 1, device=dev) * rows).to(torch.int32)
-            if kind == "gate_up":
-                w_cat = torch.cat([w_gate, w_up], dim=1).transpose(1, 2)  # [E, H, 2I] view
-                impls["torch._grouped_mm"] = lambda: torch._grouped_mm(x, w_cat, offs=offs)
-            else:
-                w_t = w_down.transpose(1, 2)
-                impls["torch._grouped_mm"] = lambda: torch._grouped_mm(hh, w_t, offs=offs)
+    for kind in KERNELS:
+        impls = {"triton": ours[kind]}
+        if hasattr(torch, "_grouped_mm"):
+            impls["torch._grouped_mm"] = theirs[kind]
+        recs = []
         for impl, fn in impls.items():
-            rec = dict(
-                shape=name,
-                impl=impl,
-                experts=e,
-                rows_per_expert=rows,
-                hidden=h,
-                intermediate=i,
-                kernel=kind,
-                gpu=_gpu_name(),
-                date=date,
-            )
+            rec = dict(base, kernel=kind, impl=impl, experts=e, rows_per_expert=rows)
+            rec.update(hidden=h, intermediate=i)
             try:
                 ms = _time_ms(fn, iters)
-                rec.update(ms=ms, tflops=flops / ms / 1e9)
-            except Exception as exc:  # record and go on: one failing variant must not hide others
+                rec.update(ms=ms, tflops=_flops(kind, m, h, i) / ms / 1e9)
+            except Exception as exc:  # record and go on: one failing variant hides no other
                 rec.update(error=f"{type(exc).__name__}: {exc}"[:500])
-            records.append(rec)
+            recs.append(rec)
+        if len(recs) == 2 and all("ms" in r for r in recs):
+            recs[0]["vs_torch"] = recs[1]["ms"] / recs[0]["ms"]
+        records += recs
     return records
+
+
+def rows_padded(t: torch.Tensor, sched) -> torch.Tensor:
+    """``t``'s rows (expert-sorted, packed) in the schedule's padded row layout (zeros between)."""
+    from ..kernels import rows as row_kernels
+
+    return row_kernels.gather(t, sched)
 
 
 def bench_layer(preset: str = "dsv3", iters: int = 20) -> dict:
@@ -183,16 +215,31 @@ def bench_layer(preset: str = "dsv3", iters: int = 20) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Triton grouped-GEMM benchmark (one GPU)")
     parser.add_argument("--out", help="write the records as JSON here")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=["dsv3", "qwen3-30b", "mok-v4"],
+        help="models of the shape table, 'all', or presets (default: the presets)",
+    )
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens routed (W = 1)")
     parser.add_argument("--layer", nargs="*", default=[], help="also time the layer at presets")
     args = parser.parse_args(argv)
-    records = bench_grouped_gemm(args.iters)
-    print(f"{'shape':28s} {'impl':18s} {'ms':>8s} {'TFLOP/s':>8s}")
+    for m in args.model:
+        if m != "all" and m not in MODEL_SHAPES and m not in PRESETS:
+            parser.error(
+                f"--model {m!r} is neither a model of the shape table ({', '.join(MODEL_SHAPES)}) "
+                f"nor a preset ({', '.join(PRESETS)}), nor 'all'"
+            )
+    records = bench_grouped_gemm(args.model, args.tokens, args.iters)
+    print(f"{'shape':22s} {'kernel':14s} {'impl':18s} {'ms':>8s} {'TFLOP/s':>8s} {'vs torch':>8s}")
     for r in records:
+        head = f"{r['shape']:22s} {r['kernel']:14s} {r['impl']:18s}"
         if "error" in r:
-            print(f"{r['shape']:28s} {r['impl']:18s} ERROR {r['error'][:80]}")
+            print(f"{head} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['shape']:28s} {r['impl']:18s} {r['ms']:8.3f} {r['tflops']:8.1f}")
+            ratio = f"{r['vs_torch']:7.2f}x" if "vs_torch" in r else ""
+            print(f"{head} {r['ms']:8.3f} {r['tflops']:8.1f} {ratio:>8s}", flush=True)
     for preset in args.layer:
         rec = bench_layer(preset)
         records.append(rec)

@@ -138,7 +138,7 @@ def _kernel_records(iters: int, env: DistEnv) -> list[dict]:
             file=sys.stderr,
         )
         return []
-    records = bench_grouped_gemm(iters)
+    records = bench_grouped_gemm(iters=iters)
     return [dict(r) if not isinstance(r, dict) else r for r in records]
 
 

@@ -117,3 +117,29 @@ def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int) -> None:
     assert torch.equal(y1, y2)
     for name, a, b in zip(g1._fields, g1, g2):
         assert a is None or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", ["triton", "fused"])
+@pytest.mark.parametrize("case", params(PRESETS["dsv3"], ODD[5]))
+def test_stacked_gate_up_gives_the_bits_of_separate_weights(name: str, case: Case) -> None:
+    """transformers' [E, 2I, H] gate_up_proj, read in place by TMA (the up half's descriptor
+    starts I rows into each expert), gives separate weights' bits; its gradient is one tensor."""
+    from megamoe import ExpertWeights, functional
+    from megamoe.kernels.runtime import poisoned_buffers
+
+    p = make_problem(case, seed=7, device=DEV)
+    stacked = torch.cat([p.weights.w_gate, p.weights.w_up], dim=1)
+    runs = []
+    for weights in (p.weights, ExpertWeights.from_gate_up(stacked, *p.weights[2:])):
+        with poisoned_buffers():
+            y, ctx = functional.forward(
+                p.x, p.topk_ids, p.topk_weights, weights, p.config, backend=name
+            )
+            runs.append((y, functional.backward(ctx, p.grad_y)))
+    (y, g), (y_s, g_s) = runs
+    assert torch.equal(y_s, y), "y"
+    assert g_s.w_gate_up.data_ptr() == g_s.w_gate.data_ptr(), "the gradient is not stacked"
+    assert torch.equal(g_s.w_gate_up, torch.cat([g.w_gate, g.w_up], dim=1)), "d w_gate_up"
+    for field in ("x", "topk_weights", "w_down", "s_gate", "s_up", "s_down"):
+        a, b = getattr(g_s, field), getattr(g, field)
+        assert (a is None and b is None) or torch.equal(a, b), field

@@ -123,3 +123,18 @@ def test_bench_refuses_a_bad_shape_argument():
     proc = run_python("-m", "megamoe", "bench", "--shape", "1,2,3")
     assert proc.returncode == 2
     assert "shape must be H,I,E,K[,Is] (integers), got '1,2,3'" in proc.stderr
+
+
+def test_grouped_gemm_bench_shapes_cover_the_table() -> None:
+    """The GEMM benchmark's shapes: every table model at W = 1, each expert a whole number of
+    16-row groups (torch._grouped_mm's offsets) near tokens * top_k / experts."""
+    from megamoe.tools.bench_kernels import gemm_shapes
+
+    shapes = gemm_shapes(["all"], 4096)
+    assert [s[0] for s in shapes] == list(MODEL_SHAPES)
+    for name, e, rows, h, i in shapes:
+        m = MODEL_SHAPES[name]
+        assert (e, h, i) == (m.num_experts, m.hidden_size, m.intermediate_size)
+        assert rows % 16 == 0 and rows >= 16
+        assert abs(rows - 4096 * m.top_k / e) <= 8, name
+    assert gemm_shapes(["dsv3"], 4096) == [("dsv3", 32, 1024, 7168, 2048)]

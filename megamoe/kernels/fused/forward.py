@@ -38,7 +38,7 @@ import triton.language as tl
 from ...ep.workspace import Workspace
 from ...types import RoutedActivations, SharedActivations
 from .. import comm
-from ..gemm import tiles_for, weight_2d
+from ..gemm import gate_up_2d, tiles_for, weight_2d
 from ..runtime import descriptor, empty, interpreting, side_stream
 from ..schedule import RowSchedule
 from .plan import (
@@ -89,7 +89,7 @@ def fused_forward_kernel(
     sdw_desc,
     so_desc,
     rows,  # (x_table, combine_table, xs_ptr, z_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr)
-    dims,  # (T, H, I, IS, ring, slots, max_mb, max_blocks)
+    dims,  # (T, H, I, IS, ring, slots, max_mb, max_blocks, gate_up_rows, down_rows)
     sync,  # (flags_ptr, err_ptr, rank, budget, expected_arrivals)
     trace,  # (trace_ptr, max_events)
     C: tl.constexpr,
@@ -101,7 +101,7 @@ def fused_forward_kernel(
     descs = (routed, half, shared)
     flags_ptr, err_ptr, rank, budget, expected_arrivals = sync
     watch = (err_ptr, rank, budget)
-    T, H, I, IS, ring, slots, max_mb, max_blocks = dims
+    T, H, I, IS, ring, slots, max_mb, max_blocks = dims[:8]
     if C.COMM_KERNEL:  # (unconditional: a runtime test around it made ptxas spill)
         arrive_all(flags_ptr, expected_arrivals, watch)
     ticket_ptr, ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr = flag_pointers(
@@ -235,18 +235,19 @@ def _descriptors(
     shared: SharedActivations | None,
     shared_out: torch.Tensor | None,
 ) -> tuple:
-    """The 24 descriptors of the compute kernel, in its argument order."""
+    """The 24 descriptors of the compute kernel, in its argument order (``weights``: the 2-D
+    views of ``gemm.weight_2d``)."""
     bm = plan.meta.BM
     gu, dn = tiles_for("gate_up"), tiles_for("mm")
     w_gate, w_up, w_down = weights
     xs, g, u, h, z = routed
     routed_descs = (
         descriptor(xs, [bm, gu.bk]),
-        descriptor(weight_2d(w_gate), [gu.bn, gu.bk]),
-        descriptor(weight_2d(w_up), [gu.bn, gu.bk]),
+        descriptor(w_gate, [gu.bn, gu.bk]),
+        descriptor(w_up, [gu.bn, gu.bk]),
         *(descriptor(o, [bm, gu.bn]) for o in (g, u, h)),
         descriptor(h, [bm, dn.bk]),
-        descriptor(weight_2d(w_down), [dn.bn, dn.bk]),
+        descriptor(w_down, [dn.bn, dn.bk]),
         descriptor(z, [bm, dn.bn]),
     )
     hm = bm // 2 if plan.meta.HALF else bm
@@ -295,7 +296,8 @@ def fused_forward(
 
     Arguments:
         ws, sched: the workspace and the schedule built from every rank's ids.
-        w_gate, w_up ``[E_local, I, H]``, w_down ``[E_local, H, I]``: bf16 expert weights.
+        w_gate, w_up ``[E_local, I, H]``, w_down ``[E_local, H, I]``: bf16 expert weights
+            (gate and up may be the halves of one stacked weight: ``gemm.weight_2d``).
         num_comm: pull programs of the one-kernel forward, or the comm kernel's programs (None:
             ``plan.comm_programs_for`` / ``plan.comm_kernel_programs``).
         minibatch_rows: rows per readiness counter and per task-list group.
@@ -357,7 +359,9 @@ def fused_forward(
             *(empty((t, shared_intermediate), dtype, dev) for _ in range(3))
         )
         shared_out = empty((t, h), dtype, dev)
-    descs = _descriptors(plan, ws, routed, (w_gate, w_up, w_down), shared, shared_acts, shared_out)
+    (wg, gate_up_rows), (wu, _) = gate_up_2d(w_gate, w_up)
+    wd, down_rows = weight_2d(w_down)
+    descs = _descriptors(plan, ws, routed, (wg, wu, wd), shared, shared_acts, shared_out)
     flags = _flags(plan, sched.max_blocks, dev, flags)
     rows = (
         ws.peers.x,
@@ -377,6 +381,8 @@ def fused_forward(
         plan.slots,
         plan.max_minibatches,
         sched.max_blocks,
+        gate_up_rows,
+        down_rows,
     )
     budget = comm.spin_budget(budget)
     sync = (flags, ws.errors, ws.rank, budget, plan.expected_arrivals)

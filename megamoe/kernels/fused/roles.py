@@ -9,7 +9,8 @@ Device functions over bundled arguments (tuples built once at the top of each ke
   env       (rows, dims, counters, watch, trace), what every role reads:
               rows      (x_table, combine_table, xs_ptr, z_ptr, row_src_ptr, block_expert_ptr,
                          num_blocks_ptr): peer tables, the local row buffers and the schedule
-              dims      (T, H, I, IS, ring, slots, max_mb, max_blocks)
+              dims      (T, H, I, IS, ring, slots, max_mb, max_blocks, gate_up_rows,
+                         down_rows): the last two space the experts of the weights' 2-D views
               counters  (ready, z_done, h_done, sh_done) pointers (``sync.flag_pointers``)
               watch     (err_ptr, rank, budget): the watchdog of every wait (``sync.wait_count``)
               trace     (trace_ptr, max_events)
@@ -164,7 +165,7 @@ def routed_gate_up(b, j, expert, descs, env, C: tl.constexpr):
         routed[5],
     )
     row_src_ptr = rows[4]
-    H, I, ring = dims[1], dims[2], dims[4]
+    H, ring, w_rows = dims[1], dims[4], dims[8]
     ready_ptr, h_done_ptr = counters[0], counters[2]
     row = b * C.BM
     at = row % ring  # the block's rows in the ring
@@ -185,7 +186,7 @@ def routed_gate_up(b, j, expert, descs, env, C: tl.constexpr):
                 expert,
                 at,
                 col,
-                I,
+                w_rows,
                 H,
                 C.BM // 2,
                 C.BN_GATE_UP,
@@ -206,7 +207,7 @@ def routed_gate_up(b, j, expert, descs, env, C: tl.constexpr):
                 expert,
                 at,
                 col,
-                I,
+                w_rows,
                 H,
                 C.BM,
                 C.BN_GATE_UP,
@@ -230,7 +231,7 @@ def routed_down(b, j, expert, descs, env, C: tl.constexpr):
     rows, dims, counters, watch, trace = env
     h_in_desc, wd_desc, z_desc = routed[6], routed[7], routed[8]
     combine_table, z_ptr, row_src_ptr = rows[1], rows[3], rows[4]
-    T, H, I, ring = dims[0], dims[1], dims[2], dims[4]
+    T, H, I, ring, w_rows = dims[0], dims[1], dims[2], dims[4], dims[9]
     z_done_ptr, h_done_ptr = counters[1], counters[2]
     row = b * C.BM
     at = row % ring
@@ -250,7 +251,7 @@ def routed_down(b, j, expert, descs, env, C: tl.constexpr):
                 expert,
                 at,
                 col,
-                H,
+                w_rows,
                 I,
                 C.BK_DOWN,
                 C.BN_DOWN,
@@ -267,7 +268,7 @@ def routed_down(b, j, expert, descs, env, C: tl.constexpr):
                 expert,
                 at,
                 col,
-                H,
+                w_rows,
                 I,
                 C.BK_DOWN,
                 C.BN_DOWN,
