@@ -148,7 +148,10 @@ BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
 # GPU (a training loop without syncs; the host time then hides behind the GPU's). "latency": a
 # device sync before each iteration, so the GPU idles while the host prepares each call and
 # the host time adds to the step (a loop that syncs, e.g. for a loss print, or a host-bound one).
-TIMING_MODES: dict[str, bool] = {"throughput": False, "latency": True}  # mode -> sync first
+# "graph": the forward and the whole step each captured once in a CUDA graph and replayed back
+# to back (a loop under torch.compile's CUDA graphs): the host time is the replay's, and a
+# backend that synchronizes with the host cannot be captured (its records carry the error).
+TIMING_MODES: dict[str, bool] = {"throughput": False, "latency": True, "graph": False}
 # The tunables that matter at W = 1 too (no copies there), per backend.
 _TUNED_AT_W1: dict[str, tuple[str, ...]] = {
     "fused": ("comm_programs", "minibatch_rows", "ring_rows", "down_lag", "comm_kernel"),
@@ -343,9 +346,9 @@ def check_backend(fn: MoEFn, case: Case, expected: RunResult, env: DistEnv) -> d
 
 
 def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock, sync: bool) -> tuple:
-    """One training iteration (grads reset, forward, backward): device marks before, between and
-    after, and the host seconds of the forward and the backward call. ``sync``: wait for the
-    device first (latency mode)."""
+    """One training iteration (grads reset, forward, backward): device marks (forward start,
+    forward end, step start, step end) and the host seconds of the forward and the backward
+    call. ``sync``: wait for the device first (latency mode)."""
     for t in case.leaves():
         t.grad = None
     if sync:
@@ -358,7 +361,40 @@ def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock, sync: bool) -
     y.backward(case.grad_y)
     h2 = time.perf_counter()
     m2 = clock.mark()
-    return m0, m1, m2, h1 - h0, h2 - h1
+    return m0, m1, m0, m2, h1 - h0, h2 - h1
+
+
+class _Graphs:
+    """One run's forward and whole step (forward + backward), each captured in a CUDA graph
+    after an eager step (which compiles and loads every kernel); grads are the graph's own."""
+
+    def __init__(self, fn: MoEFn, case: Case, env: DistEnv) -> None:
+        def step(backward: bool) -> None:
+            for t in case.leaves():
+                t.grad = None
+            y = fn(case.x, case.topk_ids, case.topk_weights, case.weights, case.config, env.group)
+            if backward:
+                y.backward(case.grad_y)
+
+        step(True)
+        torch.cuda.synchronize(env.device)
+        self.fwd, self.step = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        for graph, backward in ((self.fwd, False), (self.step, True)):
+            with torch.cuda.graph(graph):
+                step(backward)
+
+    def iteration(self, clock: _Clock) -> tuple:
+        """Replay both: the marks of :func:`_iteration` and the host seconds of the forward's
+        replay call and of the step's less the forward's."""
+        m0 = clock.mark()
+        h0 = time.perf_counter()
+        self.fwd.replay()
+        h1 = time.perf_counter()
+        m1 = clock.mark()
+        self.step.replay()
+        h2 = time.perf_counter()
+        m2 = clock.mark()
+        return m0, m1, m1, m2, h1 - h0, max(0.0, (h2 - h1) - (h1 - h0))
 
 
 def iteration_order(iteration: int, num_runs: int) -> list[int]:
@@ -397,13 +433,26 @@ def time_interleaved(
     sync = TIMING_MODES[mode]
     marks: list[list[tuple]] = [[] for _ in runs]
     results: list[dict[str, float] | BaseException | None] = [None] * len(runs)
+    graphs: list[_Graphs | None] = [None] * len(runs)
+    if mode == "graph":
+        if env.device.type != "cuda":
+            raise ValueError(f"mode 'graph' needs a CUDA device, got {env.device}")
+        for i, (fn, case) in enumerate(runs):
+            try:
+                graphs[i] = _Graphs(fn, case, env)
+            except Exception as exc:
+                results[i] = exc
+                _free_memory(env.device)
     for it in range(opts.warmup + opts.iters):
         for i in iteration_order(it, len(runs)):
             fn, case = runs[i]
             if results[i] is not None:
                 continue
             try:
-                m = _iteration(fn, case, env, clock, sync)
+                if graphs[i] is not None:
+                    m = graphs[i].iteration(clock)
+                else:
+                    m = _iteration(fn, case, env, clock, sync)
             except Exception as exc:  # the caller records it and goes on with the others
                 results[i] = exc
                 _free_memory(env.device)
@@ -415,17 +464,21 @@ def time_interleaved(
     for case in {id(c): c for _, c in runs}.values():
         for t in case.leaves():
             t.grad = None
+    del graphs
     for i, run_marks in enumerate(marks):
         if results[i] is None:
+            # marks: (forward start, forward end, step start, step end); the backward is the
+            # step less the forward (an eager step starts with its forward, a graph's is a
+            # replay of its own)
             per_iter = [
                 [
                     clock.elapsed_ms(a, b),
-                    clock.elapsed_ms(b, c),
-                    clock.elapsed_ms(a, c),
+                    clock.elapsed_ms(c, d) - clock.elapsed_ms(a, b),
+                    clock.elapsed_ms(c, d),
                     host_fwd * 1e3,
                     host_bwd * 1e3,
                 ]
-                for a, b, c, host_fwd, host_bwd in run_marks
+                for a, b, c, d, host_fwd, host_bwd in run_marks
             ]
             worst = _max_over_ranks(per_iter, env)
             results[i] = {

@@ -126,6 +126,18 @@ def test_latency_mode_waits_for_the_device_before_each_iteration(
     assert events == per_iteration * 3 + ["sync"]  # and the one sync before reading the clocks
 
 
+def test_graph_mode_needs_a_gpu():
+    """(The graph mode's replays are timed on the GPU: scripts/gpu_check.sh host.)"""
+    from megamoe.tools import bench
+    from megamoe.tools.baselines import torch_a2a_moe
+    from megamoe.tools.harness import DistEnv, make_case
+
+    opts = bench.BenchOptions(shapes=["tiny"], backends=["torch-a2a"], modes=["graph"], iters=1)
+    case = make_case("tiny", DistEnv(), tokens=8)
+    with pytest.raises(ValueError, match=r"mode 'graph' needs a CUDA device, got cpu"):
+        bench.time_interleaved([(torch_a2a_moe, case)], opts, DistEnv(), lambda i: None, "graph")
+
+
 def test_tunables_and_copy_timing_only_where_they_apply():
     from megamoe.shapes import get_preset
     from megamoe.tools.bench import measures_comm, tunable_fields
