@@ -1,0 +1,402 @@
+"""megamoe as an experts implementation of Hugging Face transformers 5.x (extra ``megamoe[hf]``).
+
+Importing this module registers megamoe in transformers' registries:
+
+- ``ExpertsInterface`` (one process, or experts that are not split between ranks): the keys
+  ``"megamoe"`` (backend ``"auto"``), ``"megamoe_triton"``, ``"megamoe_fused"`` and
+  ``"megamoe_reference"`` (one pinned backend each, so runs can compare them). Select one with
+  ``from_pretrained(..., experts_implementation=key)`` or ``model.set_experts_implementation(key)``;
+  :func:`experts_implementation` gives the key of a backend.
+- ``EPImplementationInterface`` (expert parallelism over W > 1 ranks): the key ``"megamoe"``, for
+  ``DistributedConfig(ep_size=W, fsdp_size=W, ep_implementation="megamoe")``. megamoe then does
+  the token dispatch and combine itself; the backend is the one the model's experts
+  implementation names when that is a megamoe key, else ``"auto"``.
+
+Versions (transformers >= 5.17, < 6):
+
+- 5.17 and later: the experts keys, with ``from_pretrained(experts_implementation=...)`` and
+  ``set_experts_implementation``.
+- 5.23 and later: expert parallelism (``ep_implementation="megamoe"``); transformers 5.17 to 5.22
+  have no ``EPImplementationInterface``, so there megamoe runs with its experts unsplit only
+  (:data:`SUPPORTS_EXPERT_PARALLEL` says which applies).
+
+The weights are used where they are, with no copy or re-layout per step: ``gate_up_proj
+[E, 2I, H]`` (the I gate rows of each expert, then its I up rows) goes into the op as itself
+(:meth:`megamoe.ExpertWeights.from_gate_up`), so its gradient arrives as one ``[E, 2I, H]``
+tensor, and ``down_proj [E, H, I]`` as it is. Experts modules that store another layout, have
+biases, a post-expert norm, an activation other than SiLU, or their own gate function (gpt-oss's
+clamped SwiGLU, for example) are refused with an error naming the module and the attribute.
+
+Not to be confused with transformers' own ``"deepgemm_megamoe"`` (DeepGEMM's FP8 x FP4 "Mega
+MoE" inference kernel): a different project; these keys never match it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import ops as _ops
+from ..config import MoEConfig
+
+try:
+    import transformers
+    import transformers.activations
+    from transformers.integrations import moe as _hf_moe
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "megamoe.integrations.transformers needs transformers>=5.17,<6 (pip install 'megamoe[hf]')"
+    ) from exc
+
+__all__ = [
+    "BACKENDS",
+    "EP_IMPLEMENTATION",
+    "SUPPORTS_EXPERT_PARALLEL",
+    "experts_implementation",
+    "experts_forward",
+    "register",
+    "set_check_values",
+]
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+_TRANSFORMERS_VERSION = _version(transformers.__version__)
+if not (5, 17) <= _TRANSFORMERS_VERSION < (6, 0):
+    raise ImportError(
+        f"megamoe.integrations.transformers needs transformers>=5.17,<6, got "
+        f"{transformers.__version__}"
+    )
+
+try:  # transformers >= 5.23
+    from transformers.distributed.expert_parallel import (
+        EPImplementation as _EPImplementation,
+    )
+    from transformers.distributed.expert_parallel import (
+        EPImplementationInterface as _EPImplementationInterface,
+    )
+except ImportError:
+    _EPImplementation = None
+    _EPImplementationInterface = None
+
+# The megamoe backends an experts key can pin, and the key of each.
+BACKENDS: tuple[str, ...] = ("auto", "triton", "fused", "reference")
+_KEYS: dict[str, str] = {b: "megamoe" if b == "auto" else f"megamoe_{b}" for b in BACKENDS}
+_BACKEND_OF_KEY: dict[str, str] = {key: backend for backend, key in _KEYS.items()}
+
+# The ``ep_implementation`` key of expert parallelism through megamoe (transformers >= 5.23).
+EP_IMPLEMENTATION = "megamoe"
+SUPPORTS_EXPERT_PARALLEL: bool = _EPImplementationInterface is not None
+
+_check_values = True
+_CONFIGS: dict[tuple[int, int, int, int], MoEConfig] = {}
+
+
+def experts_implementation(backend: str = "auto") -> str:
+    """The ``experts_implementation`` key that runs megamoe with ``backend`` ("auto", "triton",
+    "fused" or "reference")."""
+    if backend not in _KEYS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    return _KEYS[backend]
+
+
+def set_check_values(enabled: bool) -> None:
+    """Whether megamoe's input checks that read device values (ids in range and distinct,
+    finite weights, equal token counts across ranks) run in every call; on by default. They
+    synchronize with the host; the Triton backends also check on the device, so a GPU run that
+    wants no host sync per layer can turn them off (megamoe.functional.moe, ``check_values``)."""
+    global _check_values
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    _check_values = enabled
+
+
+def _config(hidden: int, intermediate: int, num_experts: int, top_k: int) -> MoEConfig:
+    """The MoEConfig of one layer shape, built once."""
+    key = (hidden, intermediate, num_experts, top_k)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = MoEConfig(hidden, intermediate, num_experts, top_k)
+    return cfg
+
+
+def _is_silu(act: object) -> bool:
+    if isinstance(act, torch.nn.SiLU):
+        return True
+    silu = getattr(transformers.activations, "SiLUActivation", None)
+    return silu is not None and type(act) is silu
+
+
+def _check_layout(module: torch.nn.Module) -> None:
+    """Refuse an experts module whose weights or math megamoe cannot take as they are."""
+    name = type(module).__name__
+    expected = {
+        "has_gate": True,  # gate_up_proj, not an up_proj alone
+        "is_concatenated": True,  # [gate rows; up rows], not interleaved
+        "is_transposed": False,  # [E, 2I, H] (nn.Linear), not [E, H, 2I]
+        "has_bias": False,
+        "has_post_expert_norm": False,
+    }
+    for flag, want in expected.items():
+        got = getattr(module, flag, False if flag == "has_post_expert_norm" else None)
+        if got is None:
+            raise ValueError(
+                f"{name} has no attribute {flag!r}: megamoe runs experts modules decorated with "
+                "transformers' @use_experts_implementation"
+            )
+        if bool(got) != want:
+            raise ValueError(_LAYOUT_ERRORS[flag].format(name=name, got=got, want=want))
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    default_gate = getattr(_hf_moe, "_default_apply_gate", None)
+    if gate_fn is not None and gate_fn is not default_gate:
+        raise ValueError(
+            f"{name} defines its own _apply_gate ({gate_fn.__qualname__}): megamoe computes "
+            "silu(gate) * up only, not a custom gate (e.g. gpt-oss's clamped SwiGLU)"
+        )
+    act = getattr(module, "act_fn", None)
+    if not _is_silu(act):
+        raise ValueError(
+            f"{name}.act_fn must be SiLU (hidden_act 'silu'), got {type(act).__name__}: megamoe "
+            "computes silu(gate) * up"
+        )
+
+
+_LAYOUT_ERRORS = {
+    "has_gate": (
+        "{name}.has_gate is {got}, expected {want}: megamoe runs gated experts "
+        "(gate_up_proj), not an up projection alone"
+    ),
+    "is_concatenated": (
+        "{name}.is_concatenated is {got}, expected {want}: megamoe reads gate_up_proj as the "
+        "I gate rows of each expert followed by its I up rows; interleaved gate/up rows would "
+        "need a copy every step"
+    ),
+    "is_transposed": (
+        "{name}.is_transposed is {got}, expected {want}: megamoe takes gate_up_proj "
+        "[E, 2I, H] and down_proj [E, H, I] (nn.Linear layout); transposed weights would need "
+        "a copy every step"
+    ),
+    "has_bias": ("{name}.has_bias is {got}, expected {want}: megamoe's experts have no biases"),
+    "has_post_expert_norm": (
+        "{name}.has_post_expert_norm is {got}, expected {want}: megamoe has no norm after "
+        "the experts"
+    ),
+}
+
+
+def _weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """The module's ``gate_up_proj`` and ``down_proj`` (checked), and (E_local, I, H)."""
+    name = type(module).__name__
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if gate_up.dim() != 3 or gate_up.shape[1] % 2:
+        raise ValueError(
+            f"{name}.gate_up_proj must be [num_experts, 2 * intermediate, hidden], got "
+            f"{list(gate_up.shape)}"
+        )
+    e, i, h = gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2]
+    if tuple(down.shape) != (e, h, i):
+        raise ValueError(
+            f"{name}.down_proj must be [{e}, {h}, {i}] (num_experts, hidden, intermediate) to "
+            f"match gate_up_proj {list(gate_up.shape)}, got {list(down.shape)}"
+        )
+    return gate_up, down, e, i, h
+
+
+def _moe(x, ids, weights, gate_up, down, cfg, group, backend) -> torch.Tensor:
+    """megamoe's op with ``gate_up`` itself as its stacked gate/up input (``w_up`` None, the
+    op's form of :meth:`megamoe.ExpertWeights.from_gate_up`), so the gradient lands on that
+    very tensor as one ``[E, 2I, H]`` tensor.
+
+    Called here rather than through :func:`megamoe.functional.moe`, which finds the stacked
+    tensor from the gate and up views' ``_base``: that is the root of a chain of views, and
+    under expert parallelism ``gate_up_proj`` is such a view (``DTensor.to_local``) of a tensor
+    of the same shape outside the autograd graph, whose gradient would be lost."""
+    check_values = _check_values
+    if torch.compiler.is_compiling():
+        check_values = False  # as megamoe.ops.moe: the kernels check on the device
+    elif torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RuntimeError(
+            "megamoe does not support torch.func transforms (grad, vjp, vmap, ...): use "
+            "torch.autograd (backward() or torch.autograd.grad)"
+        )
+    y, _ = torch.ops.megamoe.moe_forward(
+        x,
+        ids,
+        weights,
+        gate_up,
+        None,
+        down,
+        None,
+        None,
+        None,
+        cfg.key,
+        _ops.group_key(group),
+        backend,
+        check_values,
+    )
+    return y
+
+
+def _run(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    backend: str,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+) -> torch.Tensor:
+    _check_layout(module)
+    gate_up, down, e_local, i, h = _weights(module)
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2:
+        raise ValueError(
+            f"{type(module).__name__}: megamoe takes hidden_states [tokens, hidden] and "
+            f"top_k_index [tokens, top_k], got {list(hidden_states.shape)} and "
+            f"{list(top_k_index.shape)}"
+        )
+    x = hidden_states
+    if x.dtype != down.dtype:  # as transformers' grouped_mm: the inputs in the weights' dtype
+        x = x.to(down.dtype)
+    cfg = _config(h, i, e_local * world_size, top_k_index.shape[1])
+    y = _moe(
+        x.contiguous(),
+        top_k_index.long().contiguous(),
+        top_k_weights.float().contiguous(),
+        gate_up,
+        down,
+        cfg,
+        group,
+        backend,
+    )
+    return y.to(hidden_states.dtype)
+
+
+def _split(module: torch.nn.Module) -> str | None:
+    """How transformers splits this experts module between ranks, or None when it does not."""
+    if getattr(module, "_is_expert_parallel", False):
+        return "its experts are sharded between expert-parallel ranks"
+    dc = getattr(getattr(module, "config", None), "distributed_config", None)
+    if dc is None:
+        return None
+    if getattr(dc, "enable_expert_parallel", False):
+        return "DistributedConfig(enable_expert_parallel=True)"
+    for size in ("ep_size", "tp_size"):
+        value = getattr(dc, size, None)
+        if value is not None and value > 1:
+            return f"DistributedConfig({size}={value})"
+    return None
+
+
+def _refuse_split(module: torch.nn.Module, backend: str) -> None:
+    how = _split(module)
+    if how is None:
+        return
+    ep = (
+        f"DistributedConfig(ep_size=W, fsdp_size=W, ep_implementation={EP_IMPLEMENTATION!r}), "
+        "where megamoe exchanges the tokens itself"
+        if SUPPORTS_EXPERT_PARALLEL
+        else "transformers >= 5.23 with DistributedConfig(ep_implementation="
+        f"{EP_IMPLEMENTATION!r}) (this is {transformers.__version__})"
+    )
+    raise ValueError(
+        f"{type(module).__name__} is split between ranks ({how}), but "
+        f"experts_implementation={experts_implementation(backend)!r} runs whole experts in "
+        f"each process (FSDP alone is fine); for expert parallelism use {ep}"
+    )
+
+
+def experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The forward of an experts module through megamoe, on this process's experts: ``y [T, H]
+    = sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden_states[t])`` (what the
+    registered keys run)."""
+    _refuse_split(module, backend)
+    return _run(
+        module,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        backend=backend,
+        group=None,
+        world_size=1,
+    )
+
+
+def _registered_forward(backend: str):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights, backend=backend)
+
+    forward.__name__ = forward.__qualname__ = f"megamoe_{backend}_experts_forward"
+    return forward
+
+
+if _EPImplementation is not None:
+
+    class MegaMoEExpertParallel(_EPImplementation):
+        """``ep_implementation="megamoe"``: each rank hands megamoe its own tokens with global
+        expert ids and its local experts; megamoe dispatches them to the experts' ranks and
+        combines the weighted outputs back (gradients included). Every rank of the EP group must
+        hold its own batch (no tensor parallelism) with the same number of tokens."""
+
+        def __init__(self, experts, ep_mesh, tp_mesh):
+            super().__init__(experts, ep_mesh, tp_mesh)
+            name = type(experts).__name__
+            if tp_mesh.size() != 1:
+                raise ValueError(
+                    f'ep_implementation="megamoe" ({name}) needs tp_size 1 (every rank its own '
+                    f"tokens), got a tensor-parallel group of {tp_mesh.size()} ranks"
+                )
+            _check_layout(experts)
+            self.experts = experts
+            self.group = ep_mesh.get_group()
+            self.world_size = ep_mesh.size()
+            rank = dist.get_rank(self.group)
+            if rank != ep_mesh.get_local_rank():
+                raise ValueError(
+                    f"{name}: rank {rank} of the expert-parallel group holds the experts of mesh "
+                    f"position {ep_mesh.get_local_rank()}; megamoe needs them to agree"
+                )
+
+        def _backend(self) -> str:
+            key = getattr(getattr(self.experts, "config", None), "_experts_implementation", None)
+            return _BACKEND_OF_KEY.get(key, "auto")
+
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            from torch.distributed.tensor import DTensor
+
+            hidden_states, top_k_index, top_k_weights = (
+                t.to_local() if isinstance(t, DTensor) else t
+                for t in (hidden_states, top_k_index, top_k_weights)
+            )
+            return _run(
+                self.experts,
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                backend=self._backend(),
+                group=self.group,
+                world_size=self.world_size,
+            )
+
+    __all__.append("MegaMoEExpertParallel")
+
+
+def register() -> None:
+    """Register the keys (done on import; again is harmless)."""
+    for backend, key in _KEYS.items():
+        _hf_moe.ExpertsInterface.register(key, _registered_forward(backend))
+    if _EPImplementationInterface is not None:
+        _EPImplementationInterface.register(EP_IMPLEMENTATION, MegaMoEExpertParallel)
+
+
+register()

@@ -1,0 +1,226 @@
+"""megamoe training a transformers Qwen3-MoE-shaped model in bfloat16 on one Hopper GPU.
+
+A 2-layer model (hidden 1024, 64 experts, top-8, moe_intermediate 512) trains 200 AdamW steps
+on seeded synthetic tokens (Zipf-distributed, each row's second half a copy of its first),
+from one initialization:
+
+- megamoe ("megamoe_triton") twice: bitwise the same losses and final parameters;
+- transformers' own experts (grouped_mm) against itself with another reduction order (its
+  per-expert loop, "eager", and grouped_mm with the top-k slots reversed): the largest loss
+  difference over the run is the band; megamoe against grouped_mm must stay within
+  max(2 x band, FLOOR) (batched_mm, another native order, would gather a [2I, H] weight per
+  routed row: tens of GB at this size);
+- "megamoe_fused" for a few steps: bitwise the losses and parameters of "megamoe_triton".
+
+Prints the numbers (past pytest's capture, so they reach the log of a passing run too); with
+$MEGAMOE_RESULTS_DIR set, writes them to transformers_training.json there. Run on the device:
+``python -m pytest tests/gpu/test_transformers.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+import megamoe.integrations.transformers as mt  # noqa: E402
+
+DEV = torch.device("cuda")
+STEPS = 200
+FUSED_STEPS = 10
+BATCH, SEQ = 8, 256  # 2048 tokens a step
+LR = 1e-3
+SEED = 1234
+ZIPF_S = 1.1
+# The smallest allowed megamoe-vs-native difference (loss units, the loss starts near ln 8192 ~ 9).
+FLOOR = 1e-2
+MODEL = dict(
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=SEQ,
+    attn_implementation="eager",
+)
+NATIVE = "grouped_mm"
+REVERSED = "grouped_mm_reversed_topk"  # registered below: native, other summation order
+
+
+def _grouped_mm_reversed_topk(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped_mm with each token's top-k slots in reverse order: the same math,
+    with the top-k sum and each expert's weight-gradient rows in another order."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(
+        self, hidden_states, top_k_index.flip(-1).contiguous(), top_k_weights.flip(-1).contiguous()
+    )
+
+
+def _say(request, text: str) -> None:
+    """Print past pytest's output capture: the numbers belong in the log of a passing run."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(text, flush=True)
+
+
+def _results_dir() -> str | None:
+    return os.environ.get("MEGAMOE_RESULTS_DIR") or None
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The initial model (bf16, on the GPU) and the step batches; deterministic kernels on."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(REVERSED, _grouped_mm_reversed_topk)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MODEL))
+    model = model.to(DEV, torch.bfloat16)
+    # Zipf-distributed tokens (the unigram loss is ~5.7 against ~9 at the start), the second
+    # half of each row a copy of its first half: a loss that falls within the run.
+    g = torch.Generator(device=DEV).manual_seed(SEED + 1)
+    zipf = torch.arange(1, MODEL["vocab_size"] + 1, device=DEV, dtype=torch.float64) ** -ZIPF_S
+    half = torch.multinomial(zipf, STEPS * BATCH * SEQ // 2, replacement=True, generator=g)
+    half = half.view(STEPS, BATCH, SEQ // 2)
+    batches = torch.cat([half, half], dim=2)
+    record: dict = {"model": MODEL, "steps": STEPS, "batch": [BATCH, SEQ], "lr": LR}
+    yield model, batches, record
+    torch.use_deterministic_algorithms(was_deterministic)
+    out = _results_dir()
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "transformers_training.json"), "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def _train(init, batches, key: str, steps: int) -> tuple[list[float], torch.nn.Module, float]:
+    """``steps`` AdamW steps of a copy of ``init`` with experts ``key``: losses, the trained
+    model, and the seconds it took."""
+    model = copy.deepcopy(init)
+    model.set_experts_implementation(key)
+    assert model.config._experts_implementation == key
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for step in range(steps):
+        ids = batches[step]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return [float(x) for x in torch.stack(losses).cpu()], model, seconds
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """The names of the parameters whose bits differ."""
+    pb = dict(b.named_parameters())
+    return [n for n, p in a.named_parameters() if not torch.equal(p, pb[n])]
+
+
+@pytest.fixture(scope="module")
+def runs(setup, request):
+    """Every training run, once: {key: (losses, model, seconds)} (megamoe twice)."""
+    init, batches, record = setup
+    out = {}
+    for name, key in [
+        ("megamoe", mt.experts_implementation("triton")),
+        ("megamoe_again", mt.experts_implementation("triton")),
+        ("native", NATIVE),
+        ("native_eager", "eager"),
+        ("native_reversed_topk", REVERSED),
+    ]:
+        out[name] = _train(init, batches, key, STEPS)
+        losses, _, seconds = out[name]
+        _say(
+            request,
+            f"{name:22s} {key:26s} loss {losses[0]:.4f} -> {losses[-1]:.4f}  {seconds:.1f} s",
+        )
+    record["losses"] = {name: r[0] for name, r in out.items()}
+    record["seconds"] = {name: r[2] for name, r in out.items()}
+    return out
+
+
+def test_megamoe_bitwise_run_to_run(runs, setup, request):
+    record = setup[2]
+    (l1, m1, _), (l2, m2, _) = runs["megamoe"], runs["megamoe_again"]
+    diff_params = _same_params(m1, m2)
+    record["megamoe_run_to_run"] = {
+        "max_loss_diff": _max_diff(l1, l2),
+        "params_differing": diff_params,
+    }
+    _say(request, f"megamoe run to run: max |loss diff| {_max_diff(l1, l2):.3e}, {diff_params=}")
+    assert l1 == l2, "the losses of two identical megamoe runs differ"
+    assert not diff_params, f"final parameters differ: {diff_params}"
+
+
+def test_megamoe_within_native_band(runs, setup, request):
+    record = setup[2]
+    native = runs["native"][0]
+    bands = {
+        name: _max_diff(runs[name][0], native) for name in ("native_eager", "native_reversed_topk")
+    }
+    band = max(bands.values())
+    limit = max(2 * band, FLOOR)
+    mega = _max_diff(runs["megamoe"][0], native)
+    final = abs(runs["megamoe"][0][-1] - native[-1]) / native[-1]
+    record["band"] = {
+        "native_vs_itself": bands,
+        "band": band,
+        "floor": FLOOR,
+        "limit": limit,
+        "megamoe_vs_native": mega,
+        "final_loss_rel_diff": final,
+    }
+    _say(
+        request,
+        f"band (max |loss diff| native vs itself): {bands}; limit max(2 x {band:.3e}, "
+        f"{FLOOR}) = {limit:.3e}; megamoe vs native {mega:.3e}; final loss rel diff {final:.2e}",
+    )
+    assert native[-1] < 0.9 * native[0], (
+        f"the native run did not train: {native[0]} -> {native[-1]}"
+    )
+    assert mega <= limit, f"megamoe vs native {mega:.3e} > max(2 x band {band:.3e}, {FLOOR})"
+
+
+def test_fused_gives_the_bits_of_triton(setup, request):
+    init, batches, record = setup
+    lt, model_t, _ = _train(init, batches, mt.experts_implementation("triton"), FUSED_STEPS)
+    lf, model_f, _ = _train(init, batches, mt.experts_implementation("fused"), FUSED_STEPS)
+    diff_params = _same_params(model_t, model_f)
+    record["fused_vs_triton"] = {
+        "steps": FUSED_STEPS,
+        "max_loss_diff": _max_diff(lt, lf),
+        "params_differing": diff_params,
+    }
+    _say(request, f"fused vs triton ({FUSED_STEPS} steps): max |loss diff| {_max_diff(lt, lf):.3e}")
+    assert lt == lf, "megamoe_fused and megamoe_triton losses differ"
+    assert not diff_params, f"final parameters differ: {diff_params}"
