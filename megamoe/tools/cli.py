@@ -1,5 +1,5 @@
-"""Command line: ``megamoe info``, ``megamoe bench``, ``megamoe table``, ``megamoe plot`` (also
-``python -m megamoe``).
+"""Command line: ``megamoe info``, ``megamoe bench``, ``megamoe train-bench``, ``megamoe table``,
+``megamoe plot`` (also ``python -m megamoe``).
 
 ``bench`` under torchrun (WORLD_SIZE > 1) runs expert-parallel, one rank per GPU over NCCL (gloo
 on the CPU); without a GPU it runs the ``tiny`` preset on the CPU. The other tools are modules
@@ -35,6 +35,8 @@ from .bench import (
 )
 from .harness import BASELINE, DistEnv, add_case_arguments, init_distributed, shapes_of
 from .report import ProgressBar, format_generic_table, format_table
+from .train_bench import add_arguments as add_train_bench_arguments
+from .train_bench import cmd_train_bench
 
 __all__ = ["main", "build_parser", "collect_info"]
 
@@ -220,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(TIMING_MODES),
         default=["throughput"],
         help="throughput: iterations back to back, the host running ahead; latency: a device "
-        "sync before each iteration (default throughput; both: one record each)",
+        "sync before each iteration; graph: the forward and the step captured in CUDA graphs "
+        "and replayed (default throughput; several: one record each)",
     )
     p.add_argument("--out", help="write the records as a JSON list here (rank 0)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 accuracy check")
@@ -230,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run megamoe.tools.bench_kernels.bench_grouped_gemm (GPU)",
     )
     p.set_defaults(func=cmd_bench)
+
+    p_train = sub.add_parser(
+        "train-bench",
+        help="train a transformers model (DeepSeek-V3 / Qwen3-30B-A3B shaped) with each MoE "
+        "implementation and compare them (one GPU; tiny models on the CPU)",
+    )
+    add_train_bench_arguments(p_train)
+    p_train.set_defaults(func=cmd_train_bench)
 
     p_table = sub.add_parser("table", help="render JSON records written by `bench --out`")
     p_table.add_argument("results", nargs="+")
@@ -241,9 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_plot.add_argument("--out", required=True, help="PNG file to write")
     p_plot.add_argument(
         "--x",
-        choices=("backend", "tokens", "shape"),
+        choices=("backend", "tokens", "shape", "train"),
         default="backend",
-        help="bars per backend (default), time against tokens per rank, or speedup per shape",
+        help="bars per backend (default), time against tokens per rank, speedup per shape, or "
+        "tokens/s of train-bench records (the default when there are no layer records)",
     )
     p_plot.set_defaults(func=cmd_plot)
     return parser

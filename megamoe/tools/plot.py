@@ -4,7 +4,8 @@
 world size). ``--x tokens``: forward and fwd+bwd time against tokens per rank, one line per
 (shape, W, backend) (records of ``megamoe bench --tokens N1 N2 ...``). ``--x shape``: fwd+bwd
 speedup over torch-a2a per shape, bars per backend, one panel per (timing mode, tokens) (the
-model-shape sweep). matplotlib is optional
+model-shape sweep). ``--x train`` (the default for records of ``megamoe train-bench``): bars of
+tokens/s per GPU per (model, routing), one per MoE implementation. matplotlib is optional
 (``pip install megamoe[plot]``); it is imported only here.
 """
 
@@ -15,7 +16,15 @@ from collections.abc import Sequence
 from ..config import TUNABLES
 from .report import load_records
 
-__all__ = ["plot_layer", "plot_tokens", "plot_shapes", "shape_name", "series_name", "main"]
+__all__ = [
+    "plot_layer",
+    "plot_tokens",
+    "plot_shapes",
+    "plot_train",
+    "shape_name",
+    "series_name",
+    "main",
+]
 
 # Fixed colours so that a backend looks the same in every plot.
 BACKEND_COLORS = {
@@ -192,6 +201,77 @@ def plot_shapes(records: Sequence[dict], path: str, baseline: str = "torch-a2a")
     _finish(plt, fig, axes, recs, path, f"fwd+bwd speedup over {baseline}", "upper right")
 
 
+def _train_ok(records: Sequence[dict]) -> list[dict]:
+    return [
+        r
+        for r in records
+        if r.get("kind") == "train"
+        and r.get("status", "ok") == "ok"
+        and r.get("tokens_per_s_per_gpu") is not None
+    ]
+
+
+def _impl_color(impl: str) -> str:
+    if impl == "native":
+        return BACKEND_COLORS["torch-a2a"]
+    return BACKEND_COLORS.get(impl.removeprefix("megamoe-"), "#2ca02c")
+
+
+def plot_train(records: Sequence[dict], path: str) -> None:
+    """Write a PNG of tokens/s per GPU of ``megamoe train-bench`` records: groups = (model,
+    routing, layers), bars = implementations, each labelled with its speedup over native."""
+    recs = _train_ok(records)
+    if not recs:
+        raise ValueError("records must hold at least one train record with a status of ok")
+    plt = _pyplot()
+    groups = list(dict.fromkeys((r["model"], r["routing"], r["layers"]) for r in recs))
+    impls = list(dict.fromkeys(r["impl"] for r in recs))
+    by_key = {(r["model"], r["routing"], r["layers"], r["impl"]): r for r in recs}
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(6.0, (1.2 + 0.5 * len(impls)) * len(groups)), 4.5))
+    labelled: set[str] = set()
+    for j, impl in enumerate(impls):
+        for g, group in enumerate(groups):
+            rec = by_key.get((*group, impl))
+            if rec is None:
+                continue
+            x = g + (j - (len(impls) - 1) / 2) * width
+            ax.bar(
+                x,
+                rec["tokens_per_s_per_gpu"],
+                width,
+                color=_impl_color(impl),
+                label=None if impl in labelled else impl,
+                edgecolor="white",
+            )
+            labelled.add(impl)
+            speedup = rec.get("speedup_vs_native")
+            if speedup is not None and impl != "native":
+                ax.annotate(
+                    f"{speedup:.2f}x",
+                    (x, rec["tokens_per_s_per_gpu"]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+    ax.set_xticks(
+        range(len(groups)), [f"{m}\n{routing}, {layers} layers" for m, routing, layers in groups]
+    )
+    ax.set_ylabel("tokens/s per GPU (median step)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    first = recs[0]
+    fig.suptitle(
+        f"megamoe train-bench, {first.get('gpu', '?')}, W={first.get('world_size', '?')}, "
+        f"{first.get('precision', '?')}, {first.get('tokens', '?')} tokens/step, commit "
+        f"{first.get('commit', '?')}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
@@ -200,14 +280,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="PNG file to write")
     parser.add_argument(
         "--x",
-        choices=("backend", "tokens", "shape"),
+        choices=("backend", "tokens", "shape", "train"),
         default="backend",
-        help="bars per backend (default), time against tokens per rank, or speedup per shape",
+        help="bars per backend (default), time against tokens per rank, speedup per shape, or "
+        "tokens/s of train-bench records (the default when there are no layer records)",
     )
     args = parser.parse_args(argv)
-    plot = {"tokens": plot_tokens, "shape": plot_shapes}.get(args.x, plot_layer)
+    plot = {"tokens": plot_tokens, "shape": plot_shapes, "train": plot_train}.get(
+        args.x, plot_layer
+    )
     try:
-        plot(load_records(args.results), args.out)
+        records = load_records(args.results)
+        if args.x == "backend" and not _layer_ok(records) and _train_ok(records):
+            plot = plot_train
+        plot(records, args.out)
     except ValueError as exc:
         parser.error(str(exc))
     print(f"wrote {args.out}")

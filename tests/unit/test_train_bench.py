@@ -1,0 +1,383 @@
+"""`megamoe train-bench` on the CPU: the tiny models in float32, native against megamoe's reference
+backend. Record fields and types, the FLOP count against a hand count, forced-balanced routing,
+the run order, the CLI's errors and loss parity step by step.
+
+The megamoe experts implementation is a stand-in registered here in transformers'
+ExpertsInterface (megamoe.functional.moe with ExpertWeights.from_gate_up), so these tests do not
+depend on megamoe.integrations.transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import megamoe  # noqa: E402
+from megamoe.tools import cli  # noqa: E402
+from megamoe.tools import train_bench as tb  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def standin_experts_key(backend: str) -> str:
+    """Register an experts forward that runs megamoe ``backend`` on the module's own weights
+    and return its key (what megamoe.integrations.transformers.experts_implementation does)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        h, i = hidden_states.shape[-1], self.down_proj.shape[-1]
+        cfg = megamoe.MoEConfig(h, i, self.gate_up_proj.shape[0], top_k_index.shape[-1])
+        weights = megamoe.ExpertWeights.from_gate_up(self.gate_up_proj, self.down_proj)
+        y = megamoe.functional.moe(
+            hidden_states, top_k_index, top_k_weights.float(), weights, cfg, backend=backend
+        )
+        return y.to(hidden_states.dtype)
+
+    key = f"megamoe_test_{backend}"
+    ExpertsInterface.register(key, forward)
+    return key
+
+
+@pytest.fixture(autouse=True)
+def _standin(monkeypatch):
+    monkeypatch.setattr(tb, "megamoe_experts_key", standin_experts_key)
+
+
+def _opts(**kw) -> tb.TrainOptions:
+    kw.setdefault("device", CPU)
+    return tb.TrainOptions(**kw)
+
+
+@pytest.fixture(scope="module")
+def records():
+    """One CPU run of both tiny models, both impls and routings, two rounds."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tb, "megamoe_experts_key", standin_experts_key)
+    try:
+        opts = _opts(steps=2, warmup=1, rounds=2)
+        return tb.run_train_bench(opts)
+    finally:
+        mp.undo()
+
+
+# ------------------------------------------------------------------------------------ records
+
+
+def test_records_fields_and_types(records):
+    assert len(records) == 2 * 2 * 2  # models x routings x impls
+    assert {(r["model"], r["routing"], r["impl"]) for r in records} == {
+        (m, r, i)
+        for m in ("dsv3-tiny", "qwen3-30b-a3b-tiny")
+        for r in ("learned", "balanced")
+        for i in ("native", "megamoe-reference")
+    }
+    for r in records:
+        assert list(r) == list(tb.RECORD_FIELDS)
+        assert r["status"] == "ok", r["note"]
+        assert r["kind"] == "train" and r["precision"] == "fp32" and r["world_size"] == 1
+        for name in ("tokens_per_s_per_gpu", "mfu", "step_ms", "host_step_ms", "dense_tflops"):
+            assert isinstance(r[name], float) and r[name] > 0, name
+        assert isinstance(r["speedup_vs_native"], float)
+        assert r["layers"] == 2 and r["tokens"] == 64 and r["seq_len"] == 32
+        assert r["batch_size"] == 2
+        # every timed step of both rounds; every step's loss of the first round
+        assert len(r["step_ms_all"]) == r["steps"] * r["rounds"] == 4
+        assert all(isinstance(x, float) for x in r["step_ms_all"])
+        assert len(r["losses"]) == r["warmup"] + r["steps"] == 3
+        assert all(isinstance(x, float) and math.isfinite(x) for x in r["losses"])
+        assert r["peak_mem_gb"] is None  # no GPU
+        for name in ("gpu", "commit", "date", "torch", "triton", "transformers", "model"):
+            assert isinstance(r[name], str) and r[name], name
+        assert r["date"][:4].isdigit() and "T" in r["date"]
+        assert r["deterministic"] is True  # both rounds from the same start: the same losses
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(64 / (r["step_ms"] * 1e-3))
+        assert r["mfu"] == pytest.approx(
+            r["flops_per_step"] / (r["step_ms"] * 1e-3) / 1e12 / r["dense_tflops"]
+        )
+    for r in records:
+        if r["impl"] == "native":
+            assert r["speedup_vs_native"] == 1.0
+            assert r["experts_implementation"] == tb.NATIVE_KEY
+        else:
+            assert r["experts_implementation"] == "megamoe_test_reference"
+    json.dumps(records)  # plain JSON
+
+
+def test_losses_native_equal_megamoe_reference_step_by_step(records):
+    by = {(r["model"], r["routing"], r["impl"]): r["losses"] for r in records}
+    for model in ("dsv3-tiny", "qwen3-30b-a3b-tiny"):
+        for routing in ("learned", "balanced"):
+            native = by[(model, routing, "native")]
+            ours = by[(model, routing, "megamoe-reference")]
+            assert len(native) == len(ours) == 3
+            for a, b in zip(native, ours):
+                assert abs(a - b) <= 1e-4 * abs(a), (model, routing, native, ours)
+            # the same start and data for every impl; and the model learns on the bigram data
+            assert native[0] == pytest.approx(math.log(512), rel=0.05)
+
+
+def test_cli_writes_a_record_file(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    argv = ["train-bench", "--model", "qwen3-30b-a3b", "--routing", "balanced", "--rounds", "1"]
+    assert cli.main([*argv, "--steps", "2", "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert [(r["model"], r["impl"], r["routing"]) for r in recs] == [
+        ("qwen3-30b-a3b-tiny", "native", "balanced"),
+        ("qwen3-30b-a3b-tiny", "megamoe-reference", "balanced"),
+    ]
+    assert all(r["status"] == "ok" and r["deterministic"] is None for r in recs)
+    text = capsys.readouterr().out
+    assert "tokens/s/GPU" in text and "megamoe-reference" in text and str(out) in text
+
+
+def test_default_out_path():
+    path = tb.default_out_path("NVIDIA H200", "abc1234", "2026-12-02T01:02:03+00:00")
+    assert path.endswith("benchmarks/results/train_h200_abc1234_2026-12-02.json")
+    cpu = tb.default_out_path("cpu (x86_64, 2 cores)", "unknown", "2026-12-02T01:02:03+00:00")
+    assert cpu.endswith("train_cpu_unknown_2026-12-02.json")
+
+
+# -------------------------------------------------------------------------------------- FLOPs
+
+
+def test_flops_per_step_against_a_hand_count():
+    opts = _opts(tiny=True)
+    for name in ("qwen3-30b-a3b-tiny", "dsv3-tiny"):
+        spec = tb.MODELS[name]
+        model = tb.build_model(spec, 2, opts)
+        counts = tb.count_params(model)
+        H, I, E, K, V, L = 64, 32, 8, 2, 512, 2
+        if name == "qwen3-30b-a3b-tiny":
+            heads, kv, hd = 4, 2, 16
+            attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H  # q, k, v, o
+            shared = 0
+            d_qk = d_v = hd
+        else:
+            heads, q_lora, kv_lora, nope, rope, v = 4, 32, 16, 16, 8, 16
+            attn = (
+                H * q_lora  # q_a_proj
+                + q_lora * heads * (nope + rope)  # q_b_proj
+                + H * (kv_lora + rope)  # kv_a_proj_with_mqa
+                + kv_lora * heads * (nope + v)  # kv_b_proj
+                + heads * v * H  # o_proj
+            )
+            shared = 3 * H * I  # one shared expert of I
+            d_qk, d_v = nope + rope, v
+        router = E * H
+        routed_active = K * 3 * H * I  # top_k of the E experts' gate, up and down
+        active = L * (attn + router + routed_active + shared) + V * H  # + LM head
+        assert counts.active == active, name
+        assert counts.embedding == V * H
+        assert counts.routed == L * E * 3 * H * I
+        batch, seq = 2, 32
+        attention = 3 * L * batch * heads * seq**2 * (d_qk + d_v)  # causal, fwd + bwd
+        expected = 6 * active * batch * seq + attention
+        assert tb.flops_per_step(counts.active, spec, L, batch, seq) == expected
+        # the meta model counts the same as the built one
+        meta = tb.count_params(tb._meta_model(spec, 2, V, seq, torch.float32))
+        assert meta.total == counts.total and meta.active == counts.active
+
+
+def test_memory_estimate_fits_the_budget():
+    spec = tb.MODELS["dsv3"]
+    per_layer, fixed = tb.layer_params(spec, 32768, 4096, torch.bfloat16)
+    # one DeepSeek-V3 layer with 32 experts: MLA ~187 M, experts 32 x 3 x 7168 x 2048
+    assert 1.6e9 < per_layer < 1.7e9
+    assert fixed == 2 * 32768 * 7168 + 7168  # embedding, LM head, final norm
+    budget = 100e9
+    est = tb.fit_layers(spec, budget, 4096, per_layer, fixed)
+    assert est.total_bytes <= budget
+    more = tb.estimate_memory(spec, est.layers + 1, 4096, per_layer, fixed)
+    assert more.total_bytes > budget
+    # weights + grads + two AdamW moments, 2 bytes each
+    assert est.state_bytes == 8 * (est.layers * per_layer + fixed)
+    assert "layers" in est.describe()
+
+
+# ------------------------------------------------------------------------------------ routing
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts", [(64, 2, 8), (256, 8, 32), (96, 8, 128), (3, 4, 6)]
+)
+def test_balanced_ids_are_balanced_and_deterministic(tokens, top_k, experts):
+    ids = tb.balanced_ids(tokens, top_k, experts)
+    assert ids.shape == (tokens, top_k) and ids.dtype == torch.int64
+    assert torch.equal(ids, tb.balanced_ids(tokens, top_k, experts))
+    assert int(ids.min()) >= 0 and int(ids.max()) < experts
+    for row in ids.tolist():  # distinct experts per token
+        assert len(set(row)) == top_k
+    if (tokens * top_k) % experts == 0 and (experts % top_k or tokens % experts == 0):
+        counts = torch.bincount(ids.flatten(), minlength=experts)
+        assert counts.tolist() == [tokens * top_k // experts] * experts
+
+
+def test_balanced_ids_spread_a_token_over_the_expert_range():
+    # K divides E: token t takes t, t + E/K, ...: each of W = 4 rank ranges gets K / W of it
+    ids = tb.balanced_ids(32, 8, 32)
+    ranks = ids // 8
+    for row in ranks.tolist():
+        assert sorted(row) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_install_routing_wraps_and_restores_the_router():
+    spec = tb.MODELS["qwen3-30b-a3b-tiny"]
+    model = tb.build_model(spec, 2, _opts(tiny=True))
+    blocks = tb.moe_blocks(model)
+    assert len(blocks) == 2
+    gate = blocks[0].gate
+    x = torch.randn(10, 64)
+    _, w_learned, ids_learned = gate(x)
+    assert tb.install_routing(model, "balanced") == 2
+    _, w, ids = gate(x)
+    assert torch.equal(ids, tb.balanced_ids(10, 2, 8))
+    assert torch.equal(w, torch.full_like(w_learned, 0.5))
+    assert tb.install_routing(model, "balanced") == 2  # again: still one wrapper
+    assert torch.equal(gate(x)[2], ids)
+    tb.install_routing(model, "learned")
+    _, w2, ids2 = gate(x)
+    assert torch.equal(ids2, ids_learned) and torch.equal(w2, w_learned)
+    assert "forward" not in gate.__dict__
+    with pytest.raises(ValueError, match="routing must be one of"):
+        tb.install_routing(model, "zipf")
+
+
+# -------------------------------------------------------------------------------- the order
+
+
+def test_run_order_mirrors_each_round():
+    assert tb.run_order(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]
+    assert tb.run_order(["a", "b", "c"], 3) == [
+        (0, "a"),
+        (0, "b"),
+        (0, "c"),
+        (1, "c"),
+        (1, "b"),
+        (1, "a"),
+        (2, "a"),
+        (2, "b"),
+        (2, "c"),
+    ]
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        tb.run_order(["a"], 0)
+
+
+def test_runs_follow_the_order_and_start_from_the_same_state(monkeypatch):
+    calls = []
+    real = tb.train_run
+
+    def spy(model, batches, warmup, lr, device):
+        key = model.config._experts_implementation
+        first = next(model.parameters()).detach().clone()
+        calls.append((key, first))
+        return real(model, batches, warmup, lr, device)
+
+    monkeypatch.setattr(tb, "train_run", spy)
+    opts = _opts(models=["qwen3-30b-a3b"], routings=["learned"], steps=1, warmup=0, rounds=2)
+    tb.run_train_bench(opts)
+    native, ours = tb.NATIVE_KEY, "megamoe_test_reference"
+    assert [k for k, _ in calls] == [native, ours, ours, native]
+    for _, first in calls[1:]:  # every run starts from the built model's state
+        assert torch.equal(first, calls[0][1])
+
+
+def test_make_batches_are_a_bigram_chain():
+    a = tb.make_batches(3, 2, 16, 100, seed=1)
+    assert a.shape == (3, 2, 16) and a.dtype == torch.int64
+    assert torch.equal(a, tb.make_batches(3, 2, 16, 100, seed=1))
+    assert not torch.equal(a, tb.make_batches(3, 2, 16, 100, seed=2))
+    succ: dict[int, set[int]] = {}
+    for row in a.view(-1, 16).tolist():
+        for prev, nxt in zip(row, row[1:]):
+            succ.setdefault(prev, set()).add(nxt)
+    assert max(len(s) for s in succ.values()) <= tb.BIGRAM_BRANCHING
+
+
+def test_snapshot_restore_round_trip():
+    model = tb.build_model(tb.MODELS["dsv3-tiny"], 1, _opts(tiny=True))
+    state = tb.snapshot(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    tb.restore(model, state)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # DeepSeek-V3's router stays in float32 (transformers >= 5.18 declares it so)
+    assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32
+
+
+# -------------------------------------------------------------------------------- CLI errors
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--impls", "megamoe-bogus"], "invalid choice: 'megamoe-bogus'"),
+        (["--model", "llama"], "invalid choice: 'llama'"),
+        (["--routing", "zipf"], "invalid choice: 'zipf'"),
+    ],
+)
+def test_cli_rejects_bad_names(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train-bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "choose from" in err
+
+
+def test_cli_rejects_bad_values(capsys):
+    assert cli.main(["train-bench", "--tokens", "100", "--seq", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "tokens must be a positive multiple of seq_len=32" in err
+    assert cli.main(["train-bench", "--steps", "0"]) == 2
+    assert "steps must be >= 1" in capsys.readouterr().err
+
+
+def test_options_name_the_valid_values():
+    with pytest.raises(ValueError, match=r"impl must be one of \['native', 'megamoe-triton'"):
+        _opts(impls=["grouped_mm"])
+    with pytest.raises(ValueError, match=r"model must be one of \['dsv3', 'qwen3-30b-a3b'\]"):
+        _opts(models=["mixtral"])
+    with pytest.raises(ValueError, match="routing must be one of"):
+        _opts(routings=["uniform"])
+    with pytest.raises(ValueError, match="impl must be one of"):
+        tb.experts_key("fused")
+    # without a GPU: the tiny models, float32, native and megamoe-reference, 3 steps
+    opts = _opts()
+    assert opts.tiny and opts.precision == "fp32" and opts.steps == 3
+    assert opts.models == ["dsv3-tiny", "qwen3-30b-a3b-tiny"]
+    assert opts.impls == ["native", "megamoe-reference"]
+
+
+def test_a_megamoe_impl_without_the_integration_is_skipped_with_the_reason(monkeypatch):
+    def missing(backend):
+        raise RuntimeError(f"megamoe backend {backend!r} needs megamoe.integrations.transformers")
+
+    monkeypatch.setattr(tb, "megamoe_experts_key", missing)
+    opts = _opts(models=["qwen3-30b-a3b"], routings=["learned"], steps=1, warmup=0, rounds=1)
+    recs = tb.run_train_bench(opts)
+    by = {r["impl"]: r for r in recs}
+    assert by["native"]["status"] == "ok"
+    assert by["megamoe-reference"]["status"] == "skipped"
+    assert "megamoe.integrations.transformers" in by["megamoe-reference"]["note"]
+    assert not tb.run_failed(recs)
+
+
+# ------------------------------------------------------------------------------------- plot
+
+
+def test_plot_train_records(records, tmp_path):
+    pytest.importorskip("matplotlib")
+    from megamoe.tools.plot import main as plot_main
+
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(records))
+    out = tmp_path / "train.png"
+    assert plot_main([str(path), "--out", str(out)]) == 0  # train records: the train plot
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
