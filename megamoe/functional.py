@@ -22,7 +22,7 @@ from .config import MoEConfig
 from .ep import checks
 from .ep.workspace import cached_workspaces, local_workspaces
 from .types import ExpertWeights, MoEGrads
-from .validation import group_size_rank, validate_inputs
+from .validation import group_size_rank, require_expert_weights, validate_inputs
 
 __all__ = ["MoEContext", "Schedule", "build_schedule", "forward", "backward", "moe", "check"]
 
@@ -118,6 +118,8 @@ def forward(
     ``schedule`` must come from :func:`build_schedule` with the same backend (built here when
     None). ``check_values=False`` skips the checks that read device values (see validation).
     """
+    require_expert_weights(weights)
+    weights = weights.split_gate_up()  # (a stacked gate/up weight is read through views)
     validate_inputs(x, topk_ids, topk_weights, weights, config, group, check_values=check_values)
     world_size = group_size_rank(group)[0]
     name = resolve_backend(backend, x.device, world_size, config, x.dtype, x.shape[0])

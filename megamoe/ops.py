@@ -23,8 +23,8 @@ from torch import Tensor
 from . import functional
 from .backends import get_backend, resolve_backend
 from .config import MoEConfig
-from .types import ExpertWeights, MoEGrads, stacked_gate_up
-from .validation import group_size_rank, validate_inputs
+from .types import ExpertWeights, MoEGrads
+from .validation import group_size_rank, require_expert_weights, validate_inputs
 
 __all__ = ["moe", "moe_forward", "moe_backward", "group_key"]
 
@@ -46,18 +46,7 @@ def _group(key: str) -> dist.ProcessGroup | None:
 def _weights(w_gate, w_up, w_down, s_gate, s_up, s_down) -> ExpertWeights:
     """The op's weight inputs as the backends take them: ``w_up`` None means ``w_gate`` is the
     stacked ``[E, 2I, H]`` gate/up weight (read through views, no copy)."""
-    if w_up is None:
-        return ExpertWeights.from_gate_up(w_gate, w_down, s_gate, s_up, s_down)
-    return ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down)
-
-
-def _op_weights(weights: ExpertWeights) -> tuple[Tensor | None, ...]:
-    """The six weight inputs of the ops: a stacked gate/up weight goes in as itself (its
-    gradient is then one tensor), with ``w_up`` None."""
-    stacked = stacked_gate_up(weights.w_gate, weights.w_up)
-    if stacked is None:
-        return tuple(weights)
-    return (stacked, None, *weights[2:])
+    return ExpertWeights(w_gate, w_up, w_down, s_gate, s_up, s_down).split_gate_up()
 
 
 def _unpack(config: str, group: str) -> tuple[MoEConfig, dist.ProcessGroup | None, int]:
@@ -223,11 +212,12 @@ def moe(
             "can transform. Use torch.autograd (backward() or "
             "torch.autograd.grad) instead."
         )
+    require_expert_weights(weights)
     y, _ = torch.ops.megamoe.moe_forward(
         x,
         topk_ids,
         topk_weights,
-        *_op_weights(weights),
+        *weights,
         config.key,
         group_key(group) if group_name is None else group_name,
         backend,

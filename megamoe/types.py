@@ -16,23 +16,29 @@ __all__ = [
 
 
 def stacked_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
-    """The ``[E, 2I, H]`` tensor whose two halves along dim 1 are ``w_gate`` and ``w_up`` (views
-    made by slicing it, as :meth:`ExpertWeights.from_gate_up` does), or None when they are not.
+    """The ``[E, 2I, H]`` tensor whose two halves along dim 1 are ``w_gate`` and ``w_up`` (the
+    same storage, each expert's up rows I rows after its gate rows), or None when they are not.
 
-    The kernels read such views in place; the custom ops take the stacked tensor itself, so its
-    gradient arrives as one tensor, written in place by the weight-gradient kernels."""
-    base = w_gate._base
-    if base is None or w_up._base is not base or w_gate.dim() != 3:
+    A layout test, blind to autograd: the backends use it to write a stacked gradient in place.
+    The tensor that the halves were sliced from when it has exactly that shape (a gradient
+    buffer), else a view of their storage."""
+    if w_gate.dim() != 3 or w_up.shape != w_gate.shape or w_up.stride() != w_gate.stride():
         return None
     e, i, h = w_gate.shape
-    if tuple(w_up.shape) != (e, i, h) or tuple(base.shape) != (e, 2 * i, h):
+    s0, s1, s2 = w_gate.stride()
+    if s2 != 1 or s0 != 2 * i * s1 or w_up.storage_offset() != w_gate.storage_offset() + i * s1:
         return None
-    if w_gate.stride() != base.stride() or w_up.stride() != base.stride():
+    if w_up.untyped_storage().data_ptr() != w_gate.untyped_storage().data_ptr():
         return None
-    offset = base.storage_offset()
-    if w_gate.storage_offset() != offset or w_up.storage_offset() != offset + i * base.stride(1):
-        return None
-    return base
+    base = w_gate._base
+    if (
+        base is not None
+        and tuple(base.shape) == (e, 2 * i, h)
+        and base.stride() == w_gate.stride()
+        and base.storage_offset() == w_gate.storage_offset()
+    ):
+        return base
+    return w_gate.as_strided((e, 2 * i, h), w_gate.stride())
 
 
 class ExpertWeights(NamedTuple):
@@ -41,10 +47,12 @@ class ExpertWeights(NamedTuple):
     Layouts follow ``nn.Linear`` (out_features, in_features):
       w_gate, w_up  [E_local, I, H]     w_down [E_local, H, I]
       s_gate, s_up  [Is, H]             s_down [H, Is]
+    or gate and up stacked (:meth:`from_gate_up`): ``w_gate [E_local, 2I, H]`` and ``w_up``
+    None. The layer reads the stacked weight in place and gives it one gradient tensor.
     """
 
     w_gate: torch.Tensor
-    w_up: torch.Tensor
+    w_up: torch.Tensor | None
     w_down: torch.Tensor
     s_gate: torch.Tensor | None = None
     s_up: torch.Tensor | None = None
@@ -64,21 +72,31 @@ class ExpertWeights(NamedTuple):
         s_down: torch.Tensor | None = None,
     ) -> "ExpertWeights":
         """Weights with gate and up stacked in one ``[E_local, 2I, H]`` tensor (first the I gate
-        rows of each expert, then the I up rows: transformers' ``gate_up_proj``). No copy: the
-        kernels read both halves from it, and its gradient comes as one ``[E_local, 2I, H]``
-        tensor (:func:`stacked_gate_up`)."""
-        if not isinstance(w_gate_up, torch.Tensor) or w_gate_up.dim() != 3:
+        rows of each expert, then the I up rows: transformers' ``gate_up_proj``). Nothing is
+        copied: the kernels read both halves in place, and the custom ops take the stacked
+        tensor itself, so its gradient is one ``[E_local, 2I, H]`` tensor (written in place)."""
+        weights = cls(w_gate_up, None, w_down, s_gate, s_up, s_down)
+        weights.split_gate_up()  # validates the stacked weight
+        return weights
+
+    def split_gate_up(self) -> "ExpertWeights":
+        """These weights with a stacked gate/up weight as its two halves (views; no copy), the
+        form the backends take; separate weights unchanged."""
+        if self.w_up is not None:
+            return self
+        w = self.w_gate
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise ValueError(
-                "w_gate_up must be a 3-D [E_local, 2 * I, H] tensor, got "
-                f"{getattr(w_gate_up, 'shape', type(w_gate_up).__name__)}"
+                "w_gate_up (w_gate with w_up None) must be a 3-D [E_local, 2 * I, H] tensor, got "
+                f"{list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}"
             )
-        if w_gate_up.shape[1] % 2:
+        if w.shape[1] % 2:
             raise ValueError(
-                f"w_gate_up must have an even dim 1 (gate rows, then as many up rows), got "
-                f"{list(w_gate_up.shape)}"
+                "w_gate_up (w_gate with w_up None) must have an even dim 1 (I gate rows, then "
+                f"I up rows), got {list(w.shape)}"
             )
-        i = w_gate_up.shape[1] // 2
-        return cls(w_gate_up[:, :i], w_gate_up[:, i:], w_down, s_gate, s_up, s_down)
+        i = w.shape[1] // 2
+        return self._replace(w_gate=w[:, :i], w_up=w[:, i:])
 
 
 class MoEGrads(NamedTuple):
@@ -96,7 +114,7 @@ class MoEGrads(NamedTuple):
     @property
     def w_gate_up(self) -> torch.Tensor:
         """d of a stacked ``[E, 2I, H]`` gate/up weight: the tensor the two halves are views of
-        when the weights were stacked (no copy), else the two concatenated."""
+        (the backends write it in place for a stacked weight), else the two concatenated."""
         stacked = stacked_gate_up(self.w_gate, self.w_up)
         return stacked if stacked is not None else torch.cat([self.w_gate, self.w_up], dim=1)
 

@@ -56,6 +56,11 @@ def _check_tensor(
         raise ValueError(f"{name} must be on device {device} (where x is), got {t.device}")
 
 
+def require_expert_weights(weights: object) -> None:
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights must be a megamoe.ExpertWeights, got {type(weights).__name__}")
+
+
 def validate_weights(
     weights: ExpertWeights,
     config: MoEConfig,

@@ -36,8 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import ops as _ops
+from .. import functional
 from ..config import MoEConfig
+from ..types import ExpertWeights
 
 try:
     import transformers
@@ -205,41 +206,6 @@ def _weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, 
     return gate_up, down, e, i, h
 
 
-def _moe(x, ids, weights, gate_up, down, cfg, group, backend) -> torch.Tensor:
-    """megamoe's op with ``gate_up`` itself as its stacked gate/up input (``w_up`` None, the
-    op's form of :meth:`megamoe.ExpertWeights.from_gate_up`), so the gradient lands on that
-    very tensor as one ``[E, 2I, H]`` tensor.
-
-    Called here rather than through :func:`megamoe.functional.moe`, which finds the stacked
-    tensor from the gate and up views' ``_base``: that is the root of a chain of views, and
-    under expert parallelism ``gate_up_proj`` is such a view (``DTensor.to_local``) of a tensor
-    of the same shape outside the autograd graph, whose gradient would be lost."""
-    check_values = _check_values
-    if torch.compiler.is_compiling():
-        check_values = False  # as megamoe.ops.moe: the kernels check on the device
-    elif torch._C._functorch.peek_interpreter_stack() is not None:
-        raise RuntimeError(
-            "megamoe does not support torch.func transforms (grad, vjp, vmap, ...): use "
-            "torch.autograd (backward() or torch.autograd.grad)"
-        )
-    y, _ = torch.ops.megamoe.moe_forward(
-        x,
-        ids,
-        weights,
-        gate_up,
-        None,
-        down,
-        None,
-        None,
-        None,
-        cfg.key,
-        _ops.group_key(group),
-        backend,
-        check_values,
-    )
-    return y
-
-
 def _run(
     module: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -262,15 +228,16 @@ def _run(
     if x.dtype != down.dtype:  # as transformers' grouped_mm: the inputs in the weights' dtype
         x = x.to(down.dtype)
     cfg = _config(h, i, e_local * world_size, top_k_index.shape[1])
-    y = _moe(
+    # gate_up_proj itself is the op's input (no copy), so its gradient lands on it as one tensor
+    y = functional.moe(
         x.contiguous(),
         top_k_index.long().contiguous(),
         top_k_weights.float().contiguous(),
-        gate_up,
-        down,
+        ExpertWeights.from_gate_up(gate_up, down),
         cfg,
-        group,
-        backend,
+        group=group,
+        backend=backend,
+        check_values=_check_values,
     )
     return y.to(hidden_states.dtype)
 

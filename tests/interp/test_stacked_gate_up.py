@@ -27,7 +27,7 @@ def _stacked(p) -> torch.Tensor:
 
 def test_weight_2d_reads_both_halves_in_place() -> None:
     stacked = torch.randn(3, 2 * 40, 64)
-    w = ExpertWeights.from_gate_up(stacked, torch.randn(3, 64, 40))
+    w = ExpertWeights.from_gate_up(stacked, torch.randn(3, 64, 40)).split_gate_up()
     for half, offset in ((w.w_gate, 0), (w.w_up, 40)):
         view, rows_apart = gemm.weight_2d(half)
         assert rows_apart == 80
@@ -79,7 +79,8 @@ def test_expert_parallel_stacked_gives_the_bits_of_separate_weights(name: str) -
 
     def stacked_local(rank: int) -> ExpertWeights:
         w = separate(rank)
-        return ExpertWeights.from_gate_up(torch.cat([w.w_gate, w.w_up], dim=1), *w[2:])
+        stacked = torch.cat([w.w_gate, w.w_up], dim=1)
+        return ExpertWeights.from_gate_up(stacked, *w[2:]).split_gate_up()  # (as the ops pass)
 
     p.local_weights = stacked_local
     with poisoned_buffers():
@@ -108,8 +109,30 @@ def test_functional_backward_gives_one_stacked_gradient() -> None:
     assert torch.isfinite(d).all()
 
 
+def test_a_stacked_view_outside_the_graph_keeps_its_gradient() -> None:
+    """DTensor.to_local() returns such a view (its base is no autograd input): the op must take
+    the stacked tensor given, not the root of its views."""
+
+    class Local(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.detach().view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    p = make_problem(CASE, seed=8)
+    param = _stacked(p).requires_grad_(True)
+    weights = ExpertWeights.from_gate_up(Local.apply(param), *p.weights[2:])
+    y = functional.moe(p.x, p.topk_ids, p.topk_weights, weights, p.config, backend="triton")
+    y.backward(p.grad_y)
+    assert param.grad is not None and param.grad.shape == param.shape
+    assert torch.isfinite(param.grad).all() and param.grad.any()
+
+
 def test_from_gate_up_refuses_an_odd_row_count() -> None:
-    with pytest.raises(ValueError, match=r"w_gate_up must have an even dim 1.*\[2, 7, 8\]"):
+    with pytest.raises(ValueError, match=r"w_gate_up .*must have an even dim 1.*\[2, 7, 8\]"):
         ExpertWeights.from_gate_up(torch.zeros(2, 7, 8), torch.zeros(2, 8, 3))
-    with pytest.raises(ValueError, match=r"w_gate_up must be a 3-D \[E_local, 2 \* I, H\]"):
+    with pytest.raises(ValueError, match=r"w_gate_up .*must be a 3-D \[E_local, 2 \* I, H\]"):
         ExpertWeights.from_gate_up(torch.zeros(7, 8), torch.zeros(2, 8, 3))
