@@ -381,3 +381,18 @@ def test_plot_train_records(records, tmp_path):
     out = tmp_path / "train.png"
     assert plot_main([str(path), "--out", str(out)]) == 0  # train records: the train plot
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_transformers_integration_gives_the_keys(monkeypatch):
+    """megamoe.integrations.transformers (the real one, no stand-in): its keys, and a CPU run of
+    megamoe-reference through it has native's losses."""
+    monkeypatch.undo()  # the autouse stand-in off
+    pytest.importorskip("megamoe.integrations.transformers")
+    assert tb.experts_key("megamoe-reference") == "megamoe_reference"
+    assert tb.experts_key("megamoe-triton") == "megamoe_triton"
+    assert tb.experts_key("megamoe-auto") == "megamoe"
+    opts = _opts(models=["dsv3"], routings=["balanced"], steps=2, warmup=0, rounds=1)
+    by = {r["impl"]: r for r in tb.run_train_bench(opts)}
+    assert by["megamoe-reference"]["experts_implementation"] == "megamoe_reference"
+    for a, b in zip(by["native"]["losses"], by["megamoe-reference"]["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(a)
