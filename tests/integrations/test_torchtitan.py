@@ -12,6 +12,7 @@ equals one process.
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -475,3 +476,13 @@ def test_module_refuses_bad_calls_and_layouts():
         experts(x, scores, ids + 6, counts)
     with pytest.raises(ValueError, match="topk_weights must be finite"):
         experts(x, scores * float("nan"), ids, counts)
+
+
+def test_docs_example_runs_as_written(capsys):
+    """docs/torchtitan.md's example, executed."""
+    doc = Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md"
+    text = doc.read_text().split("## Example", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, str(doc), "exec"), {"__name__": "docs_example"})
+    out = capsys.readouterr().out
+    assert "MegaMoERoutedExperts" in out and "relative difference" in out
