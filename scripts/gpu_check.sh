@@ -2,7 +2,7 @@
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
 #   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [fingerprint] [comm] [bench] [kernels]
-#                        [sustained] [sweep] [shapes] [host] [gemms] [all]
+#                        [sustained] [sweep] [shapes] [host] [gemms] [train] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -33,6 +33,11 @@
 #   gemms    (not part of all) our six grouped GEMMs against torch._grouped_mm on every model
 #            of $MEGAMOE_MODELS (default all) at $MEGAMOE_GEMM_TOKENS tokens (default 4096)
 #            (megamoe.tools.bench_kernels; gemms.json)
+#   train    (not part of all) megamoe train-bench: the DeepSeek-V3- and Qwen3-30B-A3B-shaped
+#            transformers models, native MoE against megamoe triton and fused, learned and
+#            balanced routing ($MEGAMOE_TRAIN_ARGS, default "--steps 20 --rounds 2"; train.json),
+#            then the 200-step bf16 training test (tests/gpu/test_transformers.py; its numbers in
+#            transformers_training.json)
 #
 # Environment (all optional):
 #   OUT                  where logs and JSON go (default /tmp/megamoe_gpu_check); the device tool
@@ -93,8 +98,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host | gemms) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host, gemms or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host | gemms | train) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host, gemms, train or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -102,7 +107,7 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     for p in "${parts[@]}"; do
         case "$p" in
             "$1") return 0 ;;
-            all) case "$1" in sweep | shapes | host | gemms) ;; *) return 0 ;; esac ;;
+            all) case "$1" in sweep | shapes | host | gemms | train) ;; *) return 0 ;; esac ;;
             tests) [ "$1" = tests-1gpu ] || [ "$1" = tests-ep ] && return 0 ;;
         esac
     done
@@ -265,6 +270,14 @@ if want gemms; then
     # shellcheck disable=SC2086
     step "grouped GEMMs vs torch._grouped_mm" "$OUT/gemms.log" "$PY" -m megamoe.tools.bench_kernels \
         --model ${MEGAMOE_MODELS:-all} --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" --out "$OUT/gemms.json"
+fi
+
+if want train; then
+    # shellcheck disable=SC2086
+    step "train-bench" "$OUT/train.log" "$PY" -m megamoe train-bench \
+        ${MEGAMOE_TRAIN_ARGS:---steps 20 --rounds 2} --out "$OUT/train.json"
+    step "training test, 200 steps" "$OUT/train_test.log" env MEGAMOE_RESULTS_DIR="$OUT" \
+        "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_transformers.py
 fi
 
 if [ "${MEGAMOE_SAVE_TRITON_CACHE:-0}" = 1 ]; then

@@ -752,9 +752,10 @@ def _run_case(
 
         results = time_interleaved([(r.fn, r.case) for r in timed], opts, env, tick, mode)
         for i, (run, result) in enumerate(zip(timed, results)):
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException):  # the run's records so far stay
                 left = opts.modes[opts.modes.index(mode) + 1 :]
                 run.stop(result, bar, per_mode * (1 + len(left)) - done[i])
+                records[id(run)].append(dict(run.rec, mode=mode))
                 continue
             rec = dict(run.rec, mode=mode, **result)
             add_rates(rec, run.case.config, run.case.tokens)
@@ -770,7 +771,7 @@ def _run_case(
             else:
                 for rec in records[id(run)]:
                     rec.update(gbps)
-        if run.fn is None:  # skipped or failed: one record saying why (no timings)
+        if run.fn is None and not records[id(run)]:  # skipped or failed before any timing
             records[id(run)] = [dict(run.rec, mode=None)]
     return [rec for run in runs for rec in records[id(run)]]
 

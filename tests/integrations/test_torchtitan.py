@@ -18,6 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.attention.flex_attention import create_block_mask
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
+from torchtitan.config.manager import ConfigManager
+from torchtitan.config.override import apply_overrides
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.models.common.moe import GroupedExperts
+
+import megamoe.functional as functional
 from integrations.torchtitan_models import (
     FP32,
     REGISTRY,
@@ -32,14 +40,6 @@ from integrations.torchtitan_models import (
     moe_pair,
     trainer_config,
 )
-from torch.nn.attention.flex_attention import create_block_mask
-from torchtitan.components.optimizer import register_moe_load_balancing_hook
-from torchtitan.config.manager import ConfigManager
-from torchtitan.config.override import apply_overrides
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-from torchtitan.models.common.moe import GroupedExperts
-
-import megamoe.functional as functional
 from megamoe.integrations.torchtitan import (
     MegaMoEMoE,
     MegaMoERoutedExperts,

@@ -17,6 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import megamoe.functional as functional  # noqa: E402
+import megamoe.integrations.transformers as mt  # noqa: E402
 from integrations.transformers_models import (  # noqa: E402
     build,
     experts_modules,
@@ -24,9 +26,6 @@ from integrations.transformers_models import (  # noqa: E402
     train,
     twin,
 )
-
-import megamoe.functional as functional  # noqa: E402
-import megamoe.integrations.transformers as mt  # noqa: E402
 from support.procs import run_gloo  # noqa: E402
 
 STEPS = 20

@@ -126,6 +126,42 @@ def test_latency_mode_waits_for_the_device_before_each_iteration(
     assert events == per_iteration * 3 + ["sync"]  # and the one sync before reading the clocks
 
 
+def test_a_run_failing_in_one_mode_keeps_its_records_of_the_others(monkeypatch):
+    """(A backend that cannot be captured in a CUDA graph still has its eager records.)"""
+    from megamoe.tools import bench
+    from megamoe.tools.baselines import torch_a2a_moe
+    from megamoe.tools.harness import DistEnv
+
+    timed = bench.time_interleaved
+
+    def fails_in_latency(runs, opts, env, tick, mode="throughput"):
+        results = timed(runs, opts, env, tick, mode)
+        if mode == "latency":
+            results = [
+                RuntimeError("cannot capture") if fn is torch_a2a_moe else r
+                for (fn, _), r in zip(runs, results)
+            ]
+        return results
+
+    monkeypatch.setattr(bench, "time_interleaved", fails_in_latency)
+    opts = bench.BenchOptions(
+        shapes=["tiny"],
+        backends=["reference", "torch-a2a"],
+        tokens=[8],
+        iters=1,
+        warmup=0,
+        check=False,
+        modes=["throughput", "latency"],
+    )
+    records = bench.run_bench(opts, DistEnv())
+    got = {(r["backend"], r["mode"]): r for r in records}
+    assert set(got) == {(b, m) for b in ("reference", "torch-a2a") for m in opts.modes}
+    assert got["torch-a2a", "throughput"]["fwdbwd_ms"] > 0
+    assert got["torch-a2a", "latency"]["status"] == "error"
+    assert "cannot capture" in got["torch-a2a", "latency"]["note"]
+    assert got["reference", "latency"]["fwdbwd_ms"] > 0
+
+
 def test_graph_mode_needs_a_gpu():
     """(The graph mode's replays are timed on the GPU: scripts/gpu_check.sh host.)"""
     from megamoe.tools import bench
