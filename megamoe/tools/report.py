@@ -208,9 +208,13 @@ def format_generic_table(records: Sequence[dict], *, markdown: bool = False) -> 
 
 
 def format_table(records: Sequence[dict], *, markdown: bool = False) -> str:
-    """Layer records first (with the run's facts above), then any other records."""
+    """Layer records first (with the run's facts above), then training records
+    (``megamoe train-bench``), then any other records."""
+    from .train_bench import format_summary
+
     layer = _layer_records(records)
-    other = [r for r in records if r not in layer]
+    train = [r for r in records if r.get("kind") == "train"]
+    other = [r for r in records if r not in layer and r not in train]
     parts = []
     if layer:
         first = layer[0]
@@ -221,6 +225,8 @@ def format_table(records: Sequence[dict], *, markdown: bool = False) -> str:
             f"iters: {first.get('iters')}"
         )
         parts.append(format_layer_table(layer, markdown=markdown))
+    if train:
+        parts.append(format_summary(train, markdown=markdown))
     if other:
         parts.append(format_generic_table(other, markdown=markdown))
     return "\n\n".join(parts)

@@ -396,3 +396,14 @@ def test_the_transformers_integration_gives_the_keys(monkeypatch):
     assert by["megamoe-reference"]["experts_implementation"] == "megamoe_reference"
     for a, b in zip(by["native"]["losses"], by["megamoe-reference"]["losses"]):
         assert abs(a - b) <= 1e-4 * abs(a)
+
+
+def test_megamoe_table_renders_train_records(records):
+    """``megamoe table`` puts training records in the train-bench summary, beside layer ones."""
+    from megamoe.tools.report import format_table
+
+    text = format_table(records)
+    assert "tokens/s/GPU" in text and "vs native" in text
+    for r in records:
+        assert r["impl"] in text and r["model"] in text
+    assert "losses" not in text  # not the generic table of every field
