@@ -1,0 +1,352 @@
+"""Block-scaled E4M3 quantization (DeepSeek-V3's recipe): device functions, kernels, launchers.
+
+Every block of 128 values (1x128 along a row, 128x1 along a column, or 128x128 of a weight)
+gets one fp32 scale that is a power of two, ``2^ceil(log2(amax / 448))`` (UE8M0-valued), and
+its values are stored as ``float8_e4m3fn(x / scale)``: round to nearest even, saturating at
++-448. Dividing by a power of two is exact, so the bytes are those of torch's
+``(x.float() / scale).to(torch.float8_e4m3fn)`` and dequantizing (``q * scale``) is exact too.
+
+Scale rule, exactly (``pow2_scale``): the exponent is clamped to at least -126 (the scale and
+its inverse stay normal fp32; this only changes blocks whose amax is below about 2^-118), a
+block of zeros gets scale 1, and a block holding +-inf gets scale +inf. Non-finite values never
+become finite: a NaN is NaN after quantization (its block's scale ignores it), and a block with
+an inf quantizes to NaN at the infs and 0 elsewhere, so it dequantizes to NaN everywhere.
+
+Layouts (all row-major data; scales stored with the row index contiguous, "MN-major", so a
+tile's scales are one contiguous load):
+  * ``quantize_rows(x [M, K])``: 1x128 blocks along K: q [M, K], scale [M, ceil(K/128)] (a
+    transposed view: ``scale.t()`` is contiguous). The GEMMs' A operand (activations, d_y).
+  * ``quantize_cols(x [M, K])``: 128x1 blocks along M, written transposed: q_t [K, M] = the
+    quantized x^T, scale [K, ceil(M/128)] (``scale.t()`` contiguous). The weight gradient's
+    operands, whose reduction runs over rows: fp8 wgmma wants it contiguous (K-major).
+  * ``quantize_weight(w [E, N, K])``: 128x128 blocks: q [E, N, K], scale [E, ceil(N/128),
+    ceil(K/128)] (contiguous); with ``transposed=True`` also q_t [E, K, N] = q transposed per
+    expert and scale_t [E, ceil(K/128), ceil(N/128)] (square blocks transpose exactly). q is
+    the forward's B operand (``nn.Linear`` layout is K-major); q_t is the data-gradient's.
+
+The Triton 3.6 interpreter's fp32 -> fp8 conversion drops rounding carries, rounds ties away
+and does not saturate, its fp8 -> fp32 conversion reads NaN as 480 and its bf16 -> fp32
+conversion flushes subnormals; under the interpreter (``UPCAST``, as in ``tiles``)
+``to_e4m3``, ``from_e4m3`` and ``source_f32`` work on the bits instead. On the GPU they are
+the hardware conversions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import empty, interpreting
+
+__all__ = [
+    "E4M3_MAX",
+    "BLOCK",
+    "Fp8Weight",
+    "to_e4m3",
+    "from_e4m3",
+    "source_f32",
+    "pow2_scale",
+    "block_amax",
+    "quantize_rows",
+    "quantize_cols",
+    "quantize_weight",
+]
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+BLOCK = 128  # values per scale along a blocked dimension
+FP8 = torch.float8_e4m3fn
+
+# Rows (or columns) of one quantization program, a [ROWS, 128] tile of the source (fewer,
+# larger programs under the interpreter, where each program costs time of its own).
+_ROWS = {False: 32, True: 128}
+
+
+class Fp8Weight(NamedTuple):
+    """A 128x128-block quantized [E, N, K] weight; ``q_t``/``scale_t`` (its per-expert
+    transpose) only when asked for."""
+
+    q: torch.Tensor  # float8_e4m3fn [E, N, K]
+    scale: torch.Tensor  # float32 [E, ceil(N/128), ceil(K/128)]
+    q_t: torch.Tensor | None = None  # float8_e4m3fn [E, K, N]
+    scale_t: torch.Tensor | None = None  # float32 [E, ceil(K/128), ceil(N/128)]
+
+
+@triton.jit
+def _e4m3_emulated(x):
+    """float8e4nv of fp32 ``x`` from its bits: the byte torch's conversion gives (nearest even,
+    +-448 for larger magnitudes and inf, NaN keeps its sign)."""
+    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.int32)
+    a = tl.abs(x)
+    is_nan = a != a
+    a = tl.where(is_nan, 0.0, tl.minimum(a, 448.0))  # saturate (inf too); NaN is set below
+    # Normal range [2^-6, 448]: keep 3 mantissa bits, nearest even (a carry bumps the exponent).
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
+    # Subnormal range: multiples of 2^-9; adding 2^23 rounds a * 2^9 to an integer, nearest even
+    # (8 is 2^-6, the smallest normal, whose byte is 8 as well).
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    byte = tl.where(a >= 0.015625, normal, sub)
+    byte = tl.where(is_nan, 0x7F, byte) | sign
+    return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def to_e4m3(x, UPCAST: tl.constexpr):
+    """fp32 tile -> float8e4nv: round to nearest even, saturate to +-448, NaN stays NaN
+    (emulated bit by bit under the interpreter)."""
+    if UPCAST:
+        return _e4m3_emulated(x)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _e4m3_to_f32_emulated(q):
+    """fp32 of float8e4nv ``q`` from its bits (the interpreter reads the NaN byte as 480)."""
+    byte = q.to(tl.uint8, bitcast=True).to(tl.int32)
+    exponent = (byte >> 3) & 15
+    mantissa = byte & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+    value = tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
+    sign = (byte & 0x80).to(tl.uint32) << 24
+    return (value.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def from_e4m3(q, UPCAST: tl.constexpr):
+    """float8e4nv tile -> fp32 (exact; emulated bit by bit under the interpreter)."""
+    if UPCAST:
+        return _e4m3_to_f32_emulated(q)
+    else:
+        return q.to(tl.float32)
+
+
+@triton.jit
+def source_f32(x, UPCAST: tl.constexpr):
+    """A source tile as fp32, exactly (the interpreter flushes bf16 subnormals: shift the bits)."""
+    if UPCAST and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def pow2_scale(amax):
+    """(scale, 1 / scale) of blocks with absolute maximum ``amax`` (fp32, >= 0, not NaN):
+    ``scale = 2^ceil(log2(amax / 448))`` with the exponent at least -126; 1 for amax 0, +inf
+    (inverse 0) for amax inf. Computed from the bits, so it is exact on every device."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = bits >> 23
+    # amax = m * 2^(exponent - 127), m in [1, 2); amax <= 448 * 2^n  <=>  n >= e - 8 + (m > 1.75)
+    n = exponent - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    n = tl.where(amax == 0.0, 0, tl.maximum(n, -126))
+    scale = ((n + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - n) << 23).to(tl.float32, bitcast=True)
+    is_inf = exponent == 255
+    return tl.where(is_inf, float("inf"), scale), tl.where(is_inf, 0.0, inverse)
+
+
+@triton.jit
+def block_amax(x, axis: tl.constexpr):
+    """Absolute maximum along ``axis`` of an fp32 tile, NaN ignored (0 for an all-NaN block)."""
+    a = tl.abs(x)
+    return tl.max(tl.where(a == a, a, 0.0), axis=axis)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_sm,
+    stride_sk,
+    ROWS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One [ROWS, 128] tile: 1x128 scales along K; q is [M, K] row-major."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
+    x = source_f32(x, UPCAST)
+    scale, inverse = pow2_scale(block_amax(tl.where(mask, x, 0.0), 1))
+    tl.store(
+        q_ptr + rows64[:, None] * K + cols[None, :], to_e4m3(x * inverse[:, None], UPCAST), mask
+    )
+    tl.store(s_ptr + rows64 * stride_sm + kb * stride_sk, scale, mask=rows < M)
+
+
+@triton.jit
+def _quantize_cols_kernel(
+    x_ptr,
+    qt_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_sk,
+    stride_sb,
+    COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One [128, COLS] tile: 128x1 scales along M; writes q_t [K, M] (x^T) row-major."""
+    mb = tl.program_id(0)
+    rows = mb * 128 + tl.arange(0, 128)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask
+    )
+    x = source_f32(x, UPCAST)
+    scale, inverse = pow2_scale(block_amax(tl.where(mask, x, 0.0), 0))
+    q = tl.trans(to_e4m3(x * inverse[None, :], UPCAST))  # [COLS, 128]
+    offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
+    tl.store(qt_ptr + offs, q, mask=(cols < K)[:, None] & (rows < M)[None, :])
+    tl.store(s_ptr + cols * stride_sk + mb * stride_sb, scale, mask=cols < K)
+
+
+@triton.jit
+def _quantize_weight_kernel(
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    TRANSPOSED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One 128x128 block (expert e, row block nb, column block kb): one scale."""
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    nbs = tl.cdiv(N, 128)
+    kbs = tl.cdiv(K, 128)
+    rows = nb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    e64 = e.to(tl.int64)
+    x = tl.load(
+        w_ptr + e64 * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask
+    )
+    x = tl.where(mask, source_f32(x, UPCAST), 0.0)
+    scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
+    q = to_e4m3(x * inverse, UPCAST)
+    base = e64 * N * K
+    tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
+    if TRANSPOSED:
+        t_mask = (cols < K)[:, None] & (rows < N)[None, :]
+        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
+        tl.store(st_ptr + (e * kbs + kb) * nbs + nb, scale)
+
+
+def _check_source(name: str, x: torch.Tensor, dims: int) -> None:
+    if x.dim() != dims or not x.dtype.is_floating_point or x.dtype == FP8:
+        raise ValueError(
+            f"{name} must be a {dims}-D bf16/fp16/fp32 tensor, got {x.dtype} {list(x.shape)}"
+        )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 blocks along the rows of ``x [M, K]``: (q float8_e4m3fn [M, K], scale float32
+    [M, ceil(K/128)]); ``scale`` is a transposed view (``scale.t()`` is contiguous). Any K: the
+    last block of a row may be partial."""
+    _check_source("x", x, 2)
+    m, k = x.shape
+    kb = triton.cdiv(k, BLOCK)
+    q = empty((m, k), FP8, x.device)
+    scale = empty((kb, m), torch.float32, x.device).t()
+    if m and k:
+        rows = _ROWS[interpreting()]
+        _quantize_rows_kernel[(triton.cdiv(m, rows), kb)](
+            x,
+            q,
+            scale,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            scale.stride(0),
+            scale.stride(1),
+            ROWS=rows,
+            UPCAST=interpreting(),
+            num_warps=4,
+        )
+    return q, scale
+
+
+def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x1 blocks along the columns of ``x [M, K]``, written transposed: (q_t
+    float8_e4m3fn [K, M] = quantized x^T, scale float32 [K, ceil(M/128)]); ``scale`` is a
+    transposed view (``scale.t()`` [ceil(M/128), K] is contiguous). The same as
+    ``quantize_rows(x.t())``, reading ``x`` in place."""
+    _check_source("x", x, 2)
+    m, k = x.shape
+    mb = triton.cdiv(m, BLOCK)
+    q_t = empty((k, m), FP8, x.device)
+    scale = empty((mb, k), torch.float32, x.device).t()
+    if m and k:
+        cols = _ROWS[interpreting()]
+        _quantize_cols_kernel[(mb, triton.cdiv(k, cols))](
+            x,
+            q_t,
+            scale,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            scale.stride(0),
+            scale.stride(1),
+            COLS=cols,
+            UPCAST=interpreting(),
+            num_warps=4,
+        )
+    return q_t, scale
+
+
+def quantize_weight(w: torch.Tensor, *, transposed: bool = False) -> Fp8Weight:
+    """128x128 blocks of each expert of ``w [E, N, K]`` (any strides, e.g. one half of a
+    stacked gate/up weight): q [E, N, K] and scale [E, ceil(N/128), ceil(K/128)], contiguous;
+    with ``transposed`` also q_t [E, K, N] (q's bytes transposed) and scale_t [E, ceil(K/128),
+    ceil(N/128)], written by the same pass."""
+    _check_source("w", w, 3)
+    e, n, k = w.shape
+    nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
+    q = empty((e, n, k), FP8, w.device)
+    scale = empty((e, nb, kb), torch.float32, w.device)
+    q_t = empty((e, k, n), FP8, w.device) if transposed else None
+    scale_t = empty((e, kb, nb), torch.float32, w.device) if transposed else None
+    if e and n and k:
+        _quantize_weight_kernel[(e, nb, kb)](
+            w,
+            q,
+            scale,
+            q if q_t is None else q_t,
+            scale if scale_t is None else scale_t,
+            n,
+            k,
+            w.stride(0),
+            w.stride(1),
+            w.stride(2),
+            TRANSPOSED=transposed,
+            UPCAST=interpreting(),
+            num_warps=8,
+        )
+    return Fp8Weight(q, scale, q_t, scale_t)

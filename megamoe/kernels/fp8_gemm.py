@@ -1,0 +1,839 @@
+"""Block-scaled FP8 (E4M3) grouped GEMMs over the padded expert-contiguous row layout.
+
+The same row layout, ``RowSchedule`` and persistent grid as ``gemm``; the operands are the
+outputs of ``fp8``'s quantizers: activations with one scale per row and 128 columns (1x128),
+weights with one scale per 128x128 block. Every K step is 128 deep, so each step has exactly
+one activation scale per row and one weight scale per 128 output columns, and the step's fp32
+partial product is promoted into the accumulator on the CUDA cores (DeepSeek-V3's recipe):
+
+    acc += dot(a_q, b_q) * a_scale[:, None] * b_scale[None, :]
+
+The scales are powers of two, so both multiplications are exact (short of leaving fp32's
+exponent range): the step rounds once, in the add. Under the interpreter the step's product is
+summed in float64, where 128 products of E4M3 values are exact in any order (``tiles.mma``'s
+reason), so the bits do not depend on the tile width; on the GPU the tensor cores sum the
+step's 128 products at their own precision, in an order fixed by the instruction.
+
+Both operands of every fp8 ``tl.dot`` are K-major (Hopper's fp8 wgmma takes no transposed
+operand): A is [rows, K] row-major, B is a weight in ``nn.Linear`` layout [E, N, K] loaded as
+[BN, BK] tiles and viewed transposed. So the data gradients use the weights' transposed copies
+(``fp8.quantize_weight(..., transposed=True)``), and the weight gradient takes both of its
+operands transposed (``fp8.quantize_cols``: [features, rows], the rows contiguous).
+
+  * ``gate_up``: g, u and h = silu(g) * u (fp32 epilogue), stored bf16, like ``gemm.gate_up``.
+  * ``grouped_mm``: C = A W_e^T (forward down).
+  * ``dgrad_swiglu``: (d_g, d_u) from d_h = dZ W_down_e with the SwiGLU backward epilogue.
+  * ``dgrad_pair``: d_x = d_g W_gate_e + d_u W_up_e in one accumulator.
+  * ``wgrad``: d_W_e = A_e^T B_e over expert e's rows in order (no split-K, no atomics).
+
+Sizes: K (the reduction) may be any multiple of 16 (fp8 TMA rows must be 16-byte aligned; the
+last 128-block may be partial: TMA reads zeros past K), N any multiple of 8 (16-byte output
+rows), and the weight gradient needs ``block_rows % 128 == 0`` (each 128-row step stays inside
+one expert and one 128x1 scale block). Each is checked with an error naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
+from .gemm import GemmTiles, weight_2d
+from .runtime import descriptor, empty, interpreting, persistent_programs
+from .schedule import RowSchedule
+from .tiles import cast, swiglu, swiglu_backward, tile_of
+
+__all__ = [
+    "GPU_TILES",
+    "INTERPRETER_TILES",
+    "tiles_for",
+    "fp8_mma",
+    "fp8_mm_acc",
+    "fp8_gate_up_tile",
+    "fp8_grouped_mm_tile",
+    "fp8_wgrad_tile",
+    "gate_up",
+    "grouped_mm",
+    "dgrad_swiglu",
+    "dgrad_pair",
+    "wgrad",
+]
+
+# Hopper choices (compiled for sm_90a, not yet timed): 128 x 128 output tiles (one weight scale
+# per tile and K step) with two warpgroups; the K step is the scale block; stages fit 227 KB
+# with the epilogue. gate/up holds two accumulators and the step's partial product: at 128
+# wide that is 255 registers and spills, at 64 wide 165 and none.
+GPU_TILES: dict[str, GemmTiles] = {
+    "gate_up": GemmTiles(bn=64, bk=BLOCK, stages=4, warps=8),  # two B tiles per stage
+    "mm": GemmTiles(bn=128, bk=BLOCK, stages=4, warps=8),
+    "swiglu_bwd": GemmTiles(bn=128, bk=BLOCK, stages=4, warps=8),
+    "wgrad": GemmTiles(bm=128, bn=128, bk=BLOCK, stages=4, warps=8),
+}
+# Narrow tiles keep interpreter runs (CPU tests) fast; the K step stays 128.
+INTERPRETER_TILES: dict[str, GemmTiles] = {
+    name: GemmTiles(bn=32, bk=BLOCK, stages=1, warps=4, bm=32 if name == "wgrad" else 0)
+    for name in GPU_TILES
+}
+
+
+def tiles_for(kind: str) -> GemmTiles:
+    return (INTERPRETER_TILES if interpreting() else GPU_TILES)[kind]
+
+
+@triton.jit
+def fp8_mma(acc, a, b, a_scale, b_scale, UPCAST: tl.constexpr):
+    """``acc += (a @ b) * a_scale * b_scale`` for one 128-deep K step of fp8 tiles: the product
+    is accumulated in fp32 (float64 under the interpreter) and promoted with its scales
+    (powers of two: both multiplications are exact)."""
+    if UPCAST:
+        a64 = from_e4m3(a, UPCAST).to(tl.float64)
+        d = tl.dot(a64, from_e4m3(b, UPCAST).to(tl.float64)).to(tl.float32)
+    else:
+        d = tl.dot(a, b)
+    return acc + d * a_scale * b_scale
+
+
+@triton.jit
+def row_scales(s_ptr, row, kb, M, stride_m, stride_k, BM: tl.constexpr):
+    """[BM, 1] scales of rows row.. at K block ``kb`` (0 past the M rows)."""
+    rows = row + tl.arange(0, BM)
+    return tl.load(s_ptr + rows * stride_m + kb * stride_k, mask=rows < M, other=0.0)[:, None]
+
+
+@triton.jit
+def weight_scales(s_ptr, expert, col, kb, N, stride_e, stride_n, stride_k, BN: tl.constexpr):
+    """The 128x128-block scales of expert ``expert``'s output columns col.. at K block ``kb``:
+    one scalar when the tile lies in one block (BN <= 128), else [1, BN]."""
+    base = s_ptr + expert * stride_e + kb * stride_k
+    if BN <= 128:
+        return tl.load(base + (col // 128) * stride_n)
+    else:
+        cols = col + tl.arange(0, BN)
+        return tl.load(base + (cols // 128) * stride_n, mask=cols < N, other=0.0)[None, :]
+
+
+@triton.jit
+def fp8_mm_acc(
+    acc,
+    a_desc,
+    a_s_ptr,
+    b_desc,
+    b_s_ptr,
+    expert,
+    row,
+    col,
+    w_rows,
+    M,
+    N,
+    K,
+    s_am,
+    s_ak,
+    s_be,
+    s_bn,
+    s_bk,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``acc += A[row:row+BM] @ W_expert^T`` over all of K in K order, A 1x128-scaled and W
+    128x128-scaled; W's 2-D view [E*N, K] has its experts ``w_rows`` rows apart."""
+    for kb in range(tl.cdiv(K, BK)):
+        k = kb * BK
+        sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, BM)
+        sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+        a = a_desc.load([row, k])
+        b = b_desc.load([expert * w_rows + col, k]).T
+        acc = fp8_mma(acc, a, b, sa, sb, UPCAST)
+    return acc
+
+
+@triton.jit
+def fp8_gate_up_tile(
+    a_desc,
+    a_s_ptr,
+    bg_desc,
+    bg_s_ptr,
+    bu_desc,
+    bu_s_ptr,
+    g_desc,
+    u_desc,
+    h_desc,
+    expert,
+    row,
+    col,
+    w_rows,
+    M,
+    N,
+    K,
+    s_am,
+    s_ak,
+    s_be,
+    s_bn,
+    s_bk,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One [BM, BN] tile of g = A Wg^T, u = A Wu^T and h = silu(g) * u at (row, col), from
+    one pass over A (the gate and up scales share their strides). A device function, so a
+    fused kernel can run the same tiles with the same bits."""
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BK)):
+        k = kb * BK
+        sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, BM)
+        sg = weight_scales(bg_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+        su = weight_scales(bu_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+        a = a_desc.load([row, k])
+        acc_g = fp8_mma(acc_g, a, bg_desc.load([expert * w_rows + col, k]).T, sa, sg, UPCAST)
+        acc_u = fp8_mma(acc_u, a, bu_desc.load([expert * w_rows + col, k]).T, sa, su, UPCAST)
+    g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
+    u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
+    h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
+
+
+@triton.jit
+def fp8_grouped_mm_tile(
+    a_desc,
+    a_s_ptr,
+    b_desc,
+    b_s_ptr,
+    a2_desc,
+    a2_s_ptr,
+    b2_desc,
+    b2_s_ptr,
+    c_desc,
+    c2_desc,
+    g_desc,
+    u_desc,
+    expert,
+    row,
+    col,
+    w_rows,
+    w2_rows,
+    M,
+    N,
+    K,
+    s_am,
+    s_ak,
+    s_be,
+    s_bn,
+    s_bk,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    TWO_PAIRS: tl.constexpr,
+    SWIGLU_BWD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One [BM, BN] output tile at (row, col): C = A W_e^T; with ``TWO_PAIRS`` C = A W_e^T +
+    A2 W2_e^T in one accumulator (the pairs share their scales' strides); with ``SWIGLU_BWD``
+    the accumulator is d_h and the tile stores (d_g, d_u) into (c, c2) from the saved (g, u)."""
+    acc = fp8_mm_acc(
+        tl.zeros([BM, BN], dtype=tl.float32),
+        a_desc,
+        a_s_ptr,
+        b_desc,
+        b_s_ptr,
+        expert,
+        row,
+        col,
+        w_rows,
+        M,
+        N,
+        K,
+        s_am,
+        s_ak,
+        s_be,
+        s_bn,
+        s_bk,
+        BM,
+        BN,
+        BK,
+        UPCAST,
+    )
+    if TWO_PAIRS:
+        acc = fp8_mm_acc(
+            acc,
+            a2_desc,
+            a2_s_ptr,
+            b2_desc,
+            b2_s_ptr,
+            expert,
+            row,
+            col,
+            w2_rows,
+            M,
+            N,
+            K,
+            s_am,
+            s_ak,
+            s_be,
+            s_bn,
+            s_bk,
+            BM,
+            BN,
+            BK,
+            UPCAST,
+        )
+    if SWIGLU_BWD:
+        g = g_desc.load([row, col]).to(tl.float32)
+        u = u_desc.load([row, col]).to(tl.float32)
+        dg, du = swiglu_backward(acc, g, u)
+        c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
+        c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
+    else:
+        c_desc.store([row, col], cast(acc, c_desc.dtype, UPCAST))
+
+
+@triton.jit
+def fp8_wgrad_tile(
+    at_desc,
+    at_s_ptr,
+    bt_desc,
+    bt_s_ptr,
+    c_desc,
+    expert,
+    m0,
+    n0,
+    row_begin,
+    row_end,
+    M,
+    N,
+    s_am,
+    s_ak,
+    s_bn,
+    s_bk,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The [BM, BN] tile at (m0, n0) of d_W[expert] = A^T B over the rows [row_begin,
+    row_end) in order, 128 a step (padding rows hold zeros), from the transposed operands
+    A^T [M, rows] and B^T [N, rows] and their 1x128 scales along the rows."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for r in range(row_begin, row_end, BK):
+        kb = r // BK
+        sa = row_scales(at_s_ptr, m0, kb, M, s_am, s_ak, BM)
+        sb = tl.reshape(row_scales(bt_s_ptr, n0, kb, N, s_bn, s_bk, BN), [1, BN])
+        acc = fp8_mma(acc, at_desc.load([m0, r]), bt_desc.load([n0, r]).T, sa, sb, UPCAST)
+    c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
+
+
+@triton.jit
+def _fp8_gate_up_kernel(
+    a_desc,
+    a_s_ptr,
+    bg_desc,
+    bg_s_ptr,
+    bu_desc,
+    bu_s_ptr,
+    g_desc,
+    u_desc,
+    h_desc,
+    block_expert_ptr,
+    num_blocks_ptr,
+    M,
+    N,
+    K,
+    w_rows,
+    s_am,
+    s_ak,
+    s_be,
+    s_bn,
+    s_bk,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tiles_n = tl.cdiv(N, BN)
+    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
+        mb, nb = tile_of(tile, tiles_n)
+        fp8_gate_up_tile(
+            a_desc,
+            a_s_ptr,
+            bg_desc,
+            bg_s_ptr,
+            bu_desc,
+            bu_s_ptr,
+            g_desc,
+            u_desc,
+            h_desc,
+            tl.load(block_expert_ptr + mb),
+            mb * BM,
+            nb * BN,
+            w_rows,
+            M,
+            N,
+            K,
+            s_am,
+            s_ak,
+            s_be,
+            s_bn,
+            s_bk,
+            BM,
+            BN,
+            BK,
+            UPCAST,
+        )
+
+
+@triton.jit
+def _fp8_grouped_mm_kernel(
+    a_desc,
+    a_s_ptr,
+    b_desc,
+    b_s_ptr,
+    a2_desc,
+    a2_s_ptr,
+    b2_desc,
+    b2_s_ptr,
+    c_desc,
+    c2_desc,
+    g_desc,
+    u_desc,
+    block_expert_ptr,
+    num_blocks_ptr,
+    M,
+    N,
+    K,
+    w_rows,
+    w2_rows,
+    s_am,
+    s_ak,
+    s_be,
+    s_bn,
+    s_bk,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    TWO_PAIRS: tl.constexpr,
+    SWIGLU_BWD: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tiles_n = tl.cdiv(N, BN)
+    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
+        mb, nb = tile_of(tile, tiles_n)
+        fp8_grouped_mm_tile(
+            a_desc,
+            a_s_ptr,
+            b_desc,
+            b_s_ptr,
+            a2_desc,
+            a2_s_ptr,
+            b2_desc,
+            b2_s_ptr,
+            c_desc,
+            c2_desc,
+            g_desc,
+            u_desc,
+            tl.load(block_expert_ptr + mb),
+            mb * BM,
+            nb * BN,
+            w_rows,
+            w2_rows,
+            M,
+            N,
+            K,
+            s_am,
+            s_ak,
+            s_be,
+            s_bn,
+            s_bk,
+            BM,
+            BN,
+            BK,
+            TWO_PAIRS,
+            SWIGLU_BWD,
+            UPCAST,
+        )
+
+
+@triton.jit
+def _fp8_wgrad_kernel(
+    at_desc,
+    at_s_ptr,
+    bt_desc,
+    bt_s_ptr,
+    c_desc,
+    row_start_ptr,
+    E,
+    M,
+    N,
+    s_am,
+    s_ak,
+    s_bn,
+    s_bk,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tiles_n = tl.cdiv(N, BN)
+    tiles_per_expert = tl.cdiv(M, BM) * tiles_n
+    for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
+        expert = tile // tiles_per_expert
+        mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
+        fp8_wgrad_tile(
+            at_desc,
+            at_s_ptr,
+            bt_desc,
+            bt_s_ptr,
+            c_desc,
+            expert,
+            mb * BM,
+            nb * BN,
+            tl.load(row_start_ptr + expert),
+            tl.load(row_start_ptr + expert + 1),
+            M,
+            N,
+            s_am,
+            s_ak,
+            s_bn,
+            s_bk,
+            BM,
+            BN,
+            BK,
+            UPCAST,
+        )
+
+
+# ------------------------------------------------------------------------------------- host
+
+
+def _grid(work_items: int, device: torch.device, programs: int | None) -> tuple[int]:
+    """One program per SM (or ``programs``), never more than there are tiles."""
+    limit = persistent_programs(device) if programs is None else programs
+    if limit < 1:
+        raise ValueError(f"programs must be >= 1, got {limit}")
+    return (max(1, min(limit, work_items)),)
+
+
+def _check_rows(name: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """An fp8 [rows, K] operand with its 1x128 scales; returns (rows, K)."""
+    if q.dtype != FP8 or q.dim() != 2 or q.stride(1) != 1:
+        raise ValueError(
+            f"{name} must be a float8_e4m3fn [rows, K] tensor with contiguous rows, got "
+            f"{q.dtype} {list(q.shape)} strides {q.stride()}"
+        )
+    rows, k = q.shape
+    if k % 16:
+        raise ValueError(
+            f"{name} has K = {k} columns; the fp8 GEMMs need K % 16 == 0 (16-byte TMA rows)"
+        )
+    expected = [rows, triton.cdiv(k, BLOCK)]
+    if scale.dtype != torch.float32 or list(scale.shape) != expected:
+        raise ValueError(
+            f"{name}_scale must be a float32 {expected} tensor (one scale per row and 128 "
+            f"columns of {name}), got {scale.dtype} {list(scale.shape)}"
+        )
+    return rows, k
+
+
+def _check_weight(
+    name: str, w: Fp8Weight, experts: int, k: int, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [E, N, K] fp8 weight (or its transposed copy) and its 128x128 scales."""
+    q, scale = (w.q_t, w.scale_t) if transposed else (w.q, w.scale)
+    what = f"{name}.q_t" if transposed else f"{name}.q"
+    if q is None or scale is None:
+        raise ValueError(
+            f"{name} has no transposed copy; quantize it with fp8.quantize_weight(..., "
+            "transposed=True) for the data gradients"
+        )
+    if q.dtype != FP8 or q.dim() != 3 or tuple(q.shape[::2]) != (experts, k):
+        raise ValueError(
+            f"{what} must be a float8_e4m3fn [{experts}, N, {k}] tensor, got {q.dtype} "
+            f"{list(q.shape)}"
+        )
+    n = q.shape[1]
+    if n % 8:
+        raise ValueError(
+            f"{what} has N = {n} rows per expert; the outputs need N % 8 == 0 (16-byte TMA rows)"
+        )
+    expected = [experts, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)]
+    if scale.dtype != torch.float32 or list(scale.shape) != expected:
+        raise ValueError(
+            f"{what.replace('.q', '.scale')} must be a float32 {expected} tensor (one scale "
+            f"per 128x128 block), got {scale.dtype} {list(scale.shape)}"
+        )
+    return q, scale
+
+
+def _like(scale: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``scale`` in ``ref``'s strides (one kernel argument set strides both)."""
+    if scale.stride() == ref.stride():
+        return scale
+    return torch.empty_strided(ref.shape, ref.stride(), dtype=ref.dtype, device=ref.device).copy_(
+        scale
+    )
+
+
+def gate_up(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_gate: Fp8Weight,
+    w_up: Fp8Weight,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g, u, h), each [rows of a, I] in ``out_dtype``: g = A Wg^T and u = A Wu^T of every used
+    row block (``a`` 1x128-quantized [rows, H], ``w_gate``/``w_up`` [E, I, H] 128x128-quantized)
+    and h = silu(g) * u from the fp32 accumulators. ``programs``: the grid (default one per SM;
+    the bits never depend on it)."""
+    rows, k = _check_rows("a", a, a_scale)
+    qg, sg = _check_weight("w_gate", w_gate, sched.num_experts, k, False)
+    qu, su = _check_weight("w_up", w_up, sched.num_experts, k, False)
+    if qu.shape != qg.shape:
+        raise ValueError(f"w_up.q is {list(qu.shape)}, w_gate.q is {list(qg.shape)}")
+    su = _like(su, sg)
+    t = tiles_for("gate_up")
+    bm = sched.block_rows
+    n = qg.shape[1]
+    g, u, h = (empty((rows, n), out_dtype, a.device) for _ in range(3))
+    (wg, w_rows), (wu, _) = weight_2d(qg), weight_2d(qu)
+    grid = _grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    _fp8_gate_up_kernel[grid](
+        descriptor(a, [bm, t.bk]),
+        a_scale,
+        descriptor(wg, [t.bn, t.bk]),
+        sg,
+        descriptor(wu, [t.bn, t.bk]),
+        su,
+        *(descriptor(o, [bm, t.bn]) for o in (g, u, h)),
+        sched.block_expert,
+        sched.num_blocks,
+        rows,
+        n,
+        k,
+        w_rows,
+        *a_scale.stride(),
+        *sg.stride(),
+        BM=bm,
+        BN=t.bn,
+        BK=t.bk,
+        NUM_PROGS=grid[0],
+        UPCAST=interpreting(),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return g, u, h
+
+
+def _mm_launch(
+    kind: str,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: Fp8Weight,
+    sched: RowSchedule,
+    *,
+    transposed: bool,
+    names: tuple[str, str] = ("a", "w"),
+    a2: tuple[torch.Tensor, torch.Tensor, Fp8Weight] | None = None,
+    names2: tuple[str, str] = ("a2", "w2"),
+    gu: tuple[torch.Tensor, torch.Tensor] | None = None,
+    programs: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> list[torch.Tensor]:
+    rows, k = _check_rows(names[0], a, a_scale)
+    q, s = _check_weight(names[1], w, sched.num_experts, k, transposed)
+    n = q.shape[1]
+    t = tiles_for(kind)
+    bm = sched.block_rows
+    wb, w_rows = weight_2d(q)
+    a_desc = descriptor(a, [bm, t.bk])
+    b_desc = descriptor(wb, [t.bn, t.bk])
+    a2_desc, a2_s, b2_desc, s2, w2_rows = a_desc, a_scale, b_desc, s, w_rows
+    if a2 is not None:
+        a2_q, a2_scale, w2 = a2
+        if _check_rows(names2[0], a2_q, a2_scale) != (rows, k):
+            raise ValueError(f"{names2[0]} is {list(a2_q.shape)}, {names[0]} is {list(a.shape)}")
+        q2, s2 = _check_weight(names2[1], w2, sched.num_experts, k, transposed)
+        if q2.shape != q.shape:
+            raise ValueError(f"{names2[1]} is {list(q2.shape)}, {names[1]} is {list(q.shape)}")
+        wb2, w2_rows = weight_2d(q2)
+        a2_desc, b2_desc = descriptor(a2_q, [bm, t.bk]), descriptor(wb2, [t.bn, t.bk])
+        a2_s, s2 = _like(a2_scale, a_scale), _like(s2, s)
+    outs = [empty((rows, n), out_dtype, a.device) for _ in range(2 if gu is not None else 1)]
+    c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
+    if gu is not None:
+        for name, x in zip(("g", "u"), gu):
+            if tuple(x.shape) != (rows, n):
+                raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
+    gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
+    grid = _grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    _fp8_grouped_mm_kernel[grid](
+        a_desc,
+        a_scale,
+        b_desc,
+        s,
+        a2_desc,
+        a2_s,
+        b2_desc,
+        s2,
+        c_descs[0],
+        c_descs[-1],
+        gu_descs[0],
+        gu_descs[1],
+        sched.block_expert,
+        sched.num_blocks,
+        rows,
+        n,
+        k,
+        w_rows,
+        w2_rows,
+        *a_scale.stride(),
+        *s.stride(),
+        BM=bm,
+        BN=t.bn,
+        BK=t.bk,
+        TWO_PAIRS=a2 is not None,
+        SWIGLU_BWD=gu is not None,
+        NUM_PROGS=grid[0],
+        UPCAST=interpreting(),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return outs
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: Fp8Weight,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """C[r] = a[r] @ w[e(r)]^T for ``w`` [E, N, K] (``nn.Linear`` layout; forward down)."""
+    return _mm_launch(
+        "mm", a, a_scale, w, sched, transposed=False, programs=programs, out_dtype=out_dtype
+    )[0]
+
+
+def dgrad_swiglu(
+    dz: torch.Tensor,
+    dz_scale: torch.Tensor,
+    w_down: Fp8Weight,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_g, d_u) = SwiGLU backward of d_h = dz @ w_down[e] (w_down [E, H, I] with its
+    transposed copy ``q_t`` [E, I, H]; ``dz`` [rows, H] 1x128-quantized; g, u [rows, I])."""
+    dg, du = _mm_launch(
+        "swiglu_bwd",
+        dz,
+        dz_scale,
+        w_down,
+        sched,
+        transposed=True,
+        names=("dz", "w_down"),
+        gu=(g, u),
+        programs=programs,
+        out_dtype=out_dtype,
+    )
+    return dg, du
+
+
+def dgrad_pair(
+    dg: torch.Tensor,
+    dg_scale: torch.Tensor,
+    w_gate: Fp8Weight,
+    du: torch.Tensor,
+    du_scale: torch.Tensor,
+    w_up: Fp8Weight,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """d_x rows = dg @ w_gate[e] + du @ w_up[e] in one fp32 accumulator (weights [E, I, H] with
+    their transposed copies [E, H, I]; dg, du [rows, I] 1x128-quantized)."""
+    return _mm_launch(
+        "mm",
+        dg,
+        dg_scale,
+        w_gate,
+        sched,
+        transposed=True,
+        names=("dg", "w_gate"),
+        a2=(du, du_scale, w_up),
+        names2=("du", "w_up"),
+        programs=programs,
+        out_dtype=out_dtype,
+    )[0]
+
+
+def wgrad(
+    a_t: torch.Tensor,
+    a_t_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_t_scale: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """d_W [E, M, N], d_W[e] = a_e^T @ b_e over the rows of expert e, from the transposed
+    128x1-quantized operands ``a_t, a_t_scale = fp8.quantize_cols(a)`` (a [rows, M]) and
+    ``b_t, b_t_scale = fp8.quantize_cols(b)`` (b [rows, N]); padding rows must be zero.
+
+    ``out``: where to write it (default: a new ``out_dtype`` tensor), e.g. one half of a
+    stacked gate/up gradient; any [E, M, N] view with contiguous rows."""
+    if sched.block_rows % BLOCK:
+        raise ValueError(
+            f"sched.block_rows is {sched.block_rows}; the fp8 weight gradient needs a multiple "
+            f"of {BLOCK} (each 128-row step inside one expert and one scale block)"
+        )
+    m, rows = _check_rows("a_t", a_t, a_t_scale)
+    n, b_rows = _check_rows("b_t", b_t, b_t_scale)
+    if b_rows != rows:
+        raise ValueError(f"b_t has {b_rows} rows (columns of b_t), a_t has {rows}")
+    t = tiles_for("wgrad")
+    e = sched.num_experts
+    if n % 8:
+        raise ValueError(
+            f"b_t has N = {n} rows; the [E, M, N] output needs N % 8 == 0 (16-byte TMA rows)"
+        )
+    if out is None:
+        out = empty((e, m, n), out_dtype, a_t.device)
+    elif tuple(out.shape) != (e, m, n) or not out.dtype.is_floating_point or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be a floating [{e}, {m}, {n}] tensor with contiguous rows, got "
+            f"{out.dtype} {list(out.shape)} strides {out.stride()}"
+        )
+    grid = _grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a_t.device, programs)
+    _fp8_wgrad_kernel[grid](
+        descriptor(a_t, [t.bm, t.bk]),
+        a_t_scale,
+        descriptor(b_t, [t.bn, t.bk]),
+        b_t_scale,
+        descriptor(out, [1, t.bm, t.bn]),
+        sched.row_start,
+        e,
+        m,
+        n,
+        *a_t_scale.stride(),
+        *b_t_scale.stride(),
+        BM=t.bm,
+        BN=t.bn,
+        BK=t.bk,
+        NUM_PROGS=grid[0],
+        UPCAST=interpreting(),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return out

@@ -1,0 +1,114 @@
+"""The FP8 quantization kernels and block-scaled grouped GEMMs compile for Hopper (sm_90a).
+
+Their launchers run on meta tensors at DeepSeek-V3's expert sizes (H 7168, I 2048, 32 experts,
+128-row blocks) under ``compile_check.record_launches``, and each distinct launch is compiled
+with the GPU tile choices (``fp8_gemm.GPU_TILES``: 128 x 128 x 128, 8 warps) in a subprocess
+without the interpreter. Checked: sm_90a PTX, shared memory <= 227 KB, fp8 wgmma (e4m3
+operands) and TMA in the GEMMs, the saturating hardware conversion in the quantizers, one
+8-warp program per SM's registers, no spills and no local memory.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from support.compiled import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT  # noqa: E402
+from support.procs import run_without_interpreter  # noqa: E402
+
+# Run in a subprocess with the interpreter off; prints one JSON list of compile reports.
+SCRIPT = """
+import json, re, torch
+from megamoe.kernels import fp8, fp8_gemm
+from megamoe.kernels.runtime import assume_programs
+from megamoe.kernels.schedule import build_row_schedule
+from megamoe.tools.compile_check import H200_SMS, compile_launch, record_launches
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+def step(h, i, e, tokens, top_k, block_rows):
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device="meta")
+    s = build_row_schedule(ids, e, block_rows)
+    w_gate = fp8.quantize_weight(meta(e, i, h), transposed=True)
+    w_up = fp8.quantize_weight(meta(e, i, h), transposed=True)
+    w_down = fp8.quantize_weight(meta(e, h, i), transposed=True)
+    fp8.quantize_weight(meta(e, h, i))
+    g, u, hh = fp8_gemm.gate_up(*fp8.quantize_rows(meta(s.rows, h)), w_gate, w_up, s)
+    fp8_gemm.grouped_mm(*fp8.quantize_rows(hh), w_down, s)
+    dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(meta(s.rows, h)), w_down, g, u, s)
+    fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
+    fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(meta(s.rows, h)), s)
+    fp8_gemm.wgrad(*fp8.quantize_cols(meta(s.rows, h)), *fp8.quantize_cols(hh), s,
+                   out_dtype=torch.float32)
+
+label = ["?"]
+with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
+    label[0] = "dsv3"
+    step(7168, 2048, 32, 512, 8, 128)
+    label[0] = "gpt-oss (partial K blocks)"
+    step(2880, 2880, 32, 512, 4, 128)
+reports = []
+for launch in launches:
+    if launch.fn.fn.__module__ not in ("megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm"):
+        continue  # the row schedule's kernels (tests/compile/test_kernels_sm90a.py)
+    r = compile_launch(launch, keep_ptx=True)
+    ptx = r.pop("ptx")
+    mmas = re.findall(r"wgmma\\.mma_async[^;]*;", ptx)
+    shapes = (re.search(r"\\.(m64n\\d+k32)\\.f32\\.e4m3\\.e4m3 ", m) for m in mmas)
+    r["wgmma_e4m3"] = sorted({s.group(1) for s in shapes if s})
+    r["wgmma_smem_operands"] = all(re.search(r"\\}, %rd\\d+, %rd\\d+,", m) for m in mmas)
+    r["cvt_satfinite"] = "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    names = launch.fn.arg_names
+    r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
+                    if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED")}
+    reports.append(r)
+print(json.dumps(reports))
+"""
+
+QUANTIZERS = ("_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_weight_kernel")
+GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel")
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    out = run_without_interpreter(["-c", SCRIPT], timeout=1200)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _what(r: dict) -> str:
+    return f"{r['name']} {r['variant']} ({r['scenario']})"
+
+
+def test_every_fp8_kernel_compiles_for_sm90a(reports: list[dict]) -> None:
+    assert {r["name"] for r in reports} == set(QUANTIZERS + GEMMS)
+    for r in reports:
+        assert r["target_sm90a"], f"{_what(r)}: PTX is not for sm_90a"
+        assert 0 <= r["shared"] <= SMEM_LIMIT, f"{_what(r)}: {r['shared']} B of shared memory"
+        assert not r["ptx_local"], f"{_what(r)}: local memory in the PTX"
+
+
+def test_gemms_use_fp8_wgmma_and_tma(reports: list[dict]) -> None:
+    for r in reports:
+        if r["name"] in GEMMS:
+            assert r["wgmma_e4m3"], f"{_what(r)}: no e4m3 wgmma.mma_async in the PTX"
+            # both operands K-major in shared memory: no transpose through registers
+            assert r["wgmma_smem_operands"], f"{_what(r)}: a wgmma operand in registers"
+            assert r["tma"], f"{_what(r)}: no cp.async.bulk.tensor (TMA)"
+
+
+def test_quantizers_use_the_saturating_conversion(reports: list[dict]) -> None:
+    for r in reports:
+        if r["name"] in QUANTIZERS:
+            assert r["cvt_satfinite"], f"{_what(r)}: no cvt.rn.satfinite.e4m3x2.f32"
+
+
+def test_one_program_per_sm_without_spills(reports: list[dict]) -> None:
+    for r in reports:
+        threads = r["num_warps"] * 32
+        assert r["registers"] <= MAX_REGISTERS_PER_THREAD, _what(r)
+        assert r["registers"] * threads <= REGISTERS_PER_SM, _what(r)
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, (_what(r), r["spill_bytes"])

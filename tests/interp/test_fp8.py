@@ -1,0 +1,483 @@
+"""Block-scaled E4M3 quantization and FP8 grouped GEMMs under the Triton interpreter.
+
+Quantization is checked bitwise against torch (``(x.float() / scale).to(float8_e4m3fn)`` with
+the power-of-two scale computed here in float64), including the interpreter's emulated
+conversion itself over a dense sample of fp32 bit patterns. Each GEMM is checked against the
+float64 product of the same quantized operands (dequantized: ``q.double() * scale``), with
+every buffer poisoned so an element no program wrote shows as NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.kernels import fp8, fp8_gemm
+from megamoe.kernels.runtime import poisoned_buffers
+from megamoe.kernels.schedule import RowSchedule, build_row_schedule
+
+FP8 = torch.float8_e4m3fn
+INF = float("inf")
+NAN = float("nan")
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def ref_scale(amax: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax / 448)) in float64, exponent >= -126; 1 for 0; inf for inf."""
+    a = amax.double()
+    n = torch.ceil(torch.log2(a / 448.0)).clamp(min=-126)
+    n = torch.where(a == 0, torch.zeros_like(n), n)
+    return torch.exp2(n).float()
+
+
+def ref_quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., B, 128] blocks -> (q, scale [..., B]) with the NaN-ignoring amax of each block."""
+    x = x.float()
+    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(dim=-1)
+    scale = ref_scale(amax)
+    return (x / scale[..., None]).to(FP8), scale
+
+
+def ref_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    kb = triton.cdiv(k, 128)
+    padded = torch.zeros(m, kb * 128, dtype=torch.float32)
+    padded[:, :k] = x.float()
+    q, scale = ref_quantize_blocks(padded.view(m, kb, 128))
+    return q.view(m, kb * 128)[:, :k], scale
+
+
+def ref_quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    e, n, k = w.shape
+    nb, kb = triton.cdiv(n, 128), triton.cdiv(k, 128)
+    padded = torch.zeros(e, nb * 128, kb * 128, dtype=torch.float32)
+    padded[:, :n, :k] = w.float()
+    blocks = padded.view(e, nb, 128, kb, 128).permute(0, 1, 3, 2, 4).reshape(e, nb, kb, -1)
+    q, scale = ref_quantize_blocks(blocks)
+    q = q.view(e, nb, kb, 128, 128).permute(0, 1, 3, 2, 4).reshape(e, nb * 128, kb * 128)
+    return q[:, :n, :k], scale
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == FP8 and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double().repeat_interleave(128, 1)[:, : q.shape[1]]
+
+
+def dequant_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return q.double() * s[:, : q.shape[1], : q.shape[2]]
+
+
+# ------------------------------------------------------------------- the conversions themselves
+
+
+@triton.jit
+def _to_e4m3_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, fp8.to_e4m3(x, True), mask=offs < n)
+
+
+@triton.jit
+def _from_e4m3_kernel(q_ptr, y_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(y_ptr + offs, fp8.from_e4m3(tl.load(q_ptr + offs), True))
+
+
+@triton.jit
+def _pow2_scale_kernel(amax_ptr, s_ptr, inv_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    scale, inverse = fp8.pow2_scale(tl.load(amax_ptr + offs, mask=offs < n))
+    tl.store(s_ptr + offs, scale, mask=offs < n)
+    tl.store(inv_ptr + offs, inverse, mask=offs < n)
+
+
+def _fp32_bits(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.astype(np.uint32).view(np.float32))
+
+
+def _dense_fp32_sample() -> torch.Tensor:
+    """Every fp32 within 64 ulps of each e4m3 magnitude and of each midpoint between two
+    neighbours (the rounding and saturation boundaries, 464 included), a sweep of every 1021st
+    pattern below 2^9 (all e4m3 values and subnormals), random patterns (NaNs, infs, huge and
+    tiny values among them); both signs."""
+    grid = np.arange(127, dtype=np.uint8).view(np.uint8)
+    values = torch.from_numpy(grid).view(FP8).double().numpy()  # 0 .. 448
+    mids = np.concatenate([(values[:-1] + values[1:]) / 2, [464.0, 480.0, 512.0]])
+    anchors = np.concatenate([values, mids]).astype(np.float32).view(np.uint32).astype(np.int64)
+    near = (anchors[:, None] + np.arange(-64, 65)[None, :]).reshape(-1)
+    sweep = np.arange(0, 0x44000000, 1021, dtype=np.int64)
+    random = np.random.default_rng(0).integers(0, 2**31, size=1 << 19, dtype=np.int64)
+    specials = np.array([0x7F800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF, 1, 0x007FFFFF])
+    magnitudes = np.concatenate([near[near >= 0], sweep, random, specials])
+    return _fp32_bits(np.concatenate([magnitudes, magnitudes | 0x80000000]))
+
+
+def test_emulated_e4m3_conversion_is_torchs() -> None:
+    """The interpreter path of ``to_e4m3`` gives torch's byte for every sampled fp32 pattern:
+    nearest even, subnormals, +-448 saturation (inf too), NaN as sign | 0x7F."""
+    x = _dense_fp32_sample()
+    y = torch.empty(x.numel(), dtype=FP8)
+    block = 1 << 18
+    _to_e4m3_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
+    want = x.to(FP8).view(torch.uint8)
+    bad = (y.view(torch.uint8) != want).nonzero().flatten()
+    assert len(bad) == 0, (
+        f"{len(bad)} of {x.numel()} differ, e.g. {x[bad[:5]].tolist()}: "
+        f"{y.view(torch.uint8)[bad[:5]].tolist()} != {want[bad[:5]].tolist()}"
+    )
+
+
+def test_emulated_e4m3_upcast_is_exact() -> None:
+    q = torch.arange(256, dtype=torch.uint8).view(FP8)
+    y = torch.empty(256)
+    _from_e4m3_kernel[(1,)](q, y)
+    want = q.float()
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(y[~want.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))
+
+
+def test_pow2_scale() -> None:
+    """The scale from the bits equals 2^ceil(log2(amax / 448)) (float64 here) at and around
+    every boundary, the exponent clamped at -126; amax 0 -> 1, inf -> (inf, 0)."""
+    exact = torch.tensor([448.0 * 2.0**n for n in range(-130, 121)], dtype=torch.float32)
+    amax = torch.cat(
+        [
+            exact,
+            torch.nextafter(exact, torch.tensor(INF)),
+            torch.nextafter(exact, torch.tensor(0.0)),
+            torch.rand(4096) * torch.exp2(torch.randint(-140, 120, (4096,)).float()),
+            torch.tensor([0.0, 1e-45, 1.17e-38, 1.0, 1.75, 1.7500001, 3.4e38, INF]),
+        ]
+    )
+    scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
+    _pow2_scale_kernel[(triton.cdiv(amax.numel(), 1024),)](
+        amax, scale, inverse, amax.numel(), BLOCK=1024
+    )
+    assert torch.equal(scale, ref_scale(amax))
+    finite = scale.isfinite()
+    assert torch.equal(inverse[finite], (1.0 / scale[finite].double()).float())
+    assert inverse[~finite].eq(0).all()
+    assert (amax[finite] * inverse[finite] <= 448.0).all()
+
+
+# --------------------------------------------------------------------------------- quantizers
+
+
+def _awkward_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """Random rows of varied magnitude with zeros, a zero row, tiny values, values at and near
+    448 * 2^n, negatives, a NaN and a row with an inf."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-20, 20, (m, 1), generator=gen))
+    x[torch.rand(m, k, generator=gen) < 0.05] = 0.0
+    x[1] = 0.0
+    x[2] = torch.randn(k, generator=gen) * 1e-37  # the scale's exponent clamps at -126
+    x[3, :] = -448.0 * 2.0**-3
+    x[3, 5] = 448.0 * 2.0**-3 * (1 + 2.0**-7)  # just past 448 * scale: the scale doubles
+    x[4, :] = 448.0 * 2.0**5 * (1 - 2.0**-8)
+    x[5, 7] = NAN
+    x[6, 9] = -INF
+    return x
+
+
+# inf * 0 (an inf's block) is NaN on purpose
+INF_BLOCK = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@INF_BLOCK
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_rows_bitwise(dtype: torch.dtype) -> None:
+    x = _awkward_rows(37, 300, seed=1).to(dtype)  # partial last 128-block
+    with poisoned_buffers():
+        q, scale = fp8.quantize_rows(x)
+    want_q, want_scale = ref_quantize_rows(x)
+    assert q.shape == (37, 300) and scale.shape == (37, 3) and scale.t().is_contiguous()
+    assert same_bytes(q, want_q)
+    assert torch.equal(scale, want_scale)
+    # the policy, spelled out: NaN stays NaN, an inf makes its block NaN when dequantized
+    assert q[5, 7].float().isnan() and q[5].float().isnan().sum() == 1
+    assert scale[6, 0] == INF and dequant_rows(q, scale)[6, :128].isnan().all()
+    assert dequant_rows(q, scale)[6, 128:].isfinite().all()
+    assert scale[1].eq(1).all() and q[1].float().eq(0).all()
+    assert (scale[3, 0], scale[4, 0]) == (2.0**-2, 2.0**5)
+
+
+@INF_BLOCK
+def test_quantize_cols_is_quantize_rows_of_the_transpose() -> None:
+    x = _awkward_rows(37, 300, seed=2).to(torch.bfloat16).t()  # a [300, 37] strided view
+    with poisoned_buffers():
+        q_t, scale = fp8.quantize_cols(x)
+    want_q, want_scale = ref_quantize_rows(x.t())
+    assert q_t.shape == (37, 300) and scale.shape == (37, 3) and scale.t().is_contiguous()
+    assert same_bytes(q_t, want_q) and torch.equal(scale, want_scale)
+
+
+def test_quantize_weight_and_its_transpose() -> None:
+    gen = torch.Generator().manual_seed(3)
+    stacked = (torch.randn(3, 400, 300, generator=gen) * 0.02).to(torch.bfloat16)
+    stacked[1, 210:220, 5] = 0.0
+    stacked[2, :128, :128] = 0.0  # a zero block: scale 1
+    w = stacked[:, 200:]  # one half of a stacked weight, read in place: [3, 200, 300]
+    with poisoned_buffers():
+        qw = fp8.quantize_weight(w, transposed=True)
+        plain = fp8.quantize_weight(w)
+    want_q, want_scale = ref_quantize_weight(w)
+    assert qw.q.shape == (3, 200, 300) and qw.scale.shape == (3, 2, 3)
+    assert same_bytes(qw.q, want_q) and torch.equal(qw.scale, want_scale)
+    assert same_bytes(qw.q_t, want_q.transpose(1, 2).contiguous())
+    assert torch.equal(qw.scale_t, want_scale.transpose(1, 2))
+    assert plain.q_t is None and same_bytes(plain.q, qw.q) and torch.equal(plain.scale, qw.scale)
+
+
+def test_quantizers_name_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"x must be a 2-D bf16/fp16/fp32 tensor, got .*\[4\]"):
+        fp8.quantize_rows(torch.zeros(4))
+    with pytest.raises(ValueError, match="w must be a 3-D"):
+        fp8.quantize_weight(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8.quantize_cols(torch.zeros(4, 4, dtype=FP8))
+
+
+# -------------------------------------------------------------------------------------- GEMMs
+
+
+class Problem(NamedTuple):
+    sched: RowSchedule
+    used: int
+    row_expert: torch.Tensor  # [used] expert of each used row
+    x: torch.Tensor  # [rows, H] bf16; padding rows hold zeros, as the layer's do
+    dz: torch.Tensor  # [rows, H] bf16
+    w_gate: fp8.Fp8Weight
+    w_up: fp8.Fp8Weight
+    w_down: fp8.Fp8Weight
+
+
+# H = 272: two full K blocks and a partial one, not a multiple of the output tile.
+# I = 112: one partial weight block, not a multiple of the tile. Expert 2 gets no rows.
+H, I, E = 272, 112, 4
+
+
+def make_problem(block_rows: int, seed: int) -> Problem:
+    gen = torch.Generator().manual_seed(seed)
+    tokens, top_k = 29, 2
+    experts = torch.tensor([0, 1, 3])
+    ids = torch.stack([experts[torch.randperm(3, generator=gen)[:top_k]] for _ in range(tokens)])
+    sched = build_row_schedule(ids, E, block_rows)
+    used = int(sched.num_blocks.item()) * block_rows
+    row_expert = sched.block_expert[: used // block_rows].long().repeat_interleave(block_rows)
+    real = torch.zeros(sched.rows, 1)
+    real[:used] = (sched.row_src[:used] >= 0).float()[:, None]
+
+    def rows_of(width: int) -> torch.Tensor:
+        return (torch.randn(sched.rows, width, generator=gen) * real).to(torch.bfloat16)
+
+    def weight(n: int, k: int) -> fp8.Fp8Weight:
+        w = torch.randn(E, n, k, generator=gen) * torch.exp2(torch.randint(-8, -3, (E, 1, 1)))
+        return fp8.quantize_weight(w.to(torch.bfloat16), transposed=True)
+
+    return Problem(
+        sched, used, row_expert, rows_of(H), rows_of(H), weight(I, H), weight(I, H), weight(H, I)
+    )
+
+
+def by_expert(a: torch.Tensor, w: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+    """out[r] = a[r] @ w[e(r)]^T in float64 (a [used, K], w [E, N, K] float64)."""
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64)
+    for e in range(w.shape[0]):
+        rows = row_expert == e
+        out[rows] = a[rows] @ w[e].T
+    return out
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``out`` against the float64 ``ref``: every element written; norm-wise within 1e-3 of
+    ``ref`` rounded to ``out``'s dtype; and as close as exact 128-deep block sums make it (the
+    interpreter's are exact, so only fp32 roundings separate the kernel from float64): fp32
+    outputs within 1e-6 norm-wise, bf16 outputs equal to ``ref`` rounded but for 0.1% of the
+    elements, each within half a unit of the last place plus fp32 slack."""
+    o = out.double()
+    assert not o.isnan().any(), f"{what}: NaN (unwritten) elements"
+    rounded = ref.to(out.dtype).double()
+    err = (o - rounded).norm() / ref.norm()
+    assert err <= 1e-3, f"{what}: relative error {err:.3g}"
+    if out.dtype == torch.float32:
+        err = (o - ref).norm() / ref.norm()
+        assert err <= 1e-6, f"{what}: relative error {err:.3g} from float64"
+    else:
+        differ = (o != rounded).double().mean()
+        assert differ <= 1e-3, f"{what}: {differ:.3%} of the elements differ from float64"
+    half_ulp = 2.0 ** -(MANTISSA_BITS[out.dtype] + 1)
+    slack = (o - ref).abs() - half_ulp * 1.01 * ref.abs()
+    assert slack.max() <= 1e-6 * ref.abs().max(), f"{what}: off by {slack.max():.3g}"
+
+
+def used_part(p: Problem, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v[: p.used] if v.shape[0] == p.sched.rows else v for k, v in out.items()}
+
+
+def training_step(p: Problem, out_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The fp8 GEMMs of one training step, each fed by the kernels' quantization of the one
+    before (as the layer will run them)."""
+    s, dt = p.sched, dict(out_dtype=out_dtype)
+    with poisoned_buffers():
+        g, u, h = fp8_gemm.gate_up(*fp8.quantize_rows(p.x), p.w_gate, p.w_up, s, **dt)
+        z = fp8_gemm.grouped_mm(*fp8.quantize_rows(h), p.w_down, s, **dt)
+        dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(p.dz), p.w_down, g, u, s, **dt)
+        dgq, duq = fp8.quantize_rows(dg), fp8.quantize_rows(du)
+        dx = fp8_gemm.dgrad_pair(*dgq, p.w_gate, *duq, p.w_up, s, **dt)
+        out = dict(g=g, u=u, h=h, z=z, dg=dg, du=du, dx=dx)
+        if s.block_rows % 128 == 0:
+            dgt, xt = fp8.quantize_cols(dg), fp8.quantize_cols(p.x)
+            out["dw_gate"] = fp8_gemm.wgrad(*dgt, *xt, s, **dt)
+    return used_part(p, out)
+
+
+@pytest.mark.parametrize(
+    "block_rows, out_dtype", [(16, torch.bfloat16), (16, torch.float32), (128, torch.bfloat16)]
+)
+def test_gemms_match_float64_of_the_quantized_operands(
+    block_rows: int, out_dtype: torch.dtype
+) -> None:
+    p = make_problem(block_rows, seed=block_rows)
+    out = training_step(p, out_dtype)
+    used, re = p.used, p.row_expert
+
+    def a_of(x: torch.Tensor) -> torch.Tensor:
+        return dequant_rows(*fp8.quantize_rows(x[:used]))
+
+    def w_of(w: fp8.Fp8Weight, transposed: bool = False) -> torch.Tensor:
+        return dequant_weight(w.q_t, w.scale_t) if transposed else dequant_weight(w.q, w.scale)
+
+    x = a_of(p.x)
+    g, u = by_expert(x, w_of(p.w_gate), re), by_expert(x, w_of(p.w_up), re)
+    assert_matches(out["g"], g, "g")
+    assert_matches(out["u"], u, "u")
+    assert_matches(out["h"], torch.nn.functional.silu(g) * u, "h")
+    assert_matches(out["z"], by_expert(a_of(out["h"]), w_of(p.w_down), re), "z")
+    dh = by_expert(a_of(p.dz), w_of(p.w_down, True), re)
+    gb, ub = out["g"].double(), out["u"].double()
+    sig = torch.sigmoid(gb)
+    assert_matches(out["dg"], dh * ub * (sig + gb * sig * (1 - sig)), "dg")
+    assert_matches(out["du"], dh * gb * sig, "du")
+    dx = by_expert(a_of(out["dg"]), w_of(p.w_gate, True), re) + by_expert(
+        a_of(out["du"]), w_of(p.w_up, True), re
+    )
+    assert_matches(out["dx"], dx, "dx")
+    if block_rows % 128 == 0:
+        dg_t = dequant_rows(*fp8.quantize_cols(out["dg"]))  # [I, used]
+        x_t = dequant_rows(*fp8.quantize_cols(p.x[:used]))  # [H, used]
+        start = p.sched.row_start.tolist()
+        dw = torch.stack(
+            [dg_t[:, start[e] : start[e + 1]] @ x_t[:, start[e] : start[e + 1]].T for e in range(E)]
+        )
+        assert out["dw_gate"][2].eq(0).all()  # the expert with no rows: zeros, written
+        assert_matches(out["dw_gate"], dw, "dw_gate")
+        with poisoned_buffers():
+            dw32 = fp8_gemm.wgrad(
+                *fp8.quantize_cols(out["dg"]),
+                *fp8.quantize_cols(p.x[:used]),
+                p.sched,
+                out_dtype=torch.float32,
+            )
+        assert_matches(dw32, dw, "dw_gate (fp32)")
+
+
+def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkeypatch) -> None:
+    """Every GEMM, run to run, for every grid, output tile width (16 to 256: the weight scales
+    as one scalar or one per column; the weight gradient's tile height too) and activation
+    scale layout (MN-major or row-major)."""
+    p = make_problem(128, seed=5)
+    s = p.sched
+    gen = torch.Generator().manual_seed(8)
+    xq, hq, dzq, dgq, duq = (
+        fp8.quantize_rows(torch.randn(s.rows, n, generator=gen)) for n in (H, I, H, I, I)
+    )
+    dgt, xt = fp8.quantize_cols(p.x[:, :I]), fp8.quantize_cols(p.x)
+
+    def every_gemm(**kw) -> dict[str, torch.Tensor]:
+        with poisoned_buffers():
+            g, u, h = fp8_gemm.gate_up(*xq, p.w_gate, p.w_up, s, **kw)
+            dg, du = fp8_gemm.dgrad_swiglu(*dzq, p.w_down, g, u, s, **kw)
+            out = dict(
+                g=g,
+                u=u,
+                h=h,
+                z=fp8_gemm.grouped_mm(*hq, p.w_down, s, **kw),
+                dg=dg,
+                du=du,
+                dx=fp8_gemm.dgrad_pair(*dgq, p.w_gate, *duq, p.w_up, s, **kw),
+                dw=fp8_gemm.wgrad(*dgt, *xt, s, **kw),
+            )
+        return used_part(p, out)
+
+    want = every_gemm()
+    for what, kw in (("a repeat", {}), ("1 program", dict(programs=1))):
+        for name, got in every_gemm(**kw).items():
+            assert torch.equal(got, want[name]), f"{name} changed: {what}"
+    for bn, bm in ((16, 16), (256, 64)):
+        tiles = {
+            kind: dataclasses.replace(t, bn=bn, bm=bm if kind == "wgrad" else 0)
+            for kind, t in fp8_gemm.INTERPRETER_TILES.items()
+        }
+        monkeypatch.setattr(fp8_gemm, "INTERPRETER_TILES", tiles)
+        for name, got in every_gemm().items():
+            assert not got.isnan().any(), f"{name}: a tile was not written ({bn} x {bm})"
+            assert torch.equal(got, want[name]), f"{name} changed with tiles {bn} x {bm}"
+    monkeypatch.undo()
+    with poisoned_buffers():
+        g = fp8_gemm.gate_up(xq[0], xq[1].contiguous(), p.w_gate, p.w_up, s)[0]
+    assert torch.equal(g[: p.used], want["g"])
+
+
+def test_nan_rows_stay_nan() -> None:
+    """A NaN in one activation row makes that row's outputs NaN and no other's."""
+    p = make_problem(16, seed=6)
+    x = p.x.clone()
+    row = int((p.sched.row_src[: p.used] >= 0).nonzero()[3])
+    x[row, 100] = NAN
+    with poisoned_buffers():
+        g = fp8_gemm.gate_up(*fp8.quantize_rows(x), p.w_gate, p.w_up, p.sched)[0][: p.used]
+    assert g[row].isnan().all()
+    assert not g[torch.arange(p.used) != row].isnan().any()
+
+
+def test_gemms_name_bad_arguments() -> None:
+    p = make_problem(16, seed=7)
+    s = p.sched
+    xq, xs = fp8.quantize_rows(p.x)
+    with pytest.raises(ValueError, match=r"a must be a float8_e4m3fn \[rows, K\] tensor"):
+        fp8_gemm.grouped_mm(p.x, xs, p.w_up, s)
+    with pytest.raises(ValueError, match=r"a has K = 200 columns; .* K % 16 == 0"):
+        fp8_gemm.grouped_mm(*fp8.quantize_rows(p.x[:, :200]), p.w_up, s)
+    with pytest.raises(ValueError, match=r"a_scale must be a float32 \[128, 3\] tensor"):
+        fp8_gemm.grouped_mm(xq, xs[:, :2], p.w_up, s)
+    with pytest.raises(ValueError, match=r"w.q must be a float8_e4m3fn \[4, N, 272\] tensor"):
+        fp8_gemm.grouped_mm(xq, xs, p.w_down, s)
+    odd = fp8.quantize_weight(torch.zeros(E, 100, H))
+    with pytest.raises(ValueError, match=r"w.q has N = 100 rows per expert; .* N % 8 == 0"):
+        fp8_gemm.grouped_mm(xq, xs, odd, s)
+    with pytest.raises(ValueError, match="w_down has no transposed copy"):
+        fp8_gemm.dgrad_swiglu(xq, xs, p.w_down._replace(q_t=None), p.x, p.x, s)
+    with pytest.raises(ValueError, match=r"w_gate.scale must be a float32 \[4, 1, 3\]"):
+        fp8_gemm.gate_up(xq, xs, p.w_gate._replace(scale=p.w_gate.scale[:, :, :2]), p.w_up, s)
+    with pytest.raises(ValueError, match=r"sched.block_rows is 16; .* multiple of 128"):
+        fp8_gemm.wgrad(*fp8.quantize_cols(p.x), *fp8.quantize_cols(p.x), s)
+    s128 = make_problem(128, seed=7).sched
+    with pytest.raises(ValueError, match=r"b_t has N = 100 rows; .* N % 8 == 0"):
+        fp8_gemm.wgrad(*fp8.quantize_cols(p.x[:, :128]), *fp8.quantize_cols(p.x[:, :100]), s128)
+    with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
+        fp8_gemm.grouped_mm(xq, xs, p.w_up, s, programs=0)
+    assert math.isclose(fp8.E4M3_MAX, torch.finfo(FP8).max)
