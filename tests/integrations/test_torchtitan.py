@@ -404,6 +404,37 @@ def test_expert_parallel_two_gloo_ranks_equal_one_process():
     run_gloo(2, _ep_worker)
 
 
+def _fsdp_worker(rank: int, world_size: int) -> None:
+    """FSDP2 (``fully_shard``, as torchtitan's ``apply_fsdp`` wraps a block: the experts, then
+    the MoE module) over two gloo ranks, EP = 1: every weight sharded along dim 0, unsharded for
+    the forward, gradients reduce-scattered (averaged) after megamoe's backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for override in OVERRIDES:
+        what = override.rsplit(".", 1)[1]
+        _, full = moe_pair(EP_NAME, override)  # one process, every token
+        _, sharded = moe_pair(EP_NAME, override)
+        fully_shard(sharded.routed_experts.inner_experts, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        x, dy = _inputs(full, batch=2 * world_size, seq=8, seed=13)
+        mine = slice(2 * rank, 2 * rank + 2)
+        y1, dx1 = _run(full, x, dy)
+        y, dx = _run(sharded, x[mine].contiguous(), dy[mine].contiguous())
+        # (fewer rows per expert than one process: the CPU matmuls may sum in another order)
+        assert rel_err(y, y1[mine]) < TOL, what
+        assert rel_err(dx, dx1[mine]) < TOL, what
+        g1 = grads(full)
+        for n, p in sharded.named_parameters():
+            mean = p.grad.full_tensor()  # FSDP averages the ranks' gradients
+            assert rel_err(mean * world_size, g1[n]) < TOL, (what, n)
+
+
+def test_fsdp2_over_two_gloo_ranks_equals_one_process():
+    run_gloo(2, _fsdp_worker)
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 

@@ -161,6 +161,10 @@ class MegaMoERoutedExperts(RoutedExperts):
         # set_ep_group) so that a compiled forward only looks it up
         self._configs: dict[tuple, MoEConfig] = {}
         self._remember_config(self._expected_key(0))
+        # FSDP (torchtitan's apply_fsdp makes inner_experts a unit of its own) gathers the
+        # expert weights around inner_experts' forward and reduce-scatters their gradients after
+        # its backward: the megamoe call runs as that forward, so FSDP's hooks frame it.
+        self.inner_experts.forward = self._experts_call
 
     # -- expert parallelism -------------------------------------------------------------------
 
@@ -266,17 +270,31 @@ class MegaMoERoutedExperts(RoutedExperts):
                 f"topk_scores_BLK must have shape {[B, L, K]}, got {list(topk_scores_BLK.shape)}"
             )
         dt = self.compute_dtype
-        w1, w3, w2 = (w.to(dt) for w in self._local_weights())
-        s = (None, None, None)
-        i_s = 0
-        if shared is not None:
-            s = tuple(w.to(dt) for w in shared)
-            i_s = s[0].shape[0]
-        cfg = self.megamoe_config(i_s)
-        y_TD = ops.moe(
+        y_TD = self.inner_experts(
             x_BLD.reshape(T, D).to(dt).contiguous(),
             topk_expert_ids_BLK.reshape(T, K),
             topk_scores_BLK.reshape(T, K).float(),
+            shared,
+        )
+        return y_TD.to(x_BLD.dtype).view(B, L, D)
+
+    def _experts_call(
+        self,
+        x_TD: torch.Tensor,
+        ids_TK: torch.Tensor,
+        scores_TK: torch.Tensor,
+        shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``inner_experts``' forward: the megamoe call on its weights as they are now (FSDP
+        has gathered them by then)."""
+        dt = self.compute_dtype
+        w1, w3, w2 = (w.to(dt) for w in self._local_weights())
+        s = (None, None, None) if shared is None else tuple(w.to(dt) for w in shared)
+        cfg = self.megamoe_config(0 if shared is None else s[0].shape[0])
+        return ops.moe(
+            x_TD,
+            ids_TK,
+            scores_TK,
             ExpertWeights(w1, w3, w2, *s),
             cfg,
             group=self._group,
@@ -284,7 +302,6 @@ class MegaMoERoutedExperts(RoutedExperts):
             check_values=self.check_values,
             group_name=self._group_name,
         )
-        return y_TD.to(x_BLD.dtype).view(B, L, D)
 
     def extra_repr(self) -> str:
         dt = str(self.compute_dtype).replace("torch.", "")
