@@ -168,6 +168,25 @@ def _comm_extras(tokens: int, hidden: int, top_k: int, world_size: int) -> None:
     comm.dispatch_pull(ws, sched, "dy", scale=True)
 
 
+def _fp8_step(cfg, tokens: int) -> None:
+    """Every launch of the fp8 quantizers and block-scaled GEMMs in one training step (not yet
+    called by a backend; docs/fp8.md)."""
+    from ..kernels import fp8, fp8_gemm
+    from ..kernels.schedule import build_row_schedule
+
+    e, h, i = cfg.local_experts(1), cfg.hidden_size, cfg.intermediate_size
+    ids = torch.empty((tokens, cfg.top_k), dtype=torch.int64, device="meta")
+    s = build_row_schedule(ids, e, cfg.block_rows)
+    w_gate, w_up = (fp8.quantize_weight(_meta(e, i, h), transposed=True) for _ in range(2))
+    w_down = fp8.quantize_weight(_meta(e, h, i), transposed=True)
+    fp8.quantize_weight(_meta(e, h, i))
+    g, u, hh = fp8_gemm.gate_up(*fp8.quantize_rows(_meta(s.rows, h)), w_gate, w_up, s)
+    fp8_gemm.grouped_mm(*fp8.quantize_rows(hh), w_down, s)
+    dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(_meta(s.rows, h)), w_down, g, u, s)
+    fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
+    fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(_meta(s.rows, h)), s)
+
+
 def scenarios() -> list[tuple[str, Callable[[], None]]]:
     """(label, run) of every scenario recorded: dsv3's layer (and an odd row width) through
     each backend and the tunables that change the fused kernel's code."""
@@ -199,6 +218,7 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
         ("triton dsv3 W=2 (rank 0)", lambda: _ep_step(ep2, tokens, 2)),
         ("triton dsv3 W=8 (rank 0), capacity 2", lambda: _ep_step(ep, tokens, 8)),
         ("scaled pull", lambda: _comm_extras(tokens, cfg.hidden_size, cfg.top_k, 2)),
+        ("fp8 dsv3 W=1 (kernels only)", lambda: _fp8_step(cfg, tokens)),
         ("fused dsv3 comm kernel", fused_step(cfg)),
         ("fused dsv3 comm kernel traced", fused_step(cfg, trace=True)),
         ("fused dsv3 odd row width", fused_step(odd)),
