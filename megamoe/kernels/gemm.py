@@ -29,6 +29,8 @@ __all__ = [
     "GemmTiles",
     "gate_up_tile",
     "mm_acc",
+    "grouped_mm_tile",
+    "wgrad_tile",
     "gate_up",
     "grouped_mm",
     "dgrad_swiglu",
@@ -181,6 +183,63 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def grouped_mm_tile(
+    a_desc,
+    b_desc,
+    a2_desc,
+    b2_desc,
+    c_desc,
+    c2_desc,
+    g_desc,
+    u_desc,
+    expert,
+    row,
+    col,
+    w_rows,
+    w2_rows,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    B_KN: tl.constexpr,
+    TWO_PAIRS: tl.constexpr,
+    SWIGLU_BWD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One [BM, BN] output tile at (row, col) of ``grouped_mm``'s three forms: C = A W_e;
+    with ``TWO_PAIRS`` C = A W_e + A2 W2_e in one accumulator (dgrad of gate and up); with
+    ``SWIGLU_BWD`` the accumulator is d_h and the tile stores (d_g, d_u) into (c, c2) from the
+    saved (g, u).
+
+    Shared by the unfused kernel and the fused backward, so both give the same bits.
+    """
+    acc = mm_acc(
+        tl.zeros([BM, BN], dtype=tl.float32),
+        a_desc,
+        b_desc,
+        expert,
+        row,
+        col,
+        w_rows,
+        K,
+        BK,
+        BN,
+        B_KN,
+        UPCAST,
+    )
+    if TWO_PAIRS:
+        acc = mm_acc(acc, a2_desc, b2_desc, expert, row, col, w2_rows, K, BK, BN, B_KN, UPCAST)
+    if SWIGLU_BWD:
+        g = g_desc.load([row, col]).to(tl.float32)
+        u = u_desc.load([row, col]).to(tl.float32)
+        dg, du = swiglu_backward(acc, g, u)
+        c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
+        c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
+    else:
+        c_desc.store([row, col], cast(acc, c_desc.dtype, UPCAST))
+
+
+@triton.jit
 def _grouped_mm_kernel(
     a_desc,
     b_desc,
@@ -210,33 +269,56 @@ def _grouped_mm_kernel(
     num_tiles = tl.load(num_blocks_ptr) * tiles_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         mb, nb = tile_of(tile, tiles_n)
-        expert = tl.load(block_expert_ptr + mb)
-        row = mb * BM
-        col = nb * BN
-        acc = mm_acc(
-            tl.zeros([BM, BN], dtype=tl.float32),
+        grouped_mm_tile(
             a_desc,
             b_desc,
-            expert,
-            row,
-            col,
+            a2_desc,
+            b2_desc,
+            c_desc,
+            c2_desc,
+            g_desc,
+            u_desc,
+            tl.load(block_expert_ptr + mb),
+            mb * BM,
+            nb * BN,
             w_rows,
+            w2_rows,
             K,
-            BK,
+            BM,
             BN,
+            BK,
             B_KN,
+            TWO_PAIRS,
+            SWIGLU_BWD,
             UPCAST,
         )
-        if TWO_PAIRS:
-            acc = mm_acc(acc, a2_desc, b2_desc, expert, row, col, w2_rows, K, BK, BN, B_KN, UPCAST)
-        if SWIGLU_BWD:
-            g = g_desc.load([row, col]).to(tl.float32)
-            u = u_desc.load([row, col]).to(tl.float32)
-            dg, du = swiglu_backward(acc, g, u)
-            c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
-            c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
-        else:
-            c_desc.store([row, col], cast(acc, c_desc.dtype, UPCAST))
+
+
+@triton.jit
+def wgrad_tile(
+    a_desc,
+    b_desc,
+    c_desc,
+    expert,
+    m0,
+    n0,
+    row_begin,
+    row_end,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The [BM, BN] tile at (m0, n0) of d_W[expert] = A^T B over the rows [row_begin, row_end)
+    in order, BK rows a step (no split-K): one program per output tile.
+
+    Shared by the unfused kernel and the fused backward, so both give the same bits.
+    """
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # All rows of this expert, in order: padding rows hold zeros in A and B.
+    for r in range(row_begin, row_end, BK):
+        acc = mma(acc, a_desc.load([r, m0]).T, b_desc.load([r, n0]), UPCAST)
+    c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
 
 
 @triton.jit
@@ -259,13 +341,20 @@ def _wgrad_kernel(
     for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
         expert = tile // tiles_per_expert
         mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
-        m0 = mb * BM
-        n0 = nb * BN
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        # All rows of this expert, in order: padding rows hold zeros in A and B.
-        for r in range(tl.load(row_start_ptr + expert), tl.load(row_start_ptr + expert + 1), BK):
-            acc = mma(acc, a_desc.load([r, m0]).T, b_desc.load([r, n0]), UPCAST)
-        c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
+        wgrad_tile(
+            a_desc,
+            b_desc,
+            c_desc,
+            expert,
+            mb * BM,
+            nb * BN,
+            tl.load(row_start_ptr + expert),
+            tl.load(row_start_ptr + expert + 1),
+            BM,
+            BN,
+            BK,
+            UPCAST,
+        )
 
 
 def _launch_grid(work_items: int, device: torch.device, programs: int | None = None) -> tuple[int]:
