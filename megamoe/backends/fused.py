@@ -1,42 +1,50 @@
 """Backend "fused": the forward's shared expert, pull, routed expert GEMMs and push run as one
-persistent kernel (``megamoe.kernels.fused``).
+persistent kernel (``megamoe.kernels.fused``); at W = 1 the backward's expert GEMMs too.
 
 Everything else is the Triton backends' shared code (``steps``): the schedule, the barriers, the
-k-order combine of the own slots, the error checks and the whole backward. The forward protocol
-is ``steps.forward_steps`` (publish x -> barrier -> experts -> barrier -> k-order combine of the
-own slots + shared output) with the fused kernel as its experts step. The kernel gives the same
-bits as the unfused launches (same tile functions, tiles and row layout), so ``backend="fused"``
-outputs equal ``backend="triton"`` bit for bit and train with its backward.
+k-order combine of the own slots, the error checks and, at W > 1, the whole backward. The forward
+protocol is ``steps.forward_steps`` (publish x -> barrier -> experts -> barrier -> k-order
+combine of the own slots + shared output) with the fused kernel as its experts step. The kernel
+gives the same bits as the unfused launches (same tile functions, tiles and row layout), so
+``backend="fused"`` outputs equal ``backend="triton"`` bit for bit.
+
+Backward (:func:`backward_kind`): with one process, the route grad, then one fused kernel for
+the shared and routed experts' dgrad and weight gradients (``kernels.fused.backward``), then the
+k-order combine of d_x: bitwise backend "triton"'s one-process backward. With W > 1 (or
+``MEGAMOE_FUSED_BACKWARD=0``) it is backend "triton"'s backward (``steps.backward``).
 
 Ring (``config.ring_rows``; None, the default: every row): when it holds every row of the
 schedule the forward saves the routed activations as backend "triton" does. When it is smaller,
 the routed rows only ever live in the ring (memory bounded by ``ring_rows`` in the forward and
 between forward and backward); the context drops them (``routed = None``) and the backward
-first replays the routed forward with the unfused kernels (the same bits). The shared expert's
-activations are always saved (T rows).
+first replays the routed forward with the unfused kernels (the same bits), then runs as above.
+The shared expert's activations are always saved (T rows).
 
 With one GPU the forward runs on a private one-rank workspace (``steps.single_rank``), so W = 1
-runs the very same kernel and protocol.
+runs the very same kernel and protocol; the fused backward's waits record stalls there too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..ep import checks
-from ..ep.workspace import Workspace
+from ..ep.workspace import Workspace, local_workspace
+from ..kernels import rows
 from ..kernels.fused import comm_kernel_programs, comm_programs_for, fused_forward
+from ..kernels.fused.backward import SharedBackwardInputs, fused_backward
 from ..kernels.runtime import persistent_programs
-from ..types import ExpertWeights
+from ..types import ExpertWeights, MoEGrads
 from . import state, steps
-from .requirements import is_available, supports
-from .state import TritonContext, TritonSchedule, save
-from .steps import backward, build_schedule, check
+from .requirements import KERNEL_DTYPE, is_available, supports
+from .state import EmptyContext, TritonContext, TritonSchedule, save
+from .steps import build_schedule, check
 
 __all__ = [
     "saved_layout",
@@ -51,11 +59,15 @@ __all__ = [
     "forward_steps",
     "resolved_tunables",
     "uses_comm_kernel",
+    "backward_kind",
+    "FUSED_BACKWARD_ENV",
     "MAX_WORLD_SIZE",
 ]
 
 # Any expert-parallel world size, like backend "triton".
 MAX_WORLD_SIZE = None
+# "0": the backward is backend "triton"'s at every world size (an A/B switch; default "1").
+FUSED_BACKWARD_ENV = "MEGAMOE_FUSED_BACKWARD"
 
 
 def uses_comm_kernel(config: MoEConfig, world_size: int) -> bool:
@@ -195,3 +207,72 @@ def restore(
             config, topk_weights.shape[0], 1 if group is None else dist.get_world_size(group)
         ),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+
+
+def backward_kind(world_size: int = 1) -> str:
+    """Which backward :func:`backward` runs at ``world_size``: "fused" (the fused backward
+    kernel; one process) or "triton" (backend "triton"'s unfused backward: W > 1, or
+    ``MEGAMOE_FUSED_BACKWARD=0``)."""
+    if world_size > 1 or os.environ.get(FUSED_BACKWARD_ENV, "1") == "0":
+        return "triton"
+    return "fused"
+
+
+def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEGrads:
+    """``steps.local_backward`` with its expert GEMMs (shared and routed dgrad and weight
+    gradients) in one fused launch: route grad -> fused kernel -> k-order combine of d_x
+    (``ws``: the private one-rank workspace, whose stall record the kernel's waits write)."""
+    sched, config = ctx.schedule.routed, ctx.schedule.config
+    routed, w, x = ctx.routed, ctx.weights, ctx.x
+    dz, d_topk = rows.route_grad(dy, routed.z, ctx.slot_weights, sched)
+    shared = None
+    if ctx.shared is not None:
+        shared = SharedBackwardInputs(dy, x, ctx.shared, w.s_gate, w.s_up, w.s_down)
+    out = fused_backward(
+        ws,
+        sched,
+        dz,
+        routed.xs,
+        routed.g,
+        routed.u,
+        routed.h,
+        w.w_gate,
+        w.w_up,
+        w.w_down,
+        group_rows=config.minibatch_rows,
+        shared=shared,
+    )
+    invalid = ctx.schedule.invalid
+    dx = rows.combine(out.dxs, sched, None, out.dx_shared, x.dtype, invalid)
+    d_topk = torch.where(invalid != 0, float("nan"), d_topk)  # (else stale values)
+    return MoEGrads(
+        dx,
+        d_topk,
+        out.d_w_gate,
+        out.d_w_up,
+        out.d_w_down,
+        out.d_s_gate,
+        out.d_s_up,
+        out.d_s_down,
+    )
+
+
+def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrads:
+    """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype): the
+    fused backward with one process (:func:`backward_kind`), else ``steps.backward``. A bounded
+    ring's dropped routed rows are replayed first (``steps.replay_steps``), as there."""
+    if isinstance(ctx, EmptyContext) or ctx.schedule.ep is not None or backward_kind(1) != "fused":
+        return steps.backward(ctx, grad_y)
+    dy = grad_y.to(ctx.x.dtype).contiguous()
+    if ctx.routed is None:
+        ctx = steps.drain(steps.replay_steps(ctx))
+    x = ctx.x  # the forward's private workspace (steps.single_rank)
+    ws = local_workspace(x.shape[0], x.shape[1], ctx.schedule.routed.top_k, KERNEL_DTYPE, x.device)
+    grads = _local_backward(ctx, dy, ws)
+    checks.eager_check(ws)
+    checks.eager_check(checks.device_records(dy.device))
+    return grads

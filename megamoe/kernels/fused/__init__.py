@@ -1,5 +1,5 @@
-"""The fused kernels: one persistent kernel per pass (today the forward), built from parts a
-fused backward reuses.
+"""The fused kernels: one persistent kernel per pass (the forward at every world size, the
+backward's expert GEMMs at W = 1), built from shared parts.
 
   tasks      the task list and its tickets (pure index arithmetic)
   sync       the flag buffer, release/acquire counters and waits with the watchdog
@@ -8,25 +8,40 @@ fused backward reuses.
   plan       every launch size, lag and grid derived on the host
   residency  two kernels side by side on every SM (the comm kernel)
   forward    the forward's kernels and launcher
+  backward   the backward's kernel and launcher (W = 1)
 """
 
+from .backward import FusedGrads, SharedBackwardInputs, fused_backward
 from .forward import FusedOutputs, fused_forward
 from .plan import (
+    BackwardMeta,
+    BackwardPlan,
     FusedMeta,
     FusedPlan,
+    backward_lag_for,
     comm_kernel_programs,
     comm_programs_for,
     down_lag_for,
     fused_grid,
+    plan_backward,
     plan_launch,
     routed_lag,
 )
-from .sync import FlagLayout, flag_layout
+from .sync import BackwardFlagLayout, FlagLayout, backward_flag_layout, flag_layout
 from .trace import TRACE_KINDS, new_trace
 
 __all__ = [
     "FusedOutputs",
     "fused_forward",
+    "FusedGrads",
+    "SharedBackwardInputs",
+    "fused_backward",
+    "BackwardMeta",
+    "BackwardPlan",
+    "plan_backward",
+    "backward_lag_for",
+    "BackwardFlagLayout",
+    "backward_flag_layout",
     "FusedMeta",
     "FusedPlan",
     "plan_launch",

@@ -3,7 +3,9 @@ tunables, once, on the host (no device reads).
 
 The derivations (docs/tuning.md): :func:`comm_programs_for` (pull programs of the one-kernel
 forward), :func:`comm_kernel_programs` (programs of the comm kernel), :func:`down_lag_for` and
-:func:`routed_lag` (the task list's down lag), :func:`fused_grid`.
+:func:`routed_lag` (the task list's down lag), :func:`fused_grid`. The fused backward's:
+:func:`plan_backward` (:class:`BackwardPlan`, :class:`BackwardMeta`) and
+:func:`backward_lag_for`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ __all__ = [
     "COMM_BOTH",
     "PUSH_CHUNK_ROWS",
     "MIN_HALF_ROWS",
+    "BackwardMeta",
+    "BackwardPlan",
+    "plan_backward",
+    "backward_lag_for",
+    "BACKWARD_STAGES",
 ]
 
 # One warp count and pipeline depth for every role: the gate/up and down tiles must use the
@@ -45,6 +52,8 @@ __all__ = [
 # change the pipelining: 4 (as the unfused gate/up) needs ~197 KB of shared memory of 227.
 FUSED_WARPS = 8
 FUSED_STAGES = 4
+# The fused backward's pipeline depth: the unfused backward GEMMs' 3 (~214 KB of shared memory).
+BACKWARD_STAGES = 3
 # Rates of one program on an H200 at dsv3 shapes (docs/tuning.md): a pull program moves
 # ~12 GB/s of rows over NVLink and ~18 GB/s of local rows, a GEMM program ~5 TFLOP/s.
 PULL_GBPS_PER_PROGRAM = 12.0
@@ -306,4 +315,132 @@ def plan_launch(
         shared_blocks=triton.cdiv(tokens, bm) if has_shared else 0,
         meta=meta,
         comm_meta=comm_meta,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The fused backward
+
+
+class BackwardMeta(NamedTuple):
+    """The constexprs of a fused backward launch (one ``C`` argument; the kernel gets
+    :meth:`as_constexprs`). The tiles are the unfused kernels' (``gemm.tiles_for``)."""
+
+    BM: int  # rows per block (the schedule's block_rows)
+    BN_SWIGLU: int  # dgrad of down + SwiGLU backward ("swiglu_bwd")
+    BK_SWIGLU: int
+    SWIGLU_SPLIT: int  # column pieces of its epilogue
+    BN_DGRAD: int  # dgrad of gate + up ("mm")
+    BK_DGRAD: int
+    BM_WGRAD: int  # weight gradients ("wgrad"; BK: at most the block rows)
+    BN_WGRAD: int
+    BK_WGRAD: int
+    G: int  # row blocks per task-list group
+    LAG: int  # groups between a group's SwiGLU-backward tiles and its gate+up dgrad tiles
+    SHARED_LAG: int
+    SHARED: bool
+    INTERPRET: bool
+    GPU: bool  # inline PTX (fences) allowed
+    UPCAST: bool  # fp32 tiles (the interpreter)
+
+    def as_constexprs(self) -> "BackwardMeta":
+        return BackwardMeta(*(tl.constexpr(v) for v in self))
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What one fused backward launch is: its grid, task-list shape and constexprs."""
+
+    grid: int
+    group_rows: int
+    max_blocks: int
+    experts: int
+    shared_blocks: int  # 0 without a shared expert
+    meta: BackwardMeta
+
+
+def backward_lag_for(
+    programs: int, group_blocks: int, hidden: int, inter: int, bn_swiglu: int, bn_dgrad: int
+) -> int:
+    """Groups between a group's SwiGLU-backward tiles and its gate+up dgrad tiles: as
+    :func:`down_lag_for`, with the SwiGLU-backward tile (one GEMM, K = H: BN_SWIGLU * H per
+    row) in place of gate/up and the gate+up dgrad tile (two GEMMs, K = I: 2 * BN_DGRAD * I)
+    in place of down."""
+    n1, n2 = -(-inter // bn_swiglu), -(-hidden // bn_dgrad)
+    first = bn_swiglu * hidden
+    group = group_blocks * (n1 * first + n2 * 2 * bn_dgrad * inter)
+    return -(-programs * first // group) + 1
+
+
+def plan_backward(
+    device: torch.device,
+    *,
+    rows: int,
+    block_rows: int,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    shared_intermediate: int,
+    experts: int,
+    group_rows: int,
+    lag: int | None,
+    programs: int | None,
+    swiglu_split: int = 4,
+) -> BackwardPlan:
+    """The plan of one fused backward launch; a bad value is a ValueError naming it.
+
+    ``rows``: the schedule's rows; ``group_rows``: rows per task-list group (a multiple of
+    ``block_rows``); ``lag`` None: :func:`backward_lag_for`; ``programs`` None: one per SM (the
+    interpreter: one); ``swiglu_split``: column pieces of the SwiGLU-backward epilogue (1, 2 or
+    4: the same bits, fewer registers)."""
+    bm = block_rows
+    _check_int("group_rows", group_rows, bm)
+    if group_rows % bm:
+        raise ValueError(f"group_rows ({group_rows}) must be a multiple of the block rows ({bm})")
+    if lag is not None:
+        _check_int("lag", lag, 0)
+    if swiglu_split not in (1, 2, 4):
+        raise ValueError(f"swiglu_split must be 1, 2 or 4, got {swiglu_split!r}")
+    sms = persistent_programs(device)
+    if programs is None:
+        programs = sms
+    _check_int("programs", programs, 1)
+    if programs > sms:
+        raise ValueError(f"programs ({programs}) must be at most one per SM: the GPU has {sms}")
+    grid = 1 if interpreting() else programs
+    swiglu, dgrad, wgrad = tiles_for("swiglu_bwd"), tiles_for("mm"), tiles_for("wgrad")
+    group = group_rows // bm
+    has_shared = shared_intermediate > 0
+    shared_lag = 0 if lag is None else lag
+    if lag is None:
+        lag = backward_lag_for(programs, group, hidden, intermediate, swiglu.bn, dgrad.bn)
+        if has_shared:
+            shared_lag = backward_lag_for(
+                programs, group, hidden, shared_intermediate, swiglu.bn, dgrad.bn
+            )
+    meta = BackwardMeta(
+        BM=bm,
+        BN_SWIGLU=swiglu.bn,
+        BK_SWIGLU=swiglu.bk,
+        SWIGLU_SPLIT=swiglu_split,
+        BN_DGRAD=dgrad.bn,
+        BK_DGRAD=dgrad.bk,
+        BM_WGRAD=wgrad.bm,
+        BN_WGRAD=wgrad.bn,
+        BK_WGRAD=min(wgrad.bk, bm),  # as gemm.wgrad
+        G=group,
+        LAG=lag,
+        SHARED_LAG=shared_lag,
+        SHARED=has_shared,
+        INTERPRET=interpreting(),
+        GPU=not interpreting(),
+        UPCAST=interpreting(),
+    )
+    return BackwardPlan(
+        grid=grid,
+        group_rows=group_rows,
+        max_blocks=rows // bm,
+        experts=experts,
+        shared_blocks=triton.cdiv(tokens, bm) if has_shared else 0,
+        meta=meta,
     )

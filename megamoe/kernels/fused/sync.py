@@ -13,6 +13,14 @@ Flag buffer layout (:func:`flag_layout` on the host, :func:`flag_pointers` on th
 ``ticket``: the compute task ticket; ``arrived``: programs that started (comm-kernel launches);
 ``ready[m]``: comm programs that pulled minibatch m; ``z_done[m]``: down tiles of minibatch m
 stored (and pushed); ``h_done[b]`` / ``sh_done[b]``: gate/up tiles of routed / shared row block b.
+
+The fused backward's flag buffer (:func:`backward_flag_layout`, :func:`backward_flag_pointers`)::
+
+    [ticket | dgu_done[max_blocks] | expert_done[E] | sdgu_done[shared blocks] | shared_done]
+
+``dgu_done[b]`` / ``sdgu_done[b]``: SwiGLU-backward tiles (d_g, d_u) of routed / shared row block
+b; ``expert_done[e]``: those of every row block of expert e; ``shared_done``: those of every
+shared row block (the shared weight gradients wait for it).
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ __all__ = [
     "acquire_for_tma",
     "arrive_all",
     "HEADER_WORDS",
+    "BackwardFlagLayout",
+    "backward_flag_layout",
+    "backward_flag_pointers",
+    "stage_code",
 ]
 
 # Words before the counters: the compute task ticket, then the programs that arrived.
@@ -42,6 +54,14 @@ HEADER_WORDS = 2
 _HEADER_WORDS = tl.constexpr(HEADER_WORDS)
 _ARRIVED = tl.constexpr(1)
 _STAGE_CORESIDENT = tl.constexpr(int(Stage.CORESIDENT))
+
+
+def stage_code(name: str, code: int) -> int:
+    """The stall-record code of stage ``name``: ``megamoe.errors.Stage``'s when it has one, else
+    ``code`` (the fused backward's stages, which ``Stage`` does not name yet: a stall there
+    reads "stage <code>" until it does)."""
+    member = getattr(Stage, name, None)
+    return code if member is None else int(member)
 
 
 @dataclass(frozen=True)
@@ -139,3 +159,35 @@ def arrive_all(flags_ptr, expected_arrivals, watch):
     does not run them side by side, this stalls first and names that."""
     tl.atomic_add(flags_ptr + _ARRIVED, 1, sem="relaxed", scope="gpu")
     return wait_count(flags_ptr + _ARRIVED, expected_arrivals, _STAGE_CORESIDENT, 0, watch)
+
+
+@dataclass(frozen=True)
+class BackwardFlagLayout:
+    """Word offsets of the fused backward's counters in its flag buffer, and its length."""
+
+    ticket: int
+    dgu_done: int
+    expert_done: int
+    sdgu_done: int
+    shared_done: int
+    words: int
+
+
+def backward_flag_layout(max_blocks: int, experts: int, shared_blocks: int) -> BackwardFlagLayout:
+    """The fused backward's flag buffer, as the kernel addresses it
+    (:func:`backward_flag_pointers`)."""
+    dgu_done = 1
+    expert_done = dgu_done + max_blocks
+    sdgu_done = expert_done + experts
+    shared_done = sdgu_done + shared_blocks
+    return BackwardFlagLayout(0, dgu_done, expert_done, sdgu_done, shared_done, shared_done + 1)
+
+
+@triton.jit
+def backward_flag_pointers(flags_ptr, max_blocks, experts, shared_blocks):
+    """(ticket, dgu_done, expert_done, sdgu_done, shared_done) pointers into the backward's flag
+    buffer."""
+    dgu_done_ptr = flags_ptr + 1
+    expert_done_ptr = dgu_done_ptr + max_blocks
+    sdgu_done_ptr = expert_done_ptr + experts
+    return flags_ptr, dgu_done_ptr, expert_done_ptr, sdgu_done_ptr, sdgu_done_ptr + shared_blocks

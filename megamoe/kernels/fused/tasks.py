@@ -5,6 +5,11 @@ parts (the shared expert's tiles, then the routed tiles); a part is a sequence o
 minibatch of row blocks, and a group's down tiles come ``LAG`` groups after its gate/up tiles
 (:func:`task_of`, :func:`grouped_task`). The order is topological, which is why no task ever
 waits on a task that no running program holds (docs/fused.md, "Task list").
+
+The fused backward's list (docs/fused.md, "Backward") reuses :func:`grouped_task` for its dgrad
+parts (SwiGLU-backward tiles in place of gate/up, gate+up dgrad tiles in place of down) and adds
+weight-gradient parts (:func:`wgrad_task`, :func:`wgrad_part_length`); :func:`backward_counts`
+gives the parts' bounds.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ __all__ = [
     "take_task",
     "task_counts",
     "half_padding",
+    "wgrad_task",
+    "wgrad_part_length",
+    "backward_counts",
 ]
 
 
@@ -146,3 +154,66 @@ def half_padding(row_src_ptr, row, HALF: tl.constexpr, BM: tl.constexpr):
         return tl.load(row_src_ptr + row + BM // 2) < 0
     else:
         return False
+
+
+@triton.jit
+def wgrad_part_length(experts, m1, n1, m2, n2):
+    """Tasks of a weight-gradient part: per expert the ``m1 x n1`` output tiles of d_W_gate,
+    as many of d_W_up and the ``m2 x n2`` of d_W_down."""
+    return experts * (2 * m1 * n1 + m2 * n2)
+
+
+@triton.jit
+def wgrad_task(t, m1, n1, m2, n2):
+    """(expert, kind, m tile, n tile) of task ``t`` of a weight-gradient part: expert by
+    expert, its d_W_gate tiles (kind 0), then d_W_up (1), then d_W_down (2), each in the unfused
+    kernel's tile order (``tiles.tile_of``: the n tile fast)."""
+    gate_up = m1 * n1
+    per_expert = 2 * gate_up + m2 * n2
+    expert = t // per_expert
+    q = t % per_expert
+    kind = tl.where(q < gate_up, 0, tl.where(q < 2 * gate_up, 1, 2))
+    q = q - kind * gate_up
+    tiles_n = tl.where(kind == 2, n2, n1)
+    return expert, kind, q // tiles_n, q % tiles_n
+
+
+@triton.jit
+def backward_counts(
+    num_blocks_ptr,
+    T,
+    H,
+    I,
+    IS,
+    E,
+    BM: tl.constexpr,
+    BN_SWIGLU: tl.constexpr,
+    BN_DGRAD: tl.constexpr,
+    BM_WGRAD: tl.constexpr,
+    BN_WGRAD: tl.constexpr,
+    G: tl.constexpr,
+    SHARED: tl.constexpr,
+):
+    """(routed row blocks, shared row blocks, end of the shared dgrad part, end of the shared
+    part, end of the routed dgrad part, all tasks) of a fused backward launch: the list is
+    [shared dgrad | shared wgrad | routed dgrad | routed wgrad]."""
+    num_blocks = tl.load(num_blocks_ptr)
+    shared_blocks = tl.cdiv(T, BM)
+    shared_dgrad = 0
+    shared_end = 0
+    if SHARED:
+        shared_dgrad = part_length(shared_blocks, tl.cdiv(IS, BN_SWIGLU), tl.cdiv(H, BN_DGRAD), G)
+        shared_end = shared_dgrad + wgrad_part_length(
+            1,
+            tl.cdiv(IS, BM_WGRAD),
+            tl.cdiv(H, BN_WGRAD),
+            tl.cdiv(H, BM_WGRAD),
+            tl.cdiv(IS, BN_WGRAD),
+        )
+    routed_dgrad = shared_end + part_length(
+        num_blocks, tl.cdiv(I, BN_SWIGLU), tl.cdiv(H, BN_DGRAD), G
+    )
+    total = routed_dgrad + wgrad_part_length(
+        E, tl.cdiv(I, BM_WGRAD), tl.cdiv(H, BN_WGRAD), tl.cdiv(H, BM_WGRAD), tl.cdiv(I, BN_WGRAD)
+    )
+    return num_blocks, shared_blocks, shared_dgrad, shared_end, routed_dgrad, total

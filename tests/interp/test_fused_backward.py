@@ -1,0 +1,351 @@
+"""Backend "fused"'s backward at W = 1 under the CPU interpreter: the fused backward kernel
+against backend "triton"'s unfused backward.
+
+The kernel runs one program that takes the whole task list in order; its waits still check
+every counter. Checked: d_x, d topk_weights and every weight gradient bitwise equal to backend
+"triton" (poisoned buffers: an output the kernel forgot to write stays NaN) with skewed routing,
+experts without rows, with and without a shared expert, stacked gate/up weights, T and I not
+multiples of the tiles, a bounded ring (the replay, then the fused kernel), and for every
+tunable of the kernel (task-list group, lag, SwiGLU epilogue pieces, grid); the task list holds
+every tile once in topological order; a missing signal ends in a StallError naming the stage;
+W > 1 keeps backend "triton"'s backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.backends import experts, steps
+from megamoe.backends import fused as fused_backend
+from megamoe.backends import triton as backend
+from megamoe.ep.workspace import check_errors, local_workspace
+from megamoe.errors import StallError, stage_name
+from megamoe.kernels import fused as ff
+from megamoe.kernels import rows
+from megamoe.kernels.fused.backward import BACKWARD_STAGE_CODES
+from megamoe.kernels.fused.tasks import backward_counts, grouped_task, wgrad_task
+from megamoe.kernels.runtime import poisoned_buffers
+from megamoe.types import ExpertWeights
+from support.bits import assert_same_grads, used_rows
+from support.problems import Case, make_problem
+
+# Tiny spin budget of the watchdog tests: the missing signal never comes, so fail fast.
+STALL_BUDGET = 64
+
+
+@pytest.fixture
+def fused_launches(monkeypatch) -> list:
+    """Counts the backend's fused backward launches (so a test knows which backward ran)."""
+    calls = []
+    launch = fused_backend.fused_backward
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_backend, "fused_backward", counted)
+    return calls
+
+
+def _stacked(weights: ExpertWeights) -> ExpertWeights:
+    """The same weights with gate and up stacked in one [E, 2I, H] tensor (as the ops pass)."""
+    stacked = torch.cat([weights.w_gate, weights.w_up], dim=1)
+    return ExpertWeights.from_gate_up(stacked, *weights[2:]).split_gate_up()
+
+
+def _train_step(p, weights: ExpertWeights, name: str):
+    """Schedule, forward and backward of one backend (poisoned buffers): (y, ctx, grads)."""
+    mod = fused_backend if name == "fused" else backend
+    x, ids, w, dy = p.single
+    with poisoned_buffers():
+        sched = mod.build_schedule(ids, p.config, None)
+        y, ctx = mod.forward(x, ids, w, weights, p.config, None, sched)
+        grads = mod.backward(ctx, dy)
+    return y, ctx, grads
+
+
+# ------------------------------------------------------------------------------ the backend
+
+# (case, task-list group in row blocks (config.minibatch_rows), ring in row blocks (None: every
+# row), stacked gate/up). T = 29 / 37 / 45: a partial last row block; I = 40 / 48: a partial
+# column tile; zipf: skewed; empty_experts: only the first top_k + 1 experts get rows.
+BACKEND_CASES = [
+    (Case(29, 64, 40, 4, 2, shared=24, routing="zipf"), 1, None, False),
+    (Case(29, 64, 40, 4, 2, routing="zipf"), 3, None, False),
+    (Case(37, 64, 40, 8, 2, shared=32, routing="empty_experts"), 2, None, False),
+    (Case(29, 64, 40, 4, 2, shared=24, routing="zipf"), 2, None, True),
+    (Case(29, 64, 40, 4, 2, shared=16, routing="zipf"), 1, 2, False),
+    (Case(45, 64, 48, 4, 3, shared=24, routing="zipf", block_rows=32), 1, None, False),
+]
+
+
+@pytest.mark.parametrize("case,group_blocks,ring_blocks,stacked", BACKEND_CASES)
+def test_backward_is_bitwise_triton(
+    case: Case, group_blocks: int, ring_blocks: int | None, stacked: bool, fused_launches
+) -> None:
+    bm = case.block_rows
+    ring = (ring_blocks or 1024) * group_blocks * bm
+    p = make_problem(case, 3, minibatch_rows=group_blocks * bm, ring_rows=ring)
+    weights = _stacked(p.weights) if stacked else p.weights
+    assert fused_backend.backward_kind() == "fused"
+    y_ref, ctx_ref, g_ref = _train_step(p, weights, "triton")
+    y, ctx, g = _train_step(p, weights, "fused")
+    assert len(fused_launches) == 1, "the fused backward kernel must have run"
+    assert torch.equal(y, y_ref)
+    sched = ctx_ref.schedule.routed
+    if case.routing == "empty_experts":
+        assert (sched.counts == 0).any(), "meant to have experts without rows"
+    if ring_blocks is not None:
+        assert ctx.routed is None and used_rows(sched) > p.config.ring_rows, "meant to replay"
+    assert_same_grads(g, g_ref, case.id)
+    if stacked:  # the stacked gradient is one tensor, written in place
+        assert g.w_gate.data_ptr() + case.intermediate * case.hidden * 2 == g.w_up.data_ptr()
+    check_errors(local_workspace(case.tokens, case.hidden, case.top_k, torch.bfloat16, y.device))
+
+
+def test_switch_and_world_size_keep_the_triton_backward(monkeypatch, fused_launches) -> None:
+    """MEGAMOE_FUSED_BACKWARD=0 and W > 1 run backend "triton"'s backward (steps.backward)."""
+    p = make_problem(Case(29, 64, 40, 4, 2, shared=24, routing="zipf"), 4)
+    assert fused_backend.backward_kind(2) == "triton"
+    _, _, g_ref = _train_step(p, p.weights, "triton")
+    monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "0")
+    assert fused_backend.backward_kind() == "triton"
+    _, ctx, g = _train_step(p, p.weights, "fused")
+    assert not fused_launches
+    assert_same_grads(g, g_ref, "switched off")
+    monkeypatch.delenv(fused_backend.FUSED_BACKWARD_ENV)
+    # an expert-parallel context goes to steps.backward (its protocol needs the peers)
+    taken = []
+    monkeypatch.setattr(steps, "backward", lambda c, dy: taken.append(c) or "triton's")
+    ep_ctx = dataclasses.replace(ctx, schedule=dataclasses.replace(ctx.schedule, ep=object()))
+    assert fused_backend.backward(ep_ctx, p.grad_y) == "triton's" and taken == [ep_ctx]
+    assert not fused_launches
+
+
+# ------------------------------------------------------------------------------ tunables
+
+
+def _unfused_parts(p, weights: ExpertWeights):
+    """(ctx, dz, the unfused expert GEMMs' outputs by name) of one problem."""
+    _, ctx, _ = _train_step(p, weights, "triton")
+    dy = p.grad_y
+    with poisoned_buffers():
+        dz, _ = rows.route_grad(dy, ctx.routed.z, ctx.slot_weights, ctx.schedule.routed)
+        dxs, dg, du = experts.routed_dgrad(dz, ctx)
+        d_gate, d_up, d_down = experts.routed_wgrad(dz, dg, du, ctx)
+        shared = experts.shared_dgrad(dy, ctx)
+        d_s = experts.shared_wgrad(dy, shared, ctx)
+    ref = dict(dxs=dxs, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down)
+    if shared is not None:
+        ref.update(dx_shared=shared[0], d_s_gate=d_s[0], d_s_up=d_s[1], d_s_down=d_s[2])
+    return ctx, dz, ref
+
+
+# (group in row blocks, lag, SwiGLU epilogue pieces, programs (None: the derived grid))
+TUNABLES = [(1, 0, 4, None), (2, 1, 2, None), (3, None, 1, None), (1, 5, 1, 2), (2, None, 4, 3)]
+
+
+def test_every_tunable_gives_the_same_bits() -> None:
+    case = Case(37, 64, 40, 4, 2, shared=24, routing="zipf")
+    p = make_problem(case, 9)
+    ctx, dz, ref = _unfused_parts(p, p.weights)
+    sched, r, w = ctx.schedule.routed, ctx.routed, ctx.weights
+    used = used_rows(sched)
+    shared = ff.SharedBackwardInputs(p.grad_y, ctx.x, ctx.shared, w.s_gate, w.s_up, w.s_down)
+    ws = local_workspace(case.tokens, case.hidden, case.top_k, torch.bfloat16, dz.device)
+    for group_blocks, lag, split, programs in TUNABLES:
+        what = f"group {group_blocks}, lag {lag}, split {split}, programs {programs}"
+        with poisoned_buffers():
+            out = ff.fused_backward(
+                ws,
+                sched,
+                dz,
+                r.xs,
+                r.g,
+                r.u,
+                r.h,
+                w.w_gate,
+                w.w_up,
+                w.w_down,
+                group_rows=group_blocks * case.block_rows,
+                shared=shared,
+                lag=lag,
+                programs=programs,
+                swiglu_split=split,
+            )
+        check_errors(ws)
+        for name, expected in ref.items():
+            got = getattr(out, name)
+            if name == "dxs":
+                got, expected = got[:used], expected[:used]
+            assert torch.equal(got, expected), f"{what}: {name} differs"
+
+
+def test_bad_arguments_are_refused() -> None:
+    p = make_problem(Case(29, 64, 40, 4, 2), 2)
+    ctx, dz, _ = _unfused_parts(p, p.weights)
+    sched, r, w = ctx.schedule.routed, ctx.routed, ctx.weights
+    ws = local_workspace(29, 64, 2, torch.bfloat16, dz.device)
+    args = (ws, sched, dz, r.xs, r.g, r.u, r.h, w.w_gate, w.w_up, w.w_down)
+    for kwargs, match in (
+        (dict(group_rows=24), "group_rows"),
+        (dict(group_rows=16, lag=-1), "lag"),
+        (dict(group_rows=16, swiglu_split=3), "swiglu_split"),
+        (dict(group_rows=16, programs=99), "programs"),
+        (dict(group_rows=16, flags=torch.zeros(2, dtype=torch.int32)), "flags"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ff.fused_backward(*args, **kwargs)
+    with pytest.raises(ValueError, match="xs must be"):
+        ff.fused_backward(*args[:3], r.xs[:, :32], *args[4:], group_rows=16)
+
+
+# ------------------------------------------------------------------------------ the task list
+
+
+@triton.jit
+def _dgrad_part_kernel(out_ptr, blocks, n1, n2, LAG: tl.constexpr, G: tl.constexpr):
+    for t in range(tl.cdiv(blocks, G) * G * (n1 + n2)):
+        is_first, b, j, real = grouped_task(t, blocks, n1, n2, LAG, G)
+        tl.store(out_ptr + 4 * t, is_first.to(tl.int32))
+        tl.store(out_ptr + 4 * t + 1, b)
+        tl.store(out_ptr + 4 * t + 2, j)
+        tl.store(out_ptr + 4 * t + 3, real.to(tl.int32))
+
+
+DGRAD_PARTS = [(0, 1, 0), (1, 1, 0), (5, 1, 1), (5, 2, 0), (7, 3, 2)]
+
+
+@pytest.mark.parametrize("blocks,group,lag", DGRAD_PARTS)
+def test_dgrad_part_is_every_tile_once_in_topological_order(blocks, group, lag) -> None:
+    """Every SwiGLU-backward tile (kind 1) and gate+up dgrad tile (kind 0) of every block once;
+    each gate+up dgrad tile after all SwiGLU-backward tiles of its block (what it waits for)."""
+    n1, n2 = 3, 2
+    length = -(-blocks // group) * group * (n1 + n2)
+    out = torch.full((max(1, length), 4), -1, dtype=torch.int32)
+    _dgrad_part_kernel[(1,)](out, blocks, n1, n2, LAG=lag, G=group)
+    tasks = [tuple(t[:3]) for t in out[:length].tolist() if t[3]]
+    expected = {(1, b, c) for b in range(blocks) for c in range(n1)}
+    expected |= {(0, b, c) for b in range(blocks) for c in range(n2)}
+    assert len(tasks) == len(expected) and set(tasks) == expected
+    for pos, (first, b, _) in enumerate(tasks):
+        if not first:
+            assert all(tasks.index((1, b, c)) < pos for c in range(n1))
+
+
+@triton.jit
+def _wgrad_part_kernel(out_ptr, experts, m1, n1, m2, n2):
+    for t in range(experts * (2 * m1 * n1 + m2 * n2)):
+        e, kind, mt, nt = wgrad_task(t, m1, n1, m2, n2)
+        tl.store(out_ptr + 4 * t, e)
+        tl.store(out_ptr + 4 * t + 1, kind)
+        tl.store(out_ptr + 4 * t + 2, mt)
+        tl.store(out_ptr + 4 * t + 3, nt)
+
+
+@pytest.mark.parametrize("experts,m1,n1,m2,n2", [(1, 1, 1, 1, 1), (3, 2, 3, 3, 2), (2, 4, 1, 1, 4)])
+def test_wgrad_part_is_every_tile_once_expert_by_expert(experts, m1, n1, m2, n2) -> None:
+    per_expert = 2 * m1 * n1 + m2 * n2
+    out = torch.full((experts * per_expert, 4), -1, dtype=torch.int32)
+    _wgrad_part_kernel[(1,)](out, experts, m1, n1, m2, n2)
+    expected = [
+        (e, kind, mt, nt)
+        for e in range(experts)
+        for kind, (m, n) in enumerate(((m1, n1), (m1, n1), (m2, n2)))
+        for mt in range(m)
+        for nt in range(n)
+    ]
+    assert [tuple(t) for t in out.tolist()] == expected
+
+
+@triton.jit
+def _counts_kernel(out_ptr, num_blocks_ptr, T, H, I, IS, E, SHARED: tl.constexpr):
+    counts = backward_counts(num_blocks_ptr, T, H, I, IS, E, 16, 32, 32, 32, 32, 2, SHARED)
+    for k in tl.static_range(6):
+        tl.store(out_ptr + k, counts[k])
+
+
+@pytest.mark.parametrize("shared", [0, 24])
+def test_backward_counts_bound_the_four_parts(shared: int) -> None:
+    """[shared dgrad | shared wgrad | routed dgrad | routed wgrad] with 16-row blocks, 32-wide
+    tiles and groups of 2 blocks (a partial last group counts whole)."""
+    t, h, i, e, blocks = 29, 64, 40, 3, 5
+    out = torch.zeros(6, dtype=torch.int32)
+    nb = torch.tensor([blocks], dtype=torch.int32)
+    _counts_kernel[(1,)](out, nb, t, h, i, shared, e, SHARED=shared > 0)
+    c = lambda a, b: -(-a // b)  # noqa: E731
+    shared_blocks = c(t, 16)
+    s_dgrad = c(shared_blocks, 2) * 2 * (c(shared, 32) + c(h, 32)) if shared else 0
+    s_end = s_dgrad + (2 * c(shared, 32) * c(h, 32) + c(h, 32) * c(shared, 32) if shared else 0)
+    r_dgrad = s_end + c(blocks, 2) * 2 * (c(i, 32) + c(h, 32))
+    total = r_dgrad + e * (2 * c(i, 32) * c(h, 32) + c(h, 32) * c(i, 32))
+    assert out.tolist() == [blocks, shared_blocks, s_dgrad, s_end, r_dgrad, total]
+
+
+# ------------------------------------------------------------------------------ watchdog
+
+
+def _stall(shared: bool, skip_tasks: int = 0, preset: str | None = None) -> str:
+    """Run the kernel with the ticket pre-advanced by ``skip_tasks`` (those tasks never signal)
+    or with a counter of the flag buffer (``preset``: a ``BackwardFlagLayout`` field) started
+    far behind (its signals never reach the count)."""
+    case = Case(29, 64, 40, 4, 2, shared=24 if shared else 0, routing="zipf")
+    p = make_problem(case, 7)
+    ctx, dz, _ = _unfused_parts(p, p.weights)
+    sched, r, w = ctx.schedule.routed, ctx.routed, ctx.weights
+    inputs = None
+    if shared:
+        inputs = ff.SharedBackwardInputs(p.grad_y, ctx.x, ctx.shared, w.s_gate, w.s_up, w.s_down)
+    ws = local_workspace(case.tokens, case.hidden, case.top_k, torch.bfloat16, dz.device)
+    flags = torch.zeros(4096, dtype=torch.int32)
+    flags[0] = skip_tasks
+    if preset is not None:
+        shared_blocks = -(-case.tokens // case.block_rows) if shared else 0
+        layout = ff.backward_flag_layout(sched.max_blocks, case.experts, shared_blocks)
+        flags[getattr(layout, preset)] = -(1 << 20)
+    ff.fused_backward(
+        ws,
+        sched,
+        dz,
+        r.xs,
+        r.g,
+        r.u,
+        r.h,
+        w.w_gate,
+        w.w_up,
+        w.w_down,
+        group_rows=case.block_rows,
+        shared=inputs,
+        lag=0,
+        budget=STALL_BUDGET,
+        flags=flags,
+    )
+    with pytest.raises(StallError) as info:
+        check_errors(ws)
+    check_errors(ws)  # the record was cleared
+    message = str(info.value)
+    assert f"after {STALL_BUDGET} polls" in message
+    return message
+
+
+# (shared expert, tasks skipped, counter started behind, the stage that waits, its index):
+# skipping task 0 drops the first SwiGLU-backward tile of row block 0 (shared or routed), which
+# its gate+up dgrad tiles (lag 0: the same group) wait for; expert 0's and the shared expert's
+# "all done" counters are what their weight-gradient tiles wait for.
+STALLS = [
+    (False, 1, None, "DGU_READY", 0),
+    (True, 1, None, "SHARED_DGU_READY", 0),
+    (False, 0, "expert_done", "EXPERT_DGU_READY", 0),
+    (True, 0, "shared_done", "SHARED_ALL_DGU_READY", 0),
+]
+
+
+@pytest.mark.parametrize("shared,skip,preset,stage,index", STALLS)
+def test_missing_signal_is_reported(shared, skip, preset, stage, index) -> None:
+    message = _stall(shared, skip, preset)
+    assert f"stalled in {stage_name(BACKWARD_STAGE_CODES[stage])} (index {index})" in message
