@@ -1,19 +1,26 @@
-"""The fused forward kernels lower to real sm_90a code on the CPU and fit one program per SM.
+"""The fused kernels lower to real sm_90a code on the CPU and fit one program per SM.
 
 Compiled as the backend launches them at dsv3 sizes on an H200 (``compile_check``'s recorded
 launches: 16-byte aligned pointers, the sizes' divisibility, the GPU tiles). Checked: wgmma and
 TMA in the GEMM tiles, the release/acquire atomics of the flags, the TMA-store completion and
 proxy fences, 16-byte row copies, shared memory <= 227 KB, registers that let one 8-warp program
-sit on every SM with no spills, and a comm-kernel program that fits beside it.
+sit on every SM with no spills, and a comm-kernel program that fits beside it. The fused
+backward (W = 1) is recorded here from the backend's own training step (its own subprocess):
+the same limits and flags, and one marker per tile call site (without them the tiles' pipeline
+buffers were laid side by side: 295 KB).
 """
 
 from __future__ import annotations
 
+import json
 import re
+
+import pytest
 
 from megamoe.kernels.fused.plan import COMM_KERNEL_REGISTERS
 from megamoe.kernels.fused.residency import SM90_REGISTERS_PER_SM, SM90_SHARED_PER_SM, sm_usage
 from support.compiled import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, pick
+from support.procs import run_without_interpreter
 
 UNTRACED = (
     "fused dsv3 comm kernel",
@@ -95,3 +102,86 @@ def test_comm_kernel_fits_beside_the_compute_kernel(compiled) -> None:
         )
         assert regs <= SM90_REGISTERS_PER_SM, f"{compute_scenario}: {regs} registers per SM"
         assert smem <= SM90_SHARED_PER_SM, f"{compute_scenario}: {smem} B shared memory per SM"
+
+
+# ------------------------------------------------------------------------------ fused backward
+
+# Records the fused backward's launches of backend "fused"'s training step at W = 1 (dsv3 with
+# and without its shared expert, and an odd shape) and compiles them (as compile_check does).
+_BACKWARD_LAUNCHES = """
+import json, os
+from megamoe.backends import fused
+from megamoe.ep.checks import CHECK_ENV
+from megamoe.kernels.runtime import assume_programs
+from megamoe.shapes import get_preset
+from megamoe.tools.compile_check import (
+    H200_SMS, _problem, compile_launch, record_launches,
+)
+
+os.environ[CHECK_ENV] = "off"
+dsv3 = get_preset("dsv3").config(1)
+scenarios = {
+    "dsv3": dsv3,
+    "dsv3 no shared expert": dsv3.replace(shared_intermediate_size=0),
+    "odd shape": dsv3.replace(
+        hidden_size=520, intermediate_size=200, shared_intermediate_size=200
+    ),
+}
+label = ["?"]
+with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
+    for name, cfg in scenarios.items():
+        label[0] = name
+        x, ids, w, weights = _problem(cfg, 512)
+        sched = fused.build_schedule(ids, cfg, None)
+        _, ctx = fused.forward(x, ids, w, weights, cfg, None, sched)
+        fused.backward(ctx, x)
+reports = [
+    compile_launch(launch, keep_ptx=True)
+    for launch in launches
+    if launch.name == "fused_backward_kernel"
+]
+print(json.dumps(reports))
+"""
+BACKWARD_SCENARIOS = ("dsv3", "dsv3 no shared expert", "odd shape")
+# One marker per tile call site (backward.call_site): routed and shared, five tiles each.
+CALL_SITES = [
+    f"// fused backward: {part} {tile}"
+    for part in ("routed", "shared")
+    for tile in ("SwiGLU backward", "gate+up dgrad", "d_W_gate", "d_W_up", "d_W_down")
+]
+
+
+@pytest.fixture(scope="module")
+def backward_compiled() -> dict[str, dict]:
+    """The fused backward kernel's compile report per scenario (with its PTX)."""
+    out = run_without_interpreter(["-c", _BACKWARD_LAUNCHES], timeout=600)
+    reports = json.loads(out.strip().splitlines()[-1])
+    return {r["scenario"]: r for r in reports}
+
+
+def test_backward_fits_one_program_per_sm_without_spills(backward_compiled) -> None:
+    assert sorted(backward_compiled) == sorted(BACKWARD_SCENARIOS)
+    for scenario, r in backward_compiled.items():
+        assert ".target sm_90a" in r["ptx"] and r["wgmma"] and r["tma"], scenario
+        assert 0 < r["shared"] <= SMEM_LIMIT, f"{scenario}: {r['shared']} B of shared memory"
+        assert not r["ptx_local"], f"{scenario}: local memory in the PTX"
+        assert r["num_warps"] == 8, scenario  # the unfused GEMMs' warps (the wgmma shapes)
+        assert r["registers"] <= MAX_REGISTERS_PER_THREAD, scenario
+        assert r["registers"] * r["num_warps"] * 32 <= REGISTERS_PER_SM, scenario
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, (scenario, r["spill_bytes"])
+
+
+def test_backward_flags_use_release_and_acquire(backward_compiled) -> None:
+    for scenario, r in backward_compiled.items():
+        ptx = r["ptx"]
+        assert re.search(r"atom\.global\.gpu\.release\.add", ptx), scenario
+        assert re.search(r"atom\.global\.gpu\.acquire\.add", ptx), scenario
+        assert re.search(r"atom\.global\.gpu\.relaxed\.add", ptx), "the task ticket"
+        assert not re.search(r"atom\.global\.sys\.", ptx), "no system-scope atomics"
+        assert "cp.async.bulk.wait_group 0;" in ptx and "fence.proxy.async.global" in ptx
+
+
+def test_backward_keeps_every_tile_call_site_apart(backward_compiled) -> None:
+    for scenario, r in backward_compiled.items():
+        for marker in CALL_SITES if scenario != "dsv3 no shared expert" else CALL_SITES[:5]:
+            assert marker in r["ptx"], (scenario, marker)

@@ -52,7 +52,7 @@ __all__ = [
 # change the pipelining: 4 (as the unfused gate/up) needs ~197 KB of shared memory of 227.
 FUSED_WARPS = 8
 FUSED_STAGES = 4
-# The fused backward's pipeline depth: the unfused backward GEMMs' 3 (~214 KB of shared memory).
+# The fused backward's pipeline depth: the unfused backward GEMMs' 3 (~144 KB of shared memory).
 BACKWARD_STAGES = 3
 # Rates of one program on an H200 at dsv3 shapes (docs/tuning.md): a pull program moves
 # ~12 GB/s of rows over NVLink and ~18 GB/s of local rows, a GEMM program ~5 TFLOP/s.
