@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MoEConfig", "TUNABLES", "require_int"]
+__all__ = ["MoEConfig", "TUNABLES", "PRECISIONS", "FP8_BLOCK", "FP8_SIZE_MULTIPLE", "require_int"]
 
 # The config fields that change speed, never results (MoEConfig's docstring): benchmark records
 # carry them and `megamoe bench --tune` sweeps them.
@@ -25,6 +25,13 @@ TUNABLES: tuple[str, ...] = (
     "overlap_shared",
     "comm_kernel",
 )
+# The expert GEMMs' number formats (``MoEConfig.precision``; docs/fp8.md). Not a tunable: "fp8"
+# changes results.
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
+# fp8: the scale block (the weight gradient's 128-row steps must lie inside one block row) ...
+FP8_BLOCK = 128
+# ... and the size multiple of H and I (16-byte fp8 TMA rows).
+FP8_SIZE_MULTIPLE = 16
 # The GEMM tile height that pads each expert's rows; the Triton kernels use it too.
 DEFAULT_BLOCK_ROWS = 128
 
@@ -80,6 +87,11 @@ class MoEConfig:
                       pull, combine push and their backward; backend "fused"'s backward)
       overlap_shared  W > 1: the shared expert's GEMMs on a second stream beside those copies
                       (an int 0 / 1 is accepted)
+
+    ``precision`` is not a tunable (it changes results): "bf16" (default) or "fp8", the
+    expert GEMMs on block-scaled E4M3 operands (docs/fp8.md; backend "triton" only). "fp8"
+    needs ``block_rows`` a multiple of 128 and hidden, intermediate and shared intermediate
+    sizes multiples of 16.
     """
 
     # shape
@@ -100,6 +112,8 @@ class MoEConfig:
     down_lag: int | None = None
     overlap_shared: bool = True
     comm_kernel: bool | None = None
+    # number format of the expert GEMMs (changes results)
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         require_int("hidden_size", self.hidden_size, 1)
@@ -127,8 +141,27 @@ class MoEConfig:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf >= 1.0:
                 raise ValueError(f"capacity_factor must be a number >= 1.0 or None, got {cf!r}")
+        self._check_precision()
         # The config as a string (not a field): how it travels through the custom ops.
         object.__setattr__(self, "key", json.dumps(dataclasses.asdict(self), sort_keys=True))
+
+    def _check_precision(self) -> None:
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if self.precision != "fp8":
+            return
+        if self.block_rows % FP8_BLOCK:
+            raise ValueError(
+                f"precision 'fp8' needs block_rows to be a multiple of {FP8_BLOCK} (the weight "
+                f"gradient's 128-row scale blocks inside one expert), got {self.block_rows}"
+            )
+        for name in ("hidden_size", "intermediate_size", "shared_intermediate_size"):
+            value = getattr(self, name)
+            if value % FP8_SIZE_MULTIPLE:
+                raise ValueError(
+                    f"precision 'fp8' needs {name} to be a multiple of {FP8_SIZE_MULTIPLE} "
+                    f"(16-byte fp8 TMA rows), got {value}"
+                )
 
     @staticmethod
     @functools.lru_cache(maxsize=256)

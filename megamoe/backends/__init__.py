@@ -29,13 +29,28 @@ import torch
 
 from ..config import MoEConfig
 
-__all__ = ["BACKENDS", "get_backend", "available_backends", "resolve_backend", "auto_order"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_PRECISIONS",
+    "check_precision",
+    "get_backend",
+    "available_backends",
+    "resolve_backend",
+    "auto_order",
+]
 
 # name -> module path (listing order).
 BACKENDS: dict[str, str] = {
     "triton": "megamoe.backends.triton",
     "fused": "megamoe.backends.fused",
     "reference": "megamoe.backends.reference",
+}
+# name -> the MoEConfig.precision values it runs (docs/fp8.md: fp8 runs on backend "triton" only
+# for now; the others refuse it rather than compute in bf16).
+BACKEND_PRECISIONS: dict[str, tuple[str, ...]] = {
+    "triton": ("bf16", "fp8"),
+    "fused": ("bf16",),
+    "reference": ("bf16",),
 }
 
 # backend="auto" takes the first available backend of these, by world size and, on one GPU, by
@@ -71,6 +86,25 @@ def get_backend(name: str) -> ModuleType:
     return importlib.import_module(BACKENDS[name])
 
 
+def _precision_reason(name: str, config: MoEConfig | None) -> str | None:
+    """Why backend ``name`` does not run ``config.precision``; None when it does."""
+    if config is None or config.precision in BACKEND_PRECISIONS[name]:
+        return None
+    runs = [n for n, p in BACKEND_PRECISIONS.items() if config.precision in p]
+    return (
+        f"backend {name!r} does not run precision {config.precision!r} (it runs "
+        f"{list(BACKEND_PRECISIONS[name])}); precision {config.precision!r} runs on backend "
+        f"{' or '.join(repr(n) for n in runs)}"
+    )
+
+
+def check_precision(name: str, config: MoEConfig | None) -> None:
+    """Raise ValueError when backend ``name`` does not run ``config.precision``."""
+    reason = _precision_reason(name, config)
+    if reason is not None:
+        raise ValueError(reason)
+
+
 def _availability(
     name: str,
     device: torch.device | None,
@@ -85,6 +119,9 @@ def _availability(
     limit = getattr(module, "MAX_WORLD_SIZE", None)
     if limit is not None and world_size > limit:
         return False, f"supports expert-parallel world sizes up to {limit}, got {world_size}"
+    precision = _precision_reason(name, config)
+    if precision is not None:
+        return False, precision
     ok, reason = module.is_available(device)
     if ok and config is not None and hasattr(module, "supports"):
         ok, reason = module.supports(config, dtype)
@@ -118,8 +155,14 @@ def resolve_backend(
         for candidate in auto_order(world_size, config, tokens):
             if _availability(candidate, device, world_size, config, dtype)[0]:
                 return candidate
+        if config is not None and config.precision != "bf16":
+            raise RuntimeError(
+                f"no megamoe backend running precision {config.precision!r} is available on "
+                f"{device}: {_availability('triton', device, world_size, config, dtype)[1]}"
+            )
         raise RuntimeError("no megamoe backend is available")  # reference is always available
     get_backend(name)  # raises for an unknown name
+    check_precision(name, config)
     ok, reason = _availability(name, device, world_size, config, dtype)
     if not ok and not _interpreted(name, device, world_size, config, dtype):
         raise RuntimeError(f"backend {name!r} is not available on {device}: {reason}")

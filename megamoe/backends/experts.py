@@ -8,13 +8,16 @@ gathered locally or pulled from peers. The shared expert runs over the local tok
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import MoEConfig
-from ..kernels import gemm
+from ..kernels import fp8, fp8_gemm, gemm
 from ..kernels.runtime import empty
 from ..kernels.schedule import RowSchedule, uniform_schedule
 from ..types import ExpertWeights, RoutedActivations, SharedActivations, stacked_gate_up
+from . import fp8_weights
 from .state import TritonContext
 
 __all__ = [
@@ -31,10 +34,48 @@ __all__ = [
 SharedDgrad = tuple[torch.Tensor, torch.Tensor, torch.Tensor, RowSchedule]
 
 
+def _is_fp8(config: MoEConfig) -> bool:
+    return config.precision == "fp8"
+
+
+def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_cols`` of the rows ``x [rows, N]``: ``x^T`` 128x1-quantized, for a weight
+    gradient. Zero rows pad the row count to a multiple of 16 (16-byte rows of ``x^T`` for TMA;
+    only the shared expert's token count needs it): zeros leave every scale and sum unchanged."""
+    pad = -x.shape[0] % 16
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    return fp8.quantize_cols(x)
+
+
+def _fp8_wgrad(
+    a: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    b: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    sched: RowSchedule,
+    programs: int | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``gemm.wgrad(a, b, ...)`` in fp8: d_W[e] = a_e^T b_e; ``a``, ``b`` the bf16 rows or their
+    :func:`_cols` (to quantize a shared operand once)."""
+    a_t, a_s = _cols(a) if isinstance(a, torch.Tensor) else a
+    b_t, b_s = _cols(b) if isinstance(b, torch.Tensor) else b
+    return fp8_gemm.wgrad(a_t, a_s, b_t, b_s, sched, programs, out=out, out_dtype=out_dtype)
+
+
 def routed_forward(
-    xs: torch.Tensor, weights: ExpertWeights, sched: RowSchedule
+    xs: torch.Tensor, weights: ExpertWeights, sched: RowSchedule, precision: str = "bf16"
 ) -> RoutedActivations:
-    """gate/up + SwiGLU and down of the routed rows ``xs``."""
+    """gate/up + SwiGLU and down of the routed rows ``xs`` (``precision``: the config's)."""
+    if precision == "fp8":
+        xq, xq_s = fp8.quantize_rows(xs)
+        w_gate, w_up = fp8_weights.get(weights.w_gate), fp8_weights.get(weights.w_up)
+        g, u, h = fp8_gemm.gate_up(xq, xq_s, w_gate, w_up, sched, out_dtype=xs.dtype)
+        hq, hq_s = fp8.quantize_rows(h)
+        w_down = fp8_weights.get(weights.w_down)
+        return RoutedActivations(
+            xs, g, u, h, fp8_gemm.grouped_mm(hq, hq_s, w_down, sched, out_dtype=xs.dtype)
+        )
     g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)
     return RoutedActivations(xs, g, u, h, gemm.grouped_mm(h, weights.w_down, sched))
 
@@ -46,6 +87,14 @@ def shared_forward(
     if not weights.has_shared:
         return None, None
     one = uniform_schedule(x.shape[0], config.block_rows, x.device)
+    if _is_fp8(config):
+        xq, xq_s = fp8.quantize_rows(x)
+        s_gate, s_up = fp8_weights.get(weights.s_gate[None]), fp8_weights.get(weights.s_up[None])
+        sg, su, sh = fp8_gemm.gate_up(xq, xq_s, s_gate, s_up, one, programs, out_dtype=x.dtype)
+        hq, hq_s = fp8.quantize_rows(sh)
+        s_down = fp8_weights.get(weights.s_down[None])
+        out = fp8_gemm.grouped_mm(hq, hq_s, s_down, one, programs, out_dtype=x.dtype)
+        return SharedActivations(sg, su, sh), out
     sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one, programs)
     return SharedActivations(sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one, programs)
 
@@ -53,8 +102,33 @@ def shared_forward(
 def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
     """(d_x rows, d_g, d_u) of the routed rows."""
     sched, w, routed = ctx.schedule.routed, ctx.weights, ctx.routed
+    if _is_fp8(ctx.schedule.config):
+        return _fp8_dgrad(dz, w.w_down, w.w_gate, w.w_up, routed.g, routed.u, sched)
     dg, du = gemm.dgrad_swiglu(dz, w.w_down, routed.g, routed.u, sched)
     return gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched), dg, du
+
+
+def _fp8_dgrad(
+    dz: torch.Tensor,
+    w_down: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_x, d_g, d_u) in fp8: dz, d_g and d_u quantized 1x128, the weights' transposed copies."""
+    dzq, dzq_s = fp8.quantize_rows(dz)
+    dg, du = fp8_gemm.dgrad_swiglu(
+        dzq, dzq_s, fp8_weights.get(w_down), g, u, sched, programs, out_dtype=dz.dtype
+    )
+    (dgq, dgq_s), (duq, duq_s) = fp8.quantize_rows(dg), fp8.quantize_rows(du)
+    w_gate8, w_up8 = fp8_weights.get(w_gate), fp8_weights.get(w_up)
+    dx = fp8_gemm.dgrad_pair(
+        dgq, dgq_s, w_gate8, duq, duq_s, w_up8, sched, programs, out_dtype=dz.dtype
+    )
+    return dx, dg, du
 
 
 def routed_wgrad(
@@ -63,15 +137,20 @@ def routed_wgrad(
     """(d_w_gate, d_w_up, d_w_down) of the routed experts. For a stacked gate/up weight the
     first two are the halves of one stacked gradient, written in place (no concatenation)."""
     sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
+    if _is_fp8(ctx.schedule.config):
+        xs = _cols(routed.xs)  # quantized once for both gate and up
+        wgrad = functools.partial(_fp8_wgrad, out_dtype=dg.dtype)
+    else:
+        xs, wgrad = routed.xs, gemm.wgrad
     stacked = stacked_gate_up(w.w_gate, w.w_up)
     if stacked is None:
-        d_gate, d_up = gemm.wgrad(dg, routed.xs, sched), gemm.wgrad(du, routed.xs, sched)
+        d_gate, d_up = wgrad(dg, xs, sched), wgrad(du, xs, sched)
     else:
         d_stacked = empty(stacked.shape, dg.dtype, dg.device)
         i = w.w_gate.shape[1]
-        d_gate = gemm.wgrad(dg, routed.xs, sched, out=d_stacked[:, :i])
-        d_up = gemm.wgrad(du, routed.xs, sched, out=d_stacked[:, i:])
-    return d_gate, d_up, gemm.wgrad(dz, routed.h, sched)
+        d_gate = wgrad(dg, xs, sched, out=d_stacked[:, :i])
+        d_up = wgrad(du, xs, sched, out=d_stacked[:, i:])
+    return d_gate, d_up, wgrad(dz, routed.h, sched)
 
 
 def shared_dgrad(
@@ -82,6 +161,9 @@ def shared_dgrad(
         return None
     w, shared = ctx.weights, ctx.shared
     one = uniform_schedule(ctx.x.shape[0], ctx.schedule.config.block_rows, ctx.x.device)
+    if _is_fp8(ctx.schedule.config):
+        s_down, s_gate, s_up = w.s_down[None], w.s_gate[None], w.s_up[None]
+        return (*_fp8_dgrad(dy, s_down, s_gate, s_up, shared.g, shared.u, one, programs), one)
     dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], shared.g, shared.u, one, programs)
     return gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one, programs), dsg, dsu, one
 
@@ -94,5 +176,9 @@ def shared_wgrad(
     if dgrad is None:
         return None, None, None
     _, dsg, dsu, one = dgrad
+    if _is_fp8(ctx.schedule.config):
+        x = _cols(ctx.x)  # quantized once for both gate and up
+        pairs = ((dsg, x), (dsu, x), (dy, ctx.shared.h))
+        return tuple(_fp8_wgrad(a, b, one, programs, out_dtype=dy.dtype)[0] for a, b in pairs)
     pairs = ((dsg, ctx.x), (dsu, ctx.x), (dy, ctx.shared.h))
     return tuple(gemm.wgrad(a, b, one, programs)[0] for a, b in pairs)

@@ -205,7 +205,9 @@ def routed_unfused(
     ws: Workspace, schedule: TritonSchedule, x: torch.Tensor, weights: ExpertWeights
 ) -> RoutedActivations:
     """Pull x rows, expert GEMMs, push z rows into the sources' combine slots."""
-    routed = experts.routed_forward(routed_rows(schedule, x), weights, schedule.routed)
+    routed = experts.routed_forward(
+        routed_rows(schedule, x), weights, schedule.routed, schedule.config.precision
+    )
     comm.combine_push(
         ws, routed.z, schedule.routed, "combine", programs=schedule.config.copy_programs
     )
@@ -257,7 +259,9 @@ def local_forward(
 ) -> tuple[torch.Tensor, TritonContext]:
     """One process: gather rows, expert GEMMs, combine in k order (+ shared)."""
     sched = schedule.routed
-    routed = experts.routed_forward(routed_rows(schedule, x), weights, sched)
+    routed = experts.routed_forward(
+        routed_rows(schedule, x), weights, sched, schedule.config.precision
+    )
     shared, shared_out = experts.shared_forward(x, weights, schedule.config)
     y = rows.combine(routed.z, sched, topk_weights, shared_out, x.dtype, schedule.invalid)
     return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared)
@@ -271,7 +275,9 @@ def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
         ws = schedule.ep.workspace
         publish(ws, x=ctx.x.detach())  # the x_buffer may hold a later forward's tokens
         yield from barrier_point(ws)
-    routed = experts.routed_forward(routed_rows(schedule, ctx.x), ctx.weights, schedule.routed)
+    routed = experts.routed_forward(
+        routed_rows(schedule, ctx.x), ctx.weights, schedule.routed, schedule.config.precision
+    )
     return dataclasses.replace(ctx, routed=routed)
 
 

@@ -1,0 +1,291 @@
+"""The layer with ``MoEConfig(precision="fp8")`` on backend "triton" under the interpreter.
+
+Checked: the output and every gradient against a float64 emulation of the quantized recipe
+(the same 1x128 / 128x1 / 128x128 quantization in torch ops, the same bf16 roundings of the
+saved activations, every product in float64) and against the float64 layer on the unquantized
+inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2 and 3 (lockstep);
+every output written (poisoned buffers); the weight cache quantizes each weight once per
+version; the errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megamoe
+from megamoe import functional
+from megamoe.backends import fp8_weights, resolve_backend
+from megamoe.backends import triton as backend
+from megamoe.config import TUNABLES, MoEConfig
+from megamoe.kernels.runtime import poisoned_buffers
+from megamoe.types import ExpertWeights, MoEGrads
+from support.lockstep import ep_step
+from support.oracle import reference_grads, rel_err
+from support.problems import Case, make_problem, params
+
+FP8 = dict(precision="fp8", minibatch_rows=128, ring_rows=None)
+# H 144: a partial 128 block along K; T 40: the shared expert's token count is no multiple of 16.
+CASE = Case(40, 144, 112, 4, 2, shared=48, block_rows=128)
+CPU = torch.device("cpu")
+
+# Bars against the float64 layer on the unquantized bf16 inputs. E4M3 keeps 3 mantissa bits
+# (a relative rounding error of about 2.6% rms per operand), and y goes through two quantized
+# GEMMs with two quantized operands each: these shapes measure 6.6-6.9% on y (four seeds) and
+# cosines of 0.9975 on every gradient.
+Y_REL_L2 = 8e-2
+GRAD_COSINE = 0.996
+# Against the emulated recipe: what is left is fp32 against float64 accumulation and the bf16
+# output roundings (1.7e-3 measured on every output); a wrong scale, block or operand is several
+# percent.
+RECIPE_REL_L2 = 5e-3
+
+
+def _problem(case: Case = CASE, seed: int = 0):
+    return make_problem(case, seed=seed, **FP8)
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe in torch ops (float64)
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax / 448)), the exponent at least -126; 1 for a zero block (float64)."""
+    mant, exp = torch.frexp(amax / 448.0)
+    exp = torch.where(mant == 0.5, exp - 1, exp).clamp(min=-126)
+    return torch.where(amax == 0, 1.0, torch.ldexp(torch.ones_like(amax), exp))
+
+
+def _blocks(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [M, K] dequantized from blocks of ``rows`` x 128 (1 or 128 rows), float64."""
+    m, k = x.shape
+    mb, kb = math.ceil(m / rows), math.ceil(k / 128)
+    xp = F.pad(x.float(), (0, kb * 128 - k, 0, mb * rows - m)).view(mb, rows, kb, 128)
+    scale = _pow2_scale(xp.abs().amax(dim=(1, 3), keepdim=True).double()).float()
+    q = (xp / scale).to(torch.float8_e4m3fn)
+    return (q.double() * scale.double()).reshape(mb * rows, kb * 128)[:m, :k]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:  # 1x128 along K
+    return _blocks(x, 1)
+
+
+def _cols(x: torch.Tensor) -> torch.Tensor:  # 128x1 along the rows (at most 128 rows here)
+    assert x.shape[0] <= 128
+    return _blocks(x.t(), 1).t()
+
+
+def _weight(w: torch.Tensor) -> torch.Tensor:  # 128x128
+    return _blocks(w, 128)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double()
+
+
+def _expert(x, dz, w_gate, w_up, w_down):
+    """(z, d_x rows, d_W_gate, d_W_up, d_W_down) of one expert's rows, as the kernels compute
+    them (d_z given)."""
+    wg, wu, wd = _weight(w_gate), _weight(w_up), _weight(w_down)
+    g, u = _rows(x) @ wg.t(), _rows(x) @ wu.t()
+    gb, ub, hb = _bf16(g), _bf16(u), _bf16(F.silu(g) * u)
+    z = _bf16(_rows(hb) @ wd.t())
+    dh = _rows(dz) @ wd
+    sig = torch.sigmoid(gb)
+    dg, du = _bf16(dh * ub * sig * (1 + gb * (1 - sig))), _bf16(dh * gb * sig)
+    dx = _bf16(_rows(dg) @ wg + _rows(du) @ wu)
+    dw = (_cols(dg).t() @ _cols(x), _cols(du).t() @ _cols(x), _cols(dz).t() @ _cols(hb))
+    return z, dx, *dw
+
+
+def recipe(p) -> tuple[torch.Tensor, MoEGrads]:
+    """y and the gradients of the fp8 layer at W = 1, emulated in float64."""
+    x, ids, tw, dy = p.single
+    w = p.weights
+    t, h = x.shape
+    y, dx = torch.zeros(t, h, dtype=torch.float64), torch.zeros(t, h, dtype=torch.float64)
+    d_tw = torch.zeros(tw.shape, dtype=torch.float64)
+    d_w = [torch.zeros(wt.shape, dtype=torch.float64) for wt in w[:3]]
+    for e in range(p.config.num_experts):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        dz = _bf16(tw[tok, slot, None].double() * dy[tok].double())
+        z, dxs, *dwe = _expert(x[tok], dz, w.w_gate[e], w.w_up[e], w.w_down[e])
+        y.index_add_(0, tok, tw[tok, slot, None].double() * z)
+        dx.index_add_(0, tok, dxs)
+        d_tw[tok, slot] = (dy[tok].double() * z).sum(1)
+        for acc, d in zip(d_w, dwe):
+            acc[e] = d
+    zs, dxs, *d_s = _expert(x, dy.double(), w.s_gate, w.s_up, w.s_down)
+    return y + zs, MoEGrads(dx + dxs, d_tw, *d_w, *d_s)
+
+
+# --------------------------------------------------------------------------------------------
+# Running the layer
+
+
+def _moe(p, weights: ExpertWeights | None = None) -> tuple[torch.Tensor, MoEGrads]:
+    """functional.moe (the custom ops) forward and backward, every buffer poisoned."""
+    x, ids, tw, dy = p.single
+    weights = weights or p.weights
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, tw)]
+    weights = ExpertWeights(
+        *(None if t is None else t.detach().requires_grad_(True) for t in weights)
+    )
+    present = leaves + [t for t in weights if t is not None]
+    with poisoned_buffers():
+        y = functional.moe(leaves[0], ids, leaves[1], weights, p.config, backend="triton")
+        found = iter(torch.autograd.grad(y, present, dy))
+    return y.detach(), MoEGrads(*(None if t is None else next(found) for t in leaves + [*weights]))
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def test_fp8_layer_against_the_recipe_and_the_float64_layer() -> None:
+    p = _problem()
+    y, grads = _moe(p)
+    again = _moe(p)
+    ref_y, ref = reference_grads(p, torch.float64)
+    rec_y, rec = recipe(p)
+    # the same dtypes as the bf16 layer, every element written (poisoned buffers give NaN)
+    bf16_y, bf16 = _moe(make_problem(CASE, seed=0, minibatch_rows=128, ring_rows=None))
+    assert y.dtype == bf16_y.dtype and torch.isfinite(y).all()
+    assert rel_err(y, rec_y) <= RECIPE_REL_L2, rel_err(y, rec_y)
+    assert rel_err(y, ref_y) <= Y_REL_L2, rel_err(y, ref_y)
+    assert rel_err(bf16_y, ref_y) < 1e-2  # (the bf16 layer: the quantization is the error)
+    for name, a, r, o, b in zip(MoEGrads._fields, grads, rec, ref, bf16):
+        assert a.dtype == b.dtype and a.shape == o.shape, name
+        assert torch.isfinite(a).all(), f"{name}: unwritten or non-finite"
+        assert rel_err(a, r) <= RECIPE_REL_L2, f"{name}: {rel_err(a, r):.3e} from the recipe"
+        assert _cosine(a, o) >= GRAD_COSINE, f"{name}: cosine {_cosine(a, o):.5f}"
+    # bitwise run to run (the second run read the cached weights)
+    assert torch.equal(y, again[0])
+    for name, a, b in zip(MoEGrads._fields, grads, again[1]):
+        assert torch.equal(a, b), name
+    # a stacked [E, 2I, H] gate/up weight: its halves quantized in place, the same bits
+    w = p.weights
+    stacked = ExpertWeights.from_gate_up(torch.cat([w.w_gate, w.w_up], 1), *w[2:])
+    y2, g2 = _moe(p, stacked)
+    assert torch.equal(y, y2)
+    i = CASE.intermediate
+    assert torch.equal(g2.w_gate[:, :i], grads.w_gate) and torch.equal(g2.w_gate[:, i:], grads.w_up)
+    for name in ("x", "topk_weights", "w_down", "s_gate", "s_up", "s_down"):
+        assert torch.equal(getattr(g2, name), getattr(grads, name)), name
+
+
+def test_weight_cache_quantizes_once_per_weight_version() -> None:
+    p = _problem(Case(24, 128, 64, 4, 2, shared=32, block_rows=128), seed=1)
+    moe = megamoe.MoE(p.config, backend="triton", seed=3)
+    opt = torch.optim.SGD(moe.parameters(), lr=0.01)
+    x, ids, tw, dy = p.single
+    cache = fp8_weights.CACHE
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        moe.zero_grad(set_to_none=True)
+        with poisoned_buffers():
+            y = moe(x, ids, tw)
+            y.backward(dy)
+        return y.detach(), [q.grad.clone() for q in moe.parameters()]
+
+    count = cache.quantizations
+    first = step()
+    assert cache.quantizations - count == 6  # three routed and three shared weights
+    assert torch.equal(step()[0], first[0])  # (same weights: no quantization, same bits)
+    assert cache.quantizations - count == 6
+    opt.step()  # in place: bumps every parameter's version
+    after = step()
+    assert cache.quantizations - count == 12
+    assert not torch.equal(after[0], first[0])
+    cache.clear()  # from scratch: the requantized copies were those of the updated weights
+    fresh = step()
+    assert cache.quantizations - count == 18
+    assert torch.equal(fresh[0], after[0])
+    for a, b in zip(fresh[1], after[1]):
+        assert torch.equal(a, b)
+
+
+EP_CASES = [
+    Case(20, 128, 64, 4, 2, shared=32, world=2, block_rows=128),
+    Case(12, 128, 48, 6, 2, world=3, block_rows=128),
+]
+
+
+@pytest.mark.parametrize("case", params(*EP_CASES))
+def test_expert_parallel_fp8_is_bitwise_single_process(case: Case) -> None:
+    p = _problem(case, seed=EP_CASES.index(case))
+    e_local, t = case.local_experts, case.tokens
+    with poisoned_buffers():
+        out, _, _ = ep_step(p, poison_slots=False)
+        x, ids, tw, dy = p.single
+        sched = backend.build_schedule(ids, p.config, None)
+        y1, ctx = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
+        g1 = backend.backward(ctx, dy)
+    assert len(out) == case.world
+    for r, (y, _, g) in enumerate(out):
+        tok, ex = slice(r * t, (r + 1) * t), slice(r * e_local, (r + 1) * e_local)
+        assert torch.equal(y, y1[tok]), f"rank {r}: y"
+        assert torch.equal(g.x, g1.x[tok]), f"rank {r}: d_x"
+        assert torch.equal(g.topk_weights, g1.topk_weights[tok]), f"rank {r}: d_w"
+        for name in ("w_gate", "w_up", "w_down"):
+            assert torch.equal(getattr(g, name), getattr(g1, name)[ex]), f"rank {r}: {name}"
+    for name in ("s_gate", "s_up", "s_down"):  # per-rank partial sums: equal within rounding
+        if getattr(g1, name) is not None:
+            total = sum(getattr(o[2], name).double() for o in out)
+            ref = getattr(g1, name).double()
+            assert (total - ref).norm() <= 2e-2 * ref.norm(), name
+
+
+# --------------------------------------------------------------------------------------------
+# Config and errors
+
+
+def _config(**changes) -> MoEConfig:
+    return MoEConfig(**{**dict(hidden_size=128, intermediate_size=64, num_experts=4, top_k=2),
+                        **changes})  # fmt: skip
+
+
+def test_precision_is_part_of_the_key_and_not_a_tunable() -> None:
+    assert _config().precision == "bf16"
+    cfg = _config(precision="fp8", shared_intermediate_size=32)
+    assert MoEConfig.from_key(cfg.key) == cfg and MoEConfig.from_key(cfg.key).precision == "fp8"
+    assert cfg.key != cfg.replace(precision="bf16").key
+    assert "precision" not in TUNABLES
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(precision="fp16"), r"precision must be one of \['bf16', 'fp8'\], got 'fp16'"),
+        (dict(precision=None), "precision must be one of"),
+        (dict(precision="fp8", block_rows=64, minibatch_rows=64), "block_rows to be a multiple"),
+        (dict(precision="fp8", hidden_size=136), "hidden_size to be a multiple of 16"),
+        (dict(precision="fp8", intermediate_size=72), "intermediate_size to be a multiple of 16"),
+        (dict(precision="fp8", shared_intermediate_size=40), "shared_intermediate_size to be"),
+    ],
+)
+def test_precision_errors(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _config(**changes)
+
+
+def test_backends_without_fp8_refuse_it() -> None:
+    cfg = _config(precision="fp8")
+    for name in ("fused", "reference"):
+        with pytest.raises(ValueError, match=f"backend '{name}' does not run precision 'fp8'"):
+            resolve_backend(name, CPU, 1, cfg, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no megamoe backend running precision 'fp8'"):
+        resolve_backend("auto", CPU, 1, cfg, torch.bfloat16)  # (the interpreter is no GPU)
+    assert resolve_backend("triton", CPU, 1, cfg, torch.bfloat16) == "triton"
+    assert megamoe.backends.available_backends(CPU, config=cfg)["fused"][0] is False
+    p = _problem(Case(8, 128, 64, 4, 2, block_rows=128))
+    x, ids, tw, _ = p.single
+    with pytest.raises(ValueError, match="backend 'fused' does not run precision 'fp8'"):
+        functional.forward(x, ids, tw, p.weights, p.config, backend="fused")
+    with pytest.raises(ValueError, match="backend 'reference' does not run precision 'fp8'"):
+        functional.moe(x, ids, tw, p.weights, p.config)  # (the default backend)
