@@ -179,6 +179,23 @@ def test_fp8_layer_against_the_recipe_and_the_float64_layer() -> None:
         assert torch.equal(getattr(g2, name), getattr(grads, name)), name
 
 
+def test_fp8_layer_with_an_empty_expert_and_experts_of_several_blocks() -> None:
+    # 200 tokens, top-2 over experts 0-2 only: about 133 rows each (two 128-row blocks, the
+    # weight gradient's 128x1 scales over two blocks) and expert 3 without rows
+    p = _problem(Case(200, 128, 64, 4, 2, routing="empty_experts", block_rows=128), seed=5)
+    assert (p.topk_ids == 3).sum() == 0 and max((p.topk_ids == e).sum() for e in range(3)) > 128
+    y, grads = _moe(p)
+    ref_y, ref = reference_grads(p, torch.float64)
+    assert rel_err(y, ref_y) <= Y_REL_L2, rel_err(y, ref_y)
+    for name, a, o in zip(MoEGrads._fields, grads, ref):
+        if o is None:
+            continue
+        assert torch.isfinite(a).all(), f"{name}: unwritten or non-finite"
+        assert _cosine(a, o) >= GRAD_COSINE, f"{name}: cosine {_cosine(a, o):.5f}"
+    for name in ("w_gate", "w_up", "w_down"):
+        assert (getattr(grads, name)[3] == 0).all(), f"{name}: the empty expert's gradient"
+
+
 def test_weight_cache_quantizes_once_per_weight_version() -> None:
     p = _problem(Case(24, 128, 64, 4, 2, shared=32, block_rows=128), seed=1)
     moe = megamoe.MoE(p.config, backend="triton", seed=3)
