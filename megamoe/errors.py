@@ -69,6 +69,10 @@ class Stage(enum.IntEnum):
     RING_FREE = 13
     SHARED_H_READY = 14
     CORESIDENT = 15
+    DGU_READY = 16
+    EXPERT_DGU_READY = 17
+    SHARED_DGU_READY = 18
+    SHARED_ALL_DGU_READY = 19
 
 
 _STAGE_TEXT = {
@@ -82,6 +86,11 @@ _STAGE_TEXT = {
     Stage.CORESIDENT: "fused forward (comm kernel): every program of the compute and the comm "
     "kernel running at once (the flag counts the programs that started; the "
     "GPU did not run the two kernels side by side)",
+    Stage.DGU_READY: "fused backward: d_g/d_u tiles of a row block",
+    Stage.EXPERT_DGU_READY: "fused backward: d_g/d_u tiles of every row block of an expert "
+    "(index = the expert)",
+    Stage.SHARED_DGU_READY: "fused backward: shared-expert d_g/d_u tiles of a row block",
+    Stage.SHARED_ALL_DGU_READY: "fused backward: shared-expert d_g/d_u tiles of every row block",
 }
 
 

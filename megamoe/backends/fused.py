@@ -8,10 +8,11 @@ combine of the own slots + shared output) with the fused kernel as its experts s
 gives the same bits as the unfused launches (same tile functions, tiles and row layout), so
 ``backend="fused"`` outputs equal ``backend="triton"`` bit for bit.
 
-Backward (:func:`backward_kind`): with one process, the route grad, then one fused kernel for
-the shared and routed experts' dgrad and weight gradients (``kernels.fused.backward``), then the
-k-order combine of d_x: bitwise backend "triton"'s one-process backward. With W > 1 (or
-``MEGAMOE_FUSED_BACKWARD=0``) it is backend "triton"'s backward (``steps.backward``).
+Backward (:func:`backward_kind`): backend "triton"'s backward (``steps.backward``), or, with
+one process and ``MEGAMOE_FUSED_BACKWARD=1``, the route grad, then one fused kernel for the
+shared and routed experts' dgrad and weight gradients (``kernels.fused.backward``), then the
+k-order combine of d_x: bitwise backend "triton"'s one-process backward. The fused backward is
+opt-in until it has been measured on a GPU (docs/fused.md).
 
 Ring (``config.ring_rows``; None, the default: every row): when it holds every row of the
 schedule the forward saves the routed activations as backend "triton" does. When it is smaller,
@@ -215,9 +216,12 @@ def restore(
 
 def backward_kind(world_size: int = 1) -> str:
     """Which backward :func:`backward` runs at ``world_size``: "fused" (the fused backward
-    kernel; one process) or "triton" (backend "triton"'s unfused backward: W > 1, or
-    ``MEGAMOE_FUSED_BACKWARD=0``)."""
-    if world_size > 1 or os.environ.get(FUSED_BACKWARD_ENV, "1") == "0":
+    kernel: one process with ``MEGAMOE_FUSED_BACKWARD=1``) or "triton" (backend "triton"'s
+    unfused backward: the default, and always at W > 1)."""
+    value = os.environ.get(FUSED_BACKWARD_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_BACKWARD_ENV} must be 0 or 1, got {value!r}")
+    if world_size > 1 or value == "0":
         return "triton"
     return "fused"
 

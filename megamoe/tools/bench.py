@@ -88,6 +88,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "shared_intermediate",
     "mode",
     "resolved_backend",
+    "backward",
     "fwd_ms",
     "bwd_ms",
     "fwdbwd_ms",
@@ -704,6 +705,15 @@ class _Run:
         bar.step(steps_left, f"{self.label}: {self.rec['status']}")
 
 
+def backward_of(backend: str, world_size: int) -> str:
+    """Which backward a run of ``backend`` takes (backend "fused": its own or "triton"'s)."""
+    if backend != "fused":
+        return backend
+    from ..backends import fused
+
+    return fused.backward_kind(world_size)
+
+
 def _run_case(
     runs: list[_Run],
     expected: RunResult | None,
@@ -731,6 +741,7 @@ def _run_case(
                 "auto", env.device, env.world_size, run.case.config, x.dtype, x.shape[0]
             )
             run.rec["resolved_backend"] = run.resolved
+        run.rec["backward"] = backward_of(run.resolved, env.world_size)
         run.fn = layer_fn(run.backend)
         if expected is not None:
             bar.update(f"{run.label}: check")

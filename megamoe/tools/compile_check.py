@@ -208,7 +208,17 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
             kernel_trace = (
                 torch.empty((H200_SMS, 64, 3), dtype=torch.int64, device="meta") if trace else None
             )
-            fused.forward(x, ids, w, weights, config, None, sched, trace=kernel_trace)
+            _, ctx = fused.forward(x, ids, w, weights, config, None, sched, trace=kernel_trace)
+            # the fused backward (opt-in: MEGAMOE_FUSED_BACKWARD=1), dy of x's shape
+            saved = os.environ.get(fused.FUSED_BACKWARD_ENV)
+            os.environ[fused.FUSED_BACKWARD_ENV] = "1"
+            try:
+                fused.backward(ctx, x)
+            finally:
+                if saved is None:
+                    del os.environ[fused.FUSED_BACKWARD_ENV]
+                else:
+                    os.environ[fused.FUSED_BACKWARD_ENV] = saved
 
         return run
 

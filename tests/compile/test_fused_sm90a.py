@@ -119,6 +119,7 @@ from megamoe.tools.compile_check import (
 )
 
 os.environ[CHECK_ENV] = "off"
+os.environ[fused.FUSED_BACKWARD_ENV] = "1"  # (opt-in)
 dsv3 = get_preset("dsv3").config(1)
 scenarios = {
     "dsv3": dsv3,

@@ -4,8 +4,9 @@
     torchrun --nproc-per-node=2 -m pytest -q tests/gpu/test_fused.py      # W = 2 (+ W = 1)
 
 Checked: outputs and every gradient (the fused forward's context through backend "triton"'s
-backward; with a ring smaller than the rows the fused backward replays the routed forward first)
-bitwise equal to backend "triton" for comm programs 4/16/32, minibatch sizes and ring sizes
+backward, and at W = 1 through the fused backward, MEGAMOE_FUSED_BACKWARD=1; with a ring
+smaller than the rows the backward replays the routed forward first) bitwise equal to backend
+"triton" for comm programs 4/16/32, minibatch sizes and ring sizes
 (smaller than the work: several macrobatches; holding every row); against the float64 reference
 (one GPU: presets and odd shapes; W = 2: via ep_vs_single); the watchdog turns a missing signal
 into a StallError instead of a hang. Parametrizations are few on purpose: every distinct
@@ -133,6 +134,17 @@ def test_single_gpu_bits_do_not_depend_on_tunables(
     assert not bad, (
         f"num_comm={num_comm} minibatch={minibatch_rows} ring={ring_rows}: {bad} differ from triton"
     )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_single_gpu_fused_backward_gives_triton_bits(name: str, monkeypatch) -> None:
+    """The fused backward kernel (opt-in) on the GPU: every gradient bitwise backend triton's,
+    also with a ring smaller than the rows (replayed first); it ran (backward_kind)."""
+    monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "1")
+    assert fused_backend.backward_kind(1) == "fused"
+    for ring_rows in (None, 2048):
+        p = _single_problem(name, num_comm=16, minibatch_rows=256, ring_rows=ring_rows)
+        assert not _differences(_run_fused(p), run_backend(p)), (name, ring_rows)
 
 
 def test_single_gpu_comm_kernel_bits() -> None:

@@ -38,6 +38,12 @@ from support.problems import Case, make_problem
 STALL_BUDGET = 64
 
 
+@pytest.fixture(autouse=True)
+def fused_backward_on(monkeypatch) -> None:
+    """The fused backward is opt-in (MEGAMOE_FUSED_BACKWARD=1) until measured on a GPU."""
+    monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "1")
+
+
 @pytest.fixture
 def fused_launches(monkeypatch) -> list:
     """Counts the backend's fused backward launches (so a test knows which backward ran)."""
@@ -109,16 +115,24 @@ def test_backward_is_bitwise_triton(
 
 
 def test_switch_and_world_size_keep_the_triton_backward(monkeypatch, fused_launches) -> None:
-    """MEGAMOE_FUSED_BACKWARD=0 and W > 1 run backend "triton"'s backward (steps.backward)."""
+    """MEGAMOE_FUSED_BACKWARD=0 (and unset: the default) and W > 1 run backend "triton"'s
+    backward (steps.backward); another value is refused by name."""
     p = make_problem(Case(29, 64, 40, 4, 2, shared=24, routing="zipf"), 4)
     assert fused_backend.backward_kind(2) == "triton"
     _, _, g_ref = _train_step(p, p.weights, "triton")
-    monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "0")
-    assert fused_backend.backward_kind() == "triton"
-    _, ctx, g = _train_step(p, p.weights, "fused")
-    assert not fused_launches
-    assert_same_grads(g, g_ref, "switched off")
-    monkeypatch.delenv(fused_backend.FUSED_BACKWARD_ENV)
+    for value in ("0", None):
+        if value is None:
+            monkeypatch.delenv(fused_backend.FUSED_BACKWARD_ENV)
+        else:
+            monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, value)
+        assert fused_backend.backward_kind() == "triton"
+        _, ctx, g = _train_step(p, p.weights, "fused")
+        assert not fused_launches
+        assert_same_grads(g, g_ref, f"switched off ({value})")
+    monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "yes")
+    with pytest.raises(ValueError, match="MEGAMOE_FUSED_BACKWARD must be 0 or 1, got 'yes'"):
+        fused_backend.backward_kind()
+    monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "1")
     # an expert-parallel context goes to steps.backward (its protocol needs the peers)
     taken = []
     monkeypatch.setattr(steps, "backward", lambda c, dy: taken.append(c) or "triton's")

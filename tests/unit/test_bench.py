@@ -160,6 +160,19 @@ def test_a_run_failing_in_one_mode_keeps_its_records_of_the_others(monkeypatch):
     assert got["torch-a2a", "latency"]["status"] == "error"
     assert "cannot capture" in got["torch-a2a", "latency"]["note"]
     assert got["reference", "latency"]["fwdbwd_ms"] > 0
+    assert {r["backward"] for r in records} == {"reference", "torch-a2a"}
+
+
+def test_records_say_which_backward_ran(monkeypatch):
+    from megamoe.backends.fused import FUSED_BACKWARD_ENV
+    from megamoe.tools.bench import backward_of
+
+    assert backward_of("triton", 1) == "triton"
+    monkeypatch.delenv(FUSED_BACKWARD_ENV, raising=False)
+    assert backward_of("fused", 1) == "triton"  # opt-in
+    monkeypatch.setenv(FUSED_BACKWARD_ENV, "1")
+    assert backward_of("fused", 1) == "fused"
+    assert backward_of("fused", 2) == "triton"  # one process only, so far
 
 
 def test_graph_mode_needs_a_gpu():

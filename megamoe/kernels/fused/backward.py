@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ...ep.workspace import Workspace
+from ...errors import Stage
 from ...types import SharedActivations, stacked_gate_up
 from .. import comm
 from ..gemm import gate_up_2d, grouped_mm_tile, mm_acc, weight_2d, wgrad_tile
@@ -56,7 +57,6 @@ from .sync import (
     backward_flag_pointers,
     publish_writes,
     signal,
-    stage_code,
     wait_count,
 )
 from .tasks import backward_counts, grouped_task, take_task, wgrad_task
@@ -69,18 +69,15 @@ __all__ = [
     "BACKWARD_STAGE_CODES",
 ]
 
-# The stall-record codes of the backward's waits (``megamoe.errors.Stage`` names them when it
-# has these members; until then a stall reads "stage <code>"): what each one waited for.
+# The stall-record codes of the backward's waits (``megamoe.errors.Stage``).
 BACKWARD_STAGE_CODES = {
-    "DGU_READY": stage_code("DGU_READY", 16),  # d_g/d_u tiles of a row block
-    "EXPERT_DGU_READY": stage_code("EXPERT_DGU_READY", 17),  # ... of every block of an expert
-    "SHARED_DGU_READY": stage_code("SHARED_DGU_READY", 18),  # shared: of a row block
-    "SHARED_ALL_DGU_READY": stage_code("SHARED_ALL_DGU_READY", 19),  # shared: of every block
+    name: int(Stage[name])
+    for name in ("DGU_READY", "EXPERT_DGU_READY", "SHARED_DGU_READY", "SHARED_ALL_DGU_READY")
 }
-_STAGE_DGU = tl.constexpr(BACKWARD_STAGE_CODES["DGU_READY"])
-_STAGE_EXPERT = tl.constexpr(BACKWARD_STAGE_CODES["EXPERT_DGU_READY"])
-_STAGE_SHARED_DGU = tl.constexpr(BACKWARD_STAGE_CODES["SHARED_DGU_READY"])
-_STAGE_SHARED_ALL = tl.constexpr(BACKWARD_STAGE_CODES["SHARED_ALL_DGU_READY"])
+_STAGE_DGU = tl.constexpr(int(Stage.DGU_READY))
+_STAGE_EXPERT = tl.constexpr(int(Stage.EXPERT_DGU_READY))
+_STAGE_SHARED_DGU = tl.constexpr(int(Stage.SHARED_DGU_READY))
+_STAGE_SHARED_ALL = tl.constexpr(int(Stage.SHARED_ALL_DGU_READY))
 
 
 # --------------------------------------------------------------------------------------------

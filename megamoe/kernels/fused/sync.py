@@ -46,7 +46,6 @@ __all__ = [
     "BackwardFlagLayout",
     "backward_flag_layout",
     "backward_flag_pointers",
-    "stage_code",
 ]
 
 # Words before the counters: the compute task ticket, then the programs that arrived.
@@ -54,14 +53,6 @@ HEADER_WORDS = 2
 _HEADER_WORDS = tl.constexpr(HEADER_WORDS)
 _ARRIVED = tl.constexpr(1)
 _STAGE_CORESIDENT = tl.constexpr(int(Stage.CORESIDENT))
-
-
-def stage_code(name: str, code: int) -> int:
-    """The stall-record code of stage ``name``: ``megamoe.errors.Stage``'s when it has one, else
-    ``code`` (the fused backward's stages, which ``Stage`` does not name yet: a stall there
-    reads "stage <code>" until it does)."""
-    member = getattr(Stage, name, None)
-    return code if member is None else int(member)
 
 
 @dataclass(frozen=True)
