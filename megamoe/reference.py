@@ -10,6 +10,13 @@ Numerics (the contract the kernels match within bf16 tolerances):
   h = silu(g) * u                 (fp32, rounded to the compute dtype)
   z = h W_down^T                  (compute dtype)
   y = sum_k w[t,k] * z[t,k]       (fp32, k = 0..K-1 in order) + shared(x)   -> x.dtype
+
+``precision="fp8"`` (``MoEConfig.precision``; docs/fp8.md) is the block-scaled recipe in torch
+ops: each of the three GEMMs of an expert quantizes its operands as the kernels do (1x128
+activations and output gradients, 128x1 along the rows for the weight gradient, 128x128
+weights; power-of-two scales), dequantizes them exactly and multiplies in fp32, with the
+kernels' roundings (h from the fp32 gate/up products, the SwiGLU backward from the fp32 d_h).
+A reference of the recipe, not of the kernels' bits (the fp32 sums run in another order).
 """
 
 from __future__ import annotations
@@ -38,10 +45,73 @@ __all__ = [
 ]
 
 
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax / 448)), its exponent at least -126; 1 for a block of zeros."""
+    mant, exp = torch.frexp(amax.double() / 448.0)
+    exp = torch.where(mant == 0.5, exp - 1, exp).clamp(min=-126)
+    scale = torch.where(amax == 0, 1.0, torch.ldexp(torch.ones_like(mant), exp))
+    return torch.where(amax.isinf(), float("inf"), scale).float()
+
+
+def fp8_blocks(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [M, K]`` quantized to E4M3 in blocks of ``rows`` x 128 (``rows`` 1: 1x128 along K;
+    128: 128x128) with power-of-two scales, dequantized (exactly) in fp32."""
+    m, k = x.shape
+    mb, kb = -(-m // rows), -(-k // 128)
+    xp = F.pad(x.float(), (0, kb * 128 - k, 0, mb * rows - m)).view(mb, rows, kb, 128)
+    amax = torch.nan_to_num(xp.abs(), nan=0.0).amax(dim=(1, 3), keepdim=True)
+    scale = _pow2_scale(amax)
+    q = (xp / scale).to(torch.float8_e4m3fn)
+    return (q.float() * scale).reshape(mb * rows, kb * 128)[:m, :k]
+
+
+def _fp8_cols(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, M]`` in 128x1 blocks along the rows (a weight gradient's operand)."""
+    return fp8_blocks(x.t(), 1).t()
+
+
+class _Fp8Expert(torch.autograd.Function):
+    """One SwiGLU expert in the fp8 recipe, forward and backward as the kernels compute it:
+    h from the fp32 gate/up products, the SwiGLU backward from the fp32 d_h and the saved g, u
+    in the compute dtype, d_x of the gate and up parts in one fp32 sum."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down):
+        dtype = x.dtype
+        wg, wu, wd = (fp8_blocks(w, 128) for w in (w_gate, w_up, w_down))
+        xq = fp8_blocks(x, 1)
+        g, u = xq @ wg.t(), xq @ wu.t()
+        h = (F.silu(g) * u).to(dtype)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, g.to(dtype), u.to(dtype), h)
+        return (fp8_blocks(h, 1) @ wd.t()).to(dtype)
+
+    @staticmethod
+    def backward(ctx, dz):
+        x, w_gate, w_up, w_down, g, u, h = ctx.saved_tensors
+        dtype = x.dtype
+        dz = dz.to(dtype)
+        dh = fp8_blocks(dz, 1) @ fp8_blocks(w_down, 128)
+        g, u = g.float(), u.float()
+        sig = torch.sigmoid(g)
+        dg, du = (dh * u * sig * (1 + g * (1 - sig))).to(dtype), (dh * g * sig).to(dtype)
+        dx = fp8_blocks(dg, 1) @ fp8_blocks(w_gate, 128) + fp8_blocks(du, 1) @ fp8_blocks(w_up, 128)
+        xc = _fp8_cols(x)
+        d_gate = (_fp8_cols(dg).t() @ xc).to(w_gate.dtype)
+        d_up = (_fp8_cols(du).t() @ xc).to(w_up.dtype)
+        d_down = (_fp8_cols(dz).t() @ _fp8_cols(h)).to(w_down.dtype)
+        return dx.to(dtype), d_gate, d_up, d_down
+
+
 def swiglu_mlp(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """One SwiGLU expert on rows ``x [N, H]``; weights [I, H], [I, H], [H, I]."""
+    if precision == "fp8":
+        return _Fp8Expert.apply(x, w_gate, w_up, w_down)
     g = x @ w_gate.t()
     u = x @ w_up.t()
     act = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for the fp64 oracle
@@ -55,6 +125,7 @@ def local_experts_forward(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Apply local expert ``local_ids[n]`` to ``rows[n]``, one expert at a time."""
     if rows.shape[0] == 0:
@@ -69,7 +140,9 @@ def local_experts_forward(
     # unbind, not w[e]: the backward of one unbind stacks the per-expert gradients once, where
     # each w[e] would materialize (and add) a gradient the size of all experts' weights.
     gate, up, down = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
-    outs = [swiglu_mlp(b, gate[e], up[e], down[e]) for e, b in enumerate(blocks) if len(b)]
+    outs = [
+        swiglu_mlp(b, gate[e], up[e], down[e], precision) for e, b in enumerate(blocks) if len(b)
+    ]
     grouped = torch.cat(outs)
     return grouped.new_empty(grouped.shape).index_copy(0, perm, grouped)
 
@@ -198,11 +271,13 @@ def moe_reference(
     *,
     compute_dtype: torch.dtype | None = None,
     plan: RoutingPlan | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """The MoE layer in plain PyTorch; differentiable. Returns ``y`` in x.dtype.
 
     ``compute_dtype=torch.float64`` runs the whole layer in float64 (the accuracy oracle) and
-    returns float64.
+    returns float64. ``precision="fp8"``: the expert GEMMs in the fp8 recipe (the module
+    docstring); the default ignores ``config.precision``, so the oracle stays unquantized.
     """
     out_dtype = x.dtype
     if compute_dtype is not None:
@@ -216,12 +291,12 @@ def moe_reference(
     if group is not None:
         rows = all_to_all_rows(rows, plan.recv_counts, plan.send_counts, group)
     z = local_experts_forward(
-        rows, plan.recv_local_ids, weights.w_gate, weights.w_up, weights.w_down
+        rows, plan.recv_local_ids, weights.w_gate, weights.w_up, weights.w_down, precision
     )
     if group is not None:
         z = all_to_all_rows(z, plan.send_counts, plan.recv_counts, group)
     z = z.new_zeros(z.shape).index_copy(0, plan.order, z).view(t, k, h)
     shared = None
     if weights.has_shared:
-        shared = swiglu_mlp(x, weights.s_gate, weights.s_up, weights.s_down)
+        shared = swiglu_mlp(x, weights.s_gate, weights.s_up, weights.s_down, precision)
     return weighted_combine(z, topk_weights, shared).to(out_dtype)

@@ -45,12 +45,12 @@ BACKENDS: dict[str, str] = {
     "fused": "megamoe.backends.fused",
     "reference": "megamoe.backends.reference",
 }
-# name -> the MoEConfig.precision values it runs (docs/fp8.md: fp8 runs on backend "triton" only
-# for now; the others refuse it rather than compute in bf16).
+# name -> the MoEConfig.precision values it runs (docs/fp8.md: "fused" refuses fp8 for now
+# rather than compute in bf16).
 BACKEND_PRECISIONS: dict[str, tuple[str, ...]] = {
     "triton": ("bf16", "fp8"),
     "fused": ("bf16",),
-    "reference": ("bf16",),
+    "reference": ("bf16", "fp8"),  # fp8: the recipe in torch ops (megamoe.reference)
 }
 
 # backend="auto" takes the first available backend of these, by world size and, on one GPU, by

@@ -80,7 +80,9 @@ def forward(
     else:
         lw = ExpertWeights(*rest, None, None, None)
     with torch.enable_grad():
-        y = moe_reference(x_l, topk_ids, w_l, lw, config, group, plan=schedule)
+        y = moe_reference(
+            x_l, topk_ids, w_l, lw, config, group, plan=schedule, precision=config.precision
+        )
     return y.detach(), ReferenceContext(y, leaves, weights.has_shared)
 
 
