@@ -13,8 +13,9 @@ detached alias of its weight (the same storage and version counter), so that sto
 allocated while the entry lives and no other tensor can take its address.
 
 Writes that bypass the version counter (through ``param.data``, or from outside PyTorch) are not
-seen: call :func:`clear` after them. A CUDA graph captured with a cache hit replays the cached
-copy: capture with the weights' final values, or quantize inside the graph by clearing first.
+seen: call :func:`clear` after them. While a CUDA graph is captured the cache is bypassed: every
+weight is quantized inside the graph, so a replay after an optimizer step reads the new values
+(a cached copy would be replayed stale).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class Fp8WeightCache:
 
     def get(self, w: torch.Tensor) -> fp8.Fp8Weight:
         """``w [E, N, K]`` (any strides) quantized 128x128, with ``q_t`` and ``scale_t``."""
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            with torch.no_grad():  # in the graph: every replay quantizes the current values
+                return fp8.quantize_weight(w.detach(), transposed=True)
         key = (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
         entry = self._entries.get(key)
         if entry is not None and entry.version == w._version:

@@ -154,6 +154,9 @@ def forward(
     """y [T, H] bf16 and the Triton backends' context (``routed`` None when the ring dropped
     the routed rows: the backward replays them). ``trace``: a profile of the kernel
     (``fused_forward``, ``megamoe.tools.fused_trace``)."""
+    from . import check_precision  # (the package imports this module)
+
+    check_precision("fused", config)  # bf16 only: never fp8 computed as bf16 unnoticed
     if x.shape[0] == 0:
         return steps.empty_forward(x, topk_weights, weights)
     x, topk_weights, weights, schedule = steps.prepare(

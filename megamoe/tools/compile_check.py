@@ -229,6 +229,10 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
         ("triton dsv3 W=8 (rank 0), capacity 2", lambda: _ep_step(ep, tokens, 8)),
         ("scaled pull", lambda: _comm_extras(tokens, cfg.hidden_size, cfg.top_k, 2)),
         ("fp8 dsv3 W=1 (kernels only)", lambda: _fp8_step(cfg, tokens)),
+        (
+            "triton fp8 dsv3 W=1",
+            lambda: _train_step(unfused, cfg.replace(precision="fp8"), tokens - 7),
+        ),
         ("fused dsv3 comm kernel", fused_step(cfg)),
         ("fused dsv3 comm kernel traced", fused_step(cfg, trace=True)),
         ("fused dsv3 odd row width", fused_step(odd)),

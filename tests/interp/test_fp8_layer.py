@@ -316,3 +316,7 @@ def test_backend_fused_refuses_fp8() -> None:
     x, ids, tw, _ = p.single
     with pytest.raises(ValueError, match="backend 'fused' does not run precision 'fp8'"):
         functional.forward(x, ids, tw, p.weights, p.config, backend="fused")
+    from megamoe.backends import fused
+
+    with pytest.raises(ValueError, match="backend 'fused' does not run precision 'fp8'"):
+        fused.forward(x, ids, tw, p.weights, p.config, None, None)  # the backend called directly

@@ -1,0 +1,80 @@
+"""``MoEConfig(precision="fp8")`` with backend "triton" on one Hopper GPU: the layer against the
+float64 layer on the unquantized inputs (the recipe's bars), the same bits run to run, and a
+CUDA graph of a training step that quantizes the weights inside the graph, so a replay after an
+optimizer step reads the new weights (the weight cache is bypassed while capturing).
+
+Run on the device: ``python -m pytest tests/gpu/test_fp8.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+
+from megamoe import functional  # noqa: E402
+from megamoe.backends import fp8_weights  # noqa: E402
+from megamoe.kernels.runtime import poisoned_buffers  # noqa: E402
+from support.oracle import reference_grads, rel_err  # noqa: E402
+from support.problems import Case, make_problem  # noqa: E402
+
+DEV = torch.device("cuda")
+FP8 = dict(precision="fp8", minibatch_rows=1024, ring_rows=None)
+# a dsv3-like layer (one rank's experts) with a shared expert, tokens sliced for the oracle
+CASES = {
+    "dsv3": Case(512, 7168, 2048, 32, 8, shared=2048, block_rows=128),
+    "qwen3-30b": Case(1000, 2048, 768, 64, 8, block_rows=128),
+}
+# the recipe's own error against the unquantized float64 layer (tests/interp/test_fp8_layer.py)
+Y_REL_L2, GRAD_COSINE = 8e-2, 0.996
+
+
+def _step(p, weights=None):
+    w = [t.clone().requires_grad_(True) for t in (weights or p.weights) if t is not None]
+    x = p.x.clone().requires_grad_(True)
+    tw = p.topk_weights.clone().requires_grad_(True)
+    with poisoned_buffers():
+        y = functional.moe(x, p.topk_ids, tw, type(p.weights)(*w), p.config, backend="triton")
+        y.backward(p.grad_y)
+    return [y.detach(), x.grad, tw.grad, *(t.grad for t in w)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fp8_layer_within_the_recipe_bars_and_reproducible(name: str) -> None:
+    p = make_problem(CASES[name], seed=1, device=DEV, **FP8)
+    ours = _step(p)
+    y64, g64 = reference_grads(p, torch.float64)
+    expected = [y64, *(g for g in g64 if g is not None)]
+    assert rel_err(ours[0], y64) <= Y_REL_L2, f"y: {rel_err(ours[0], y64):.3e}"
+    for i, (a, b) in enumerate(zip(ours[1:], expected[1:])):
+        assert torch.isfinite(a).all(), f"grad {i}: not finite"
+        cos = torch.nn.functional.cosine_similarity(a.double().flatten(), b.flatten(), dim=0)
+        assert cos >= GRAD_COSINE, f"grad {i}: cosine {cos:.5f}"
+    again = _step(p)
+    for i, (a, b) in enumerate(zip(ours, again)):
+        assert torch.equal(a, b), f"output {i} differs run to run"
+
+
+def test_cuda_graph_quantizes_the_current_weights() -> None:
+    p = make_problem(CASES["qwen3-30b"], seed=2, device=DEV, **FP8)
+    weights = [t.clone() for t in p.weights if t is not None]
+    x, ids, tw = p.x, p.topk_ids, p.topk_weights
+
+    def step():
+        return functional.moe(x, ids, tw, type(p.weights)(*weights), p.config, backend="triton")
+
+    step()  # compiles every kernel and fills the weight cache before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+    with torch.no_grad():  # an optimizer step, in place
+        for w in weights:
+            w.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    fp8_weights.clear()
+    eager = step()  # quantizes the updated weights afresh
+    assert torch.equal(static_y, eager), "the replay used stale quantized weights"
