@@ -40,9 +40,9 @@ import triton.language as tl
 
 from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
 from .gemm import GemmTiles, weight_2d
-from .runtime import descriptor, empty, interpreting, persistent_programs
+from .runtime import descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
-from .tiles import cast, swiglu, swiglu_backward, tile_of
+from .tiles import cast, store_gate_up, store_mm, tile_of
 
 __all__ = [
     "GPU_TILES",
@@ -190,9 +190,7 @@ def fp8_gate_up_tile(
         a = a_desc.load([row, k])
         acc_g = fp8_mma(acc_g, a, bg_desc.load([expert * w_rows + col, k]).T, sa, sg, UPCAST)
         acc_u = fp8_mma(acc_u, a, bu_desc.load([expert * w_rows + col, k]).T, sa, su, UPCAST)
-    g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
-    u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
-    h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
+    store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
 
 
 @triton.jit
@@ -279,14 +277,7 @@ def fp8_grouped_mm_tile(
             BK,
             UPCAST,
         )
-    if SWIGLU_BWD:
-        g = g_desc.load([row, col]).to(tl.float32)
-        u = u_desc.load([row, col]).to(tl.float32)
-        dg, du = swiglu_backward(acc, g, u)
-        c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
-        c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
-    else:
-        c_desc.store([row, col], cast(acc, c_desc.dtype, UPCAST))
+    store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc, SWIGLU_BWD, UPCAST)
 
 
 @triton.jit
@@ -511,14 +502,6 @@ def _fp8_wgrad_kernel(
 # ------------------------------------------------------------------------------------- host
 
 
-def _grid(work_items: int, device: torch.device, programs: int | None) -> tuple[int]:
-    """One program per SM (or ``programs``), never more than there are tiles."""
-    limit = persistent_programs(device) if programs is None else programs
-    if limit < 1:
-        raise ValueError(f"programs must be >= 1, got {limit}")
-    return (max(1, min(limit, work_items)),)
-
-
 def _check_rows(name: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     """An fp8 [rows, K] operand with its 1x128 scales; returns (rows, K)."""
     if q.dtype != FP8 or q.dim() != 2 or q.stride(1) != 1:
@@ -603,7 +586,7 @@ def gate_up(
     n = qg.shape[1]
     g, u, h = (empty((rows, n), out_dtype, a.device) for _ in range(3))
     (wg, w_rows), (wu, _) = weight_2d(qg), weight_2d(qu)
-    grid = _grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _fp8_gate_up_kernel[grid](
         descriptor(a, [bm, t.bk]),
         a_scale,
@@ -672,7 +655,7 @@ def _mm_launch(
             if tuple(x.shape) != (rows, n):
                 raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
-    grid = _grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _fp8_grouped_mm_kernel[grid](
         a_desc,
         a_scale,
@@ -815,7 +798,7 @@ def wgrad(
             f"out must be a floating [{e}, {m}, {n}] tensor with contiguous rows, got "
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
-    grid = _grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a_t.device, programs)
+    grid = launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a_t.device, programs)
     _fp8_wgrad_kernel[grid](
         descriptor(a_t, [t.bm, t.bk]),
         a_t_scale,

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import descriptor, empty, interpreting, persistent_programs
+from .runtime import descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
-from .tiles import cast, load_weight_tile, mma, swiglu, swiglu_backward, tile_of
+from .tiles import cast, load_weight_tile, mma, store_gate_up, store_mm, tile_of
 
 __all__ = [
     "GemmTiles",
@@ -106,9 +106,7 @@ def gate_up_tile(
         acc_u = mma(
             acc_u, a, load_weight_tile(bu_desc, expert, k, col, w_rows, BK, BN, False), UPCAST
         )
-    g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
-    u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
-    h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
+    store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
 
 
 @triton.jit
@@ -229,14 +227,7 @@ def grouped_mm_tile(
     )
     if TWO_PAIRS:
         acc = mm_acc(acc, a2_desc, b2_desc, expert, row, col, w2_rows, K, BK, BN, B_KN, UPCAST)
-    if SWIGLU_BWD:
-        g = g_desc.load([row, col]).to(tl.float32)
-        u = u_desc.load([row, col]).to(tl.float32)
-        dg, du = swiglu_backward(acc, g, u)
-        c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
-        c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
-    else:
-        c_desc.store([row, col], cast(acc, c_desc.dtype, UPCAST))
+    store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc, SWIGLU_BWD, UPCAST)
 
 
 @triton.jit
@@ -357,15 +348,6 @@ def _wgrad_kernel(
         )
 
 
-def _launch_grid(work_items: int, device: torch.device, programs: int | None = None) -> tuple[int]:
-    """One program per SM (or ``programs``, e.g. the SMs the NVLink copies leave free), never
-    more than there are tiles."""
-    limit = persistent_programs(device) if programs is None else programs
-    if limit < 1:
-        raise ValueError(f"programs must be >= 1, got {limit}")
-    return (max(1, min(limit, work_items)),)
-
-
 def weight_2d(w: torch.Tensor) -> tuple[torch.Tensor, int]:
     """An [E, R, C] weight as the kernels index it: a [rows, C] view with the experts stacked
     along the rows, and the rows from one expert to the next.
@@ -410,7 +392,7 @@ def gate_up(
     g, u, h = (empty((rows, n), a.dtype, a.device) for _ in range(3))
     out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
     (wg, w_rows), (wu, _) = gate_up_2d(w_gate, w_up)
-    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _gate_up_kernel[grid](
         descriptor(a, [bm, t.bk]),
         descriptor(wg, [t.bn, t.bk]),
@@ -456,7 +438,7 @@ def _mm_launch(
     b_desc = descriptor(wb, b_block)
     c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
-    grid = _launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
     _grouped_mm_kernel[grid](
         a_desc,
         b_desc,
@@ -541,7 +523,7 @@ def wgrad(
             f"out must be a {a.dtype} [{e}, {m}, {n}] tensor with contiguous rows, got "
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
-    grid = _launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device, programs)
+    grid = launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device, programs)
     _wgrad_kernel[grid](
         descriptor(a, [bk, t.bm]),
         descriptor(b, [bk, t.bn]),

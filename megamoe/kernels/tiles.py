@@ -94,6 +94,30 @@ def swiglu_backward(dh, g, u):
 
 
 @triton.jit
+def store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST: tl.constexpr):
+    """The gate/up epilogue of one tile: g, u and h = silu(g) * u stored at (row, col)."""
+    g_desc.store([row, col], cast(acc_g, g_desc.dtype, UPCAST))
+    u_desc.store([row, col], cast(acc_u, u_desc.dtype, UPCAST))
+    h_desc.store([row, col], cast(swiglu(acc_g, acc_u), h_desc.dtype, UPCAST))
+
+
+@triton.jit
+def store_mm(
+    c_desc, c2_desc, g_desc, u_desc, row, col, acc, SWIGLU: tl.constexpr, UPCAST: tl.constexpr
+):
+    """The grouped-mm epilogue of one tile at (row, col): ``acc`` into c, or with ``SWIGLU``
+    (``acc`` is d_h) the SwiGLU backward from the saved (g, u): d_g into c, d_u into c2."""
+    if SWIGLU:
+        g = g_desc.load([row, col]).to(tl.float32)
+        u = u_desc.load([row, col]).to(tl.float32)
+        dg, du = swiglu_backward(acc, g, u)
+        c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
+        c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
+    else:
+        c_desc.store([row, col], cast(acc, c_desc.dtype, UPCAST))
+
+
+@triton.jit
 def load_rows(ptr, rows, cols, stride, row_mask, col_mask):
     """Gather a [len(rows), len(cols)] tile of a row-major matrix as fp32; masked entries are 0."""
     offs = rows.to(tl.int64)[:, None] * stride + cols[None, :]
