@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..backends import available_backends
+from ..config import PRECISIONS
 from ..shapes import MODEL_SHAPES, PRESETS
 from .bench import (
     TIMING_MODES,
@@ -33,7 +34,15 @@ from .bench import (
     run_failed,
     total_steps,
 )
-from .harness import BASELINE, DistEnv, add_case_arguments, init_distributed, shapes_of
+from .harness import (
+    BASELINE,
+    DistEnv,
+    add_case_arguments,
+    finish_distributed,
+    init_distributed,
+    shapes_of,
+)
+from .plot import add_x_argument
 from .report import ProgressBar, format_generic_table, format_table
 from .train_bench import add_arguments as add_train_bench_arguments
 from .train_bench import cmd_train_bench
@@ -124,6 +133,7 @@ def _options(args: argparse.Namespace, device: torch.device) -> BenchOptions:
         # a --set is a sweep of one value (applied where a backend reads it)
         tune={**parse_tune(args.set), **parse_tune(args.tune)},
         modes=args.mode,
+        precisions=args.precision,
     )
 
 
@@ -165,10 +175,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     json.dump(records + kernel_records, f, indent=1)
                     f.write("\n")
                 print(f"\nwrote {len(records) + len(kernel_records)} records to {args.out}")
-        return 1 if run_failed(records) else 0
-    finally:
+    except BaseException:
         if env.group is not None:
             dist.destroy_process_group()
+        raise
+    return finish_distributed(env, 1 if run_failed(records) else 0)
 
 
 # ---------------------------------------------------------------------------------------- table
@@ -225,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
         "sync before each iteration; graph: the forward and the step captured in CUDA graphs "
         "and replayed (default throughput; several: one record each)",
     )
+    p.add_argument(
+        "--precision",
+        nargs="+",
+        choices=list(PRECISIONS),
+        default=["bf16"],
+        help="MoEConfig.precision of the megamoe runs (default bf16; several: a run of each, "
+        "interleaved; fp8 runs on the backends that have it, the baseline stays bf16)",
+    )
     p.add_argument("--out", help="write the records as a JSON list here (rank 0)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 accuracy check")
     p.add_argument(
@@ -250,13 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_plot = sub.add_parser("plot", help="plot (PNG) JSON records written by `bench --out`")
     p_plot.add_argument("results", nargs="+")
     p_plot.add_argument("--out", required=True, help="PNG file to write")
-    p_plot.add_argument(
-        "--x",
-        choices=("backend", "tokens", "shape", "train"),
-        default="backend",
-        help="bars per backend (default), time against tokens per rank, speedup per shape, or "
-        "tokens/s of train-bench records (the default when there are no layer records)",
-    )
+    add_x_argument(p_plot)
     p_plot.set_defaults(func=cmd_plot)
     return parser
 

@@ -5,7 +5,9 @@ world size). ``--x tokens``: forward and fwd+bwd time against tokens per rank, o
 (shape, W, backend) (records of ``megamoe bench --tokens N1 N2 ...``). ``--x shape``: fwd+bwd
 speedup over torch-a2a per shape, bars per backend, one panel per (timing mode, tokens) (the
 model-shape sweep). ``--x train`` (the default for records of ``megamoe train-bench``): bars of
-tokens/s per GPU per (model, routing), one per MoE implementation. matplotlib is optional
+tokens/s per GPU per (model, routing), one per MoE implementation. ``--x breakdown``: where
+the step time of train records made with ``--breakdown`` goes, a stacked bar per (model,
+implementation). matplotlib is optional
 (``pip install megamoe[plot]``); it is imported only here.
 """
 
@@ -21,6 +23,7 @@ __all__ = [
     "plot_tokens",
     "plot_shapes",
     "plot_train",
+    "plot_breakdown",
     "shape_name",
     "series_name",
     "main",
@@ -217,6 +220,58 @@ def _impl_color(impl: str) -> str:
     return BACKEND_COLORS.get(impl.removeprefix("megamoe-"), "#2ca02c")
 
 
+def _tokens_per_step(rec: dict) -> int | str:
+    tokens = rec.get("tokens")
+    return "?" if tokens is None else tokens * (rec.get("microbatches") or 1)
+
+
+# The parts of a step, bottom to top, from a train record's breakdown_ms (the MoE block less
+# its routed experts: router and shared expert).
+BREAKDOWN_PARTS = (
+    ("routed experts", lambda b: b["experts"], "#d62728"),
+    ("router + shared expert", lambda b: b["moe_block"] - b["experts"], "#ff9896"),
+    ("attention", lambda b: b["attention"], "#1f77b4"),
+    ("optimizer", lambda b: b["optimizer"], "#2ca02c"),
+    ("rest", lambda b: b["rest"], "#c7c7c7"),
+)
+
+
+def plot_breakdown(records: Sequence[dict], path: str) -> None:
+    """Write a PNG of where the step time of train records with a ``breakdown_ms`` goes: one
+    stacked bar per (model, routing, layers, micro-batches, implementation)."""
+    recs = [r for r in _train_ok(records) if r.get("breakdown_ms")]
+    if not recs:
+        raise ValueError("records must hold a train record with breakdown_ms (--breakdown)")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(recs) + 2), 4.8))
+    labels = []
+    for x, rec in enumerate(recs):
+        bottom = 0.0
+        for part, value, color in BREAKDOWN_PARTS:
+            ms = value(rec["breakdown_ms"])
+            ax.bar(x, ms, 0.7, bottom=bottom, color=color, label=part if x == 0 else None)
+            bottom += ms
+        ax.annotate(f"{rec['step_ms']:.0f} ms", (x, bottom), ha="center", va="bottom", fontsize=7)
+        micro = rec.get("microbatches") or 1
+        labels.append(
+            f"{rec['model']}\n{rec['impl'].removeprefix('megamoe-')}"
+            + (f"\n{micro} micro-batches" if micro > 1 else "")
+        )
+    ax.set_xticks(range(len(recs)), labels, fontsize=7)
+    ax.set_ylabel("ms per training step (medians)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize=7)
+    first = recs[0]
+    fig.suptitle(
+        f"where a training step's time goes, {first.get('gpu', '?')}, "
+        f"{first.get('precision', '?')}, commit {first.get('commit', '?')}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_train(records: Sequence[dict], path: str) -> None:
     """Write a PNG of tokens/s per GPU of ``megamoe train-bench`` records: groups = (model,
     routing, layers), bars = implementations, each labelled with its speedup over native."""
@@ -263,7 +318,7 @@ def plot_train(records: Sequence[dict], path: str) -> None:
     first = recs[0]
     fig.suptitle(
         f"megamoe train-bench, {first.get('gpu', '?')}, W={first.get('world_size', '?')}, "
-        f"{first.get('precision', '?')}, {first.get('tokens', '?')} tokens/step, commit "
+        f"{first.get('precision', '?')}, {_tokens_per_step(first)} tokens/step, commit "
         f"{first.get('commit', '?')}",
         fontsize=10,
     )
@@ -272,23 +327,32 @@ def plot_train(records: Sequence[dict], path: str) -> None:
     plt.close(fig)
 
 
+def add_x_argument(parser) -> None:
+    """``--x``: which plot (shared by ``megamoe plot`` and this module's CLI)."""
+    parser.add_argument(
+        "--x",
+        choices=("backend", "tokens", "shape", "train", "breakdown"),
+        default="backend",
+        help="bars per backend (default), time against tokens per rank, speedup per shape, "
+        "tokens/s of train-bench records (the default when there are no layer records), or "
+        "where their step time goes (train-bench --breakdown)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="megamoe plot", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="JSON files written by `megamoe bench --out`")
     parser.add_argument("--out", required=True, help="PNG file to write")
-    parser.add_argument(
-        "--x",
-        choices=("backend", "tokens", "shape", "train"),
-        default="backend",
-        help="bars per backend (default), time against tokens per rank, speedup per shape, or "
-        "tokens/s of train-bench records (the default when there are no layer records)",
-    )
+    add_x_argument(parser)
     args = parser.parse_args(argv)
-    plot = {"tokens": plot_tokens, "shape": plot_shapes, "train": plot_train}.get(
-        args.x, plot_layer
-    )
+    plot = {
+        "tokens": plot_tokens,
+        "shape": plot_shapes,
+        "train": plot_train,
+        "breakdown": plot_breakdown,
+    }.get(args.x, plot_layer)
     try:
         records = load_records(args.results)
         if args.x == "backend" and not _layer_ok(records) and _train_ok(records):

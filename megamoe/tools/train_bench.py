@@ -29,12 +29,26 @@ runs are compared in one run of the tool:
   runs are interleaved as whole runs: round 1 in ``--impls`` order, round 2 reversed, ...
   (:func:`run_order`; ``--rounds``, default 2), so that a drift of the GPU's clocks over the
   tool's run hits every implementation alike. A second round also repeats every run from the
-  same start: megamoe's runs must give the same losses bit for bit (``deterministic``).
+  same start: ``deterministic`` says whether its losses came out bit for bit the same. That is
+  the whole model's property: on a GPU the native parts (attention's and the embedding's
+  backward) are not deterministic unless ``torch.use_deterministic_algorithms`` is on, which
+  the benchmark leaves off (the 200-step GPU test turns it on and checks megamoe's bits).
 - **Timing.** CUDA events around each step (``zero_grad``, forward, loss, backward,
   ``optimizer.step``; no host sync between steps, the host runs ahead); ``step_ms`` is the
   median over the timed steps (after ``warmup``) of every round, ``host_step_ms`` the median of
   the host's wall time of the same calls. ``tokens_per_s_per_gpu`` = tokens per step and GPU
-  over ``step_ms``.
+  over ``step_ms``. ``--microbatches M`` accumulates the gradients of ``M`` micro-batches of
+  ``--tokens`` before each optimizer step (each loss scaled by ``1 / M``): a step then holds
+  ``M * tokens`` tokens, and the optimizer's fixed cost is spread over them as in training
+  runs with large batches.
+- **Where the time goes** (``--breakdown``, :mod:`megamoe.tools.step_parts`): marks on the
+  routed experts, the MoE blocks, attention and the optimizer step in every timed step of every
+  run (the same marks for every implementation); ``breakdown_ms`` holds each part's median ms
+  per step and ``rest`` (the step less the MoE blocks, attention and the optimizer: embedding,
+  norms, dense layers, LM head and loss, and the GPU's waits for the host). Every run also
+  reports ``host_syncs``, the Python lines that made the host wait for the GPU in its last
+  warm-up step (PyTorch's sync debug mode), and ``alloc_retries``, how often the caching
+  allocator had to free its cache to satisfy a request (each a device sync).
 - **FLOPs and MFU** (:func:`flops_per_step`): ``6 * N_active * tokens`` + attention, with
   ``N_active`` the weight-matrix parameters one token's forward multiplies with: every matrix
   of the model (attention projections, router, shared expert, dense MLPs, LM head) and
@@ -143,6 +157,10 @@ RECORD_FIELDS: tuple[str, ...] = (
     "experts_implementation",
     "deterministic",
     "estimated_mem_gb",
+    "microbatches",
+    "breakdown_ms",
+    "host_syncs",
+    "alloc_retries",
     "status",
     "note",
 )
@@ -708,7 +726,9 @@ class TrainOptions:
     impls: list[str] | None = None  # None: GPU_DEFAULT_IMPLS, or CPU_DEFAULT_IMPLS when tiny
     routings: list[str] = field(default_factory=lambda: list(ROUTINGS))
     layers: int | None = None  # None: fitted to the memory (tiny: the model's default)
-    tokens: int | None = None  # per step and GPU (batch_size x seq_len); None: 4096 (tiny 64)
+    tokens: int | None = None  # per micro-batch, GPU (batch_size x seq_len); None: 4096 (tiny 64)
+    microbatches: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    breakdown: bool = False  # time the parts of each step (megamoe.tools.step_parts)
     seq_len: int | None = None  # None: min(tokens, 4096) (tiny 32)
     steps: int | None = None  # timed steps per run; None: 30 (tiny 3)
     warmup: int | None = None  # untimed steps first; None: 5 (tiny 1)
@@ -767,6 +787,8 @@ class TrainOptions:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
         if self.vocab_size < 2:
@@ -777,6 +799,10 @@ class TrainOptions:
     @property
     def batch_size(self) -> int:
         return self.tokens // self.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens * self.microbatches
 
     @property
     def dtype(self) -> torch.dtype:
@@ -861,12 +887,21 @@ def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device):
 
 @dataclass
 class RunResult:
-    """One run: per step losses (every step), device and host ms (timed steps), peak bytes."""
+    """One run: per step losses (every step), device and host ms (timed steps), peak bytes, and
+    with a breakdown the median ms of each part of a step; the host lines that synced with the
+    GPU in one untimed step, and the allocator's retries (a full cache freed: a sync each)."""
 
     losses: list[float]
     step_ms: list[float]
     host_ms: list[float]
     peak_bytes: int | None
+    parts_ms: dict[str, float] | None = None
+    host_syncs: dict[str, int] | None = None
+    alloc_retries: int | None = None
+
+
+# Parts that do not nest in each other (the routed experts nest in the MoE blocks).
+TOP_LEVEL_PARTS = ("moe_block", "attention")
 
 
 def train_run(
@@ -875,43 +910,85 @@ def train_run(
     warmup: int,
     lr: float,
     device: torch.device,
+    breakdown: bool = False,
 ) -> RunResult:
-    """Train ``model`` from its current state with a fresh AdamW on ``batches [steps, B, S]``
-    (on ``device``): one step per batch, no host sync between steps. The first ``warmup``
-    steps are not timed."""
+    """Train ``model`` from its current state with a fresh AdamW on ``batches [steps, M, B, S]``
+    (on ``device``; ``M`` micro-batches per step, their gradients summed, each loss scaled by
+    ``1 / M``): no host sync between steps. The first ``warmup`` steps are not timed; the last
+    of them runs with PyTorch's sync debug mode on (:func:`step_parts.sync_sites`)."""
+    from . import step_parts
+
     opt = make_optimizer(model, lr, device)
     cuda = device.type == "cuda"
+    marks = None
+    if breakdown:
+        marks = step_parts.PartMarks(step_parts.find_parts(model, moe_blocks(model)), cuda)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    losses, marks = [], []
-    for i in range(batches.shape[0]):
-        ids = batches[i]
-        start = torch.cuda.Event(enable_timing=True) if cuda else None
-        end = torch.cuda.Event(enable_timing=True) if cuda else None
-        if cuda:
-            start.record()
-        h0 = time.perf_counter()
+        retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    micro = batches.shape[1]
+    losses, times, syncs = [], [], None
+
+    def step(i: int) -> None:
+        timed = marks is not None and i >= warmup
+        if timed:
+            marks.begin_step()
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
+        total = None
+        for ids in batches[i]:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            (loss / micro).backward()
+            total = loss.detach() / micro if total is None else total + loss.detach() / micro
+        if timed:
+            marks.optimizer_start()
         opt.step()
-        h1 = time.perf_counter()
+        if timed:
+            marks.optimizer_end()
+            marks.end_step()
+        losses.append(total)
+
+    try:
+        for i in range(batches.shape[0]):
+            start = torch.cuda.Event(enable_timing=True) if cuda else None
+            end = torch.cuda.Event(enable_timing=True) if cuda else None
+            if cuda:
+                start.record()
+            h0 = time.perf_counter()
+            if i == warmup - 1:
+                syncs = step_parts.sync_sites(lambda: step(i))
+            else:
+                step(i)
+            h1 = time.perf_counter()
+            if cuda:
+                end.record()
+            if i >= warmup:
+                times.append((start, end, h0, h1))
         if cuda:
-            end.record()
-        losses.append(loss.detach())
-        if i >= warmup:
-            marks.append((start, end, h0, h1))
-    if cuda:
-        torch.cuda.synchronize(device)
-    step_ms = [(s.elapsed_time(e) if cuda else (h1 - h0) * 1e3) for s, e, h0, h1 in marks]
-    host_ms = [(h1 - h0) * 1e3 for _, _, h0, h1 in marks]
+            torch.cuda.synchronize(device)
+        parts = marks.summary(TOP_LEVEL_PARTS) if marks is not None else None
+    finally:
+        if marks is not None:
+            marks.remove()
+    step_ms = [(s.elapsed_time(e) if cuda else (h1 - h0) * 1e3) for s, e, h0, h1 in times]
+    host_ms = [(h1 - h0) * 1e3 for _, _, h0, h1 in times]
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    retries = None
+    if cuda:
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries0
     opt.zero_grad(set_to_none=True)
-    del opt
+    opt.state.clear()  # its moments go before the next run's optimizer is made
     if cuda:
         torch.cuda.empty_cache()  # the next run starts with the allocator's cache empty
-    return RunResult([float(x) for x in torch.stack(losses).cpu().tolist()], step_ms, host_ms, peak)
+    return RunResult(
+        [float(x) for x in torch.stack(losses).cpu().tolist()],
+        step_ms,
+        host_ms,
+        peak,
+        parts_ms=parts,
+        host_syncs=syncs,
+        alloc_retries=retries,
+    )
 
 
 # ------------------------------------------------------------------------------------- facts
@@ -970,8 +1047,14 @@ def _finish_record(rec: dict[str, Any], runs: list[RunResult], flops: float, pea
     )
     peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
     rec["peak_mem_gb"] = max(peaks) / 1e9 if peaks else None
+    parts = [r.parts_ms for r in runs if r.parts_ms]
+    if parts:  # the median over the runs of each part's per-run median
+        rec["breakdown_ms"] = {k: _median([p[k] for p in parts]) for k in parts[0]}
+    rec["host_syncs"] = runs[0].host_syncs
+    retries = [r.alloc_retries for r in runs if r.alloc_retries is not None]
+    rec["alloc_retries"] = sum(retries) if retries else None
     if step_ms:
-        rec["tokens_per_s_per_gpu"] = rec["tokens"] / (step_ms * 1e-3)
+        rec["tokens_per_s_per_gpu"] = rec["tokens"] * rec["microbatches"] / (step_ms * 1e-3)
         rec["model_tflops"] = flops / (step_ms * 1e-3) / 1e12
         rec["mfu"] = rec["model_tflops"] / peak if peak else None
 
@@ -993,11 +1076,19 @@ def _run_line(tag: str, impl: str, res: RunResult, tokens: int) -> str:
     med = _median(res.step_ms)
     rate = f"{tokens / (med * 1e-3):,.0f} tok/s" if med else "-"
     peak = f"  peak {res.peak_bytes / 1e9:.1f} GB" if res.peak_bytes is not None else ""
-    return (
+    line = (
         f"[{tag}] {impl:<18} {len(res.losses)} steps  step {med:.1f} ms (median of "
         f"{len(res.step_ms)})  host {_median(res.host_ms):.1f} ms  {rate}  loss "
         f"{res.losses[0]:.4f} -> {res.losses[-1]:.4f}{peak}"
     )
+    if res.parts_ms:
+        line += "\n    " + "  ".join(f"{k} {v:.1f} ms" for k, v in res.parts_ms.items())
+    if res.host_syncs:
+        sites = sorted(res.host_syncs.items(), key=lambda kv: -kv[1])
+        line += "\n    host syncs in one step: " + ", ".join(f"{k} x{n}" for k, n in sites[:6])
+    if res.alloc_retries:
+        line += f"\n    allocator retries (cache freed): {res.alloc_retries}"
+    return line
 
 
 def _choose_layers(spec: TrainModel, opts: TrainOptions) -> tuple[int, MemoryEstimate]:
@@ -1070,6 +1161,7 @@ def _base_record(
         precision=opts.precision,
         layers=layers,
         tokens=opts.tokens,
+        microbatches=opts.microbatches,
         seq_len=opts.seq_len,
         batch_size=opts.batch_size,
         steps=opts.steps,
@@ -1094,11 +1186,15 @@ def run_model(
     t0 = time.perf_counter()
     model = build_model(spec, layers, opts)
     counts = count_params(model)
-    flops = flops_per_step(counts.active, spec, layers, opts.batch_size, opts.seq_len)
+    flops = opts.microbatches * flops_per_step(
+        counts.active, spec, layers, opts.batch_size, opts.seq_len
+    )
     state = snapshot(model)
+    steps = opts.warmup + opts.steps
     batches = make_batches(
-        opts.warmup + opts.steps, opts.batch_size, opts.seq_len, opts.vocab_size, opts.seed
-    ).to(opts.device)
+        steps * opts.microbatches, opts.batch_size, opts.seq_len, opts.vocab_size, opts.seed
+    )
+    batches = batches.view(steps, opts.microbatches, *batches.shape[1:]).to(opts.device)
     _log(
         f"[{spec.name}] built {layers} layers, {_count(counts.total)} params "
         f"({_count(counts.active)} active per token), {flops / 1e12:.3g} TFLOP per step, "
@@ -1132,7 +1228,9 @@ def run_model(
             try:
                 restore(model, state)
                 model.set_experts_implementation(rec["experts_implementation"])
-                res = train_run(model, batches, opts.warmup, opts.lr, opts.device)
+                res = train_run(
+                    model, batches, opts.warmup, opts.lr, opts.device, breakdown=opts.breakdown
+                )
             except Exception as exc:  # record it, go on with the others
                 note = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 rec.update(status="error", note=note)
@@ -1143,7 +1241,7 @@ def run_model(
                     torch.cuda.empty_cache()
                 continue
             results[impl].append(res)
-            _log(_run_line(tag, impl, res, opts.tokens))
+            _log(_run_line(tag, impl, res, opts.tokens_per_step))
         for impl, rec in recs.items():
             if rec["status"] == "ok" and results[impl]:
                 _finish_record(rec, results[impl], flops, facts["dense_tflops"])
@@ -1228,7 +1326,7 @@ def summary_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "routing": r["routing"],
                 "impl": r["impl"],
                 "layers": r["layers"],
-                "tokens": r["tokens"],
+                "tokens/step": r["tokens"] * (r.get("microbatches") or 1),
                 "step ms": r.get("step_ms"),
                 "host ms": r.get("host_step_ms"),
                 "tokens/s/GPU": None
@@ -1301,6 +1399,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tokens", type=int, help="tokens per step and GPU, batch x seq (default 4096; tiny 64)"
     )
     p.add_argument("--seq", type=int, dest="seq_len", help="sequence length (default 4096)")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="micro-batches of --tokens per optimizer step, gradients accumulated (default 1)",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time each step's parts: routed experts, MoE blocks, attention, optimizer, rest "
+        "(marks on the modules in every timed step; megamoe.tools.step_parts)",
+    )
     p.add_argument("--steps", type=int, help="timed steps per run (default 30; tiny 3)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 5; tiny 1)")
     p.add_argument(
@@ -1332,6 +1442,8 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         routings=routings,
         layers=args.layers,
         tokens=args.tokens,
+        microbatches=args.microbatches,
+        breakdown=args.breakdown,
         seq_len=args.seq_len,
         steps=args.steps,
         warmup=args.warmup,

@@ -271,11 +271,11 @@ def test_runs_follow_the_order_and_start_from_the_same_state(monkeypatch):
     calls = []
     real = tb.train_run
 
-    def spy(model, batches, warmup, lr, device):
+    def spy(model, batches, warmup, lr, device, **kw):
         key = model.config._experts_implementation
         first = next(model.parameters()).detach().clone()
         calls.append((key, first))
-        return real(model, batches, warmup, lr, device)
+        return real(model, batches, warmup, lr, device, **kw)
 
     monkeypatch.setattr(tb, "train_run", spy)
     opts = _opts(models=["qwen3-30b-a3b"], routings=["learned"], steps=1, warmup=0, rounds=2)
@@ -407,3 +407,74 @@ def test_megamoe_table_renders_train_records(records):
     for r in records:
         assert r["impl"] in text and r["model"] in text
     assert "step_ms_all" not in text  # not the generic table of every field
+
+
+# ------------------------------------------------------------ micro-batches and the breakdown
+
+
+def test_microbatches_accumulate_the_gradient_of_the_whole_batch(monkeypatch):
+    """Two micro-batches of one sequence each, their losses scaled by 1/2, give the step of one
+    batch of both sequences (per-sequence attention, per-token routing and a mean loss). SGD in
+    place of AdamW: its step is the gradient itself (AdamW's first step is about sign(grad),
+    which rounding flips where a gradient is near zero)."""
+    monkeypatch.setattr(
+        tb, "make_optimizer", lambda model, lr, device: torch.optim.SGD(model.parameters(), lr)
+    )
+    spec = tb.MODELS["qwen3-30b-a3b-tiny"]
+    opts = _opts(tiny=True)
+    ids = tb.make_batches(1, 2, 16, opts.vocab_size, seed=3)  # [1 step, 2 sequences, 16]
+    after = []
+    for batches in (ids.view(1, 2, 1, 16), ids.view(1, 1, 2, 16)):
+        model = tb.build_model(spec, 1, opts, seed=5)
+        res = tb.train_run(model, batches, 0, 1.0, CPU)
+        after.append(([p.detach().clone() for p in model.parameters()], res.losses))
+    (p_micro, loss_micro), (p_whole, loss_whole) = after
+    assert loss_micro[0] == pytest.approx(loss_whole[0], rel=1e-5)
+    start = tb.build_model(spec, 1, opts, seed=5)
+    moved = 0
+    for a, b, p0 in zip(p_micro, p_whole, start.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        moved += not torch.equal(a, p0.detach())
+    assert moved > 0  # the step changed the model
+
+
+def test_records_with_microbatches_and_a_breakdown():
+    opts = _opts(
+        models=["qwen3-30b-a3b"],
+        routings=["learned"],
+        steps=2,
+        warmup=1,
+        rounds=1,
+        microbatches=2,
+        breakdown=True,
+    )
+    recs = tb.run_train_bench(opts)
+    assert [r["status"] for r in recs] == ["ok", "ok"]
+    for r in recs:
+        assert r["microbatches"] == 2 and r["tokens"] == 64
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(2 * 64 / (r["step_ms"] * 1e-3))
+        parts = r["breakdown_ms"]
+        assert set(parts) == {"experts", "moe_block", "attention", "optimizer", "step", "rest"}
+        assert all(parts[k] > 0 for k in ("experts", "moe_block", "attention", "optimizer"))
+        assert parts["moe_block"] >= parts["experts"]
+        assert parts["step"] >= parts["moe_block"] + parts["attention"] + parts["optimizer"]
+        assert r["host_syncs"] == {} and r["alloc_retries"] is None  # no GPU
+    with pytest.raises(ValueError, match="microbatches must be >= 1, got 0"):
+        _opts(microbatches=0)
+
+
+def test_plot_breakdown(tmp_path):
+    pytest.importorskip("matplotlib")
+    from megamoe.tools.plot import main as plot_main
+
+    opts = _opts(models=["dsv3"], routings=["learned"], steps=1, warmup=0, rounds=1)
+    opts.breakdown = True
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(tb.run_train_bench(opts)))
+    out = tmp_path / "breakdown.png"
+    assert plot_main([str(path), "--out", str(out), "--x", "breakdown"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    no_parts = tmp_path / "plain.json"
+    no_parts.write_text(json.dumps([dict(json.loads(path.read_text())[0], breakdown_ms=None)]))
+    with pytest.raises(SystemExit):
+        plot_main([str(no_parts), "--out", str(out), "--x", "breakdown"])
