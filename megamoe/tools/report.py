@@ -91,7 +91,9 @@ def _check_cell(rec: dict) -> str:
 
 def _backend_cell(rec: dict) -> str:
     resolved = rec.get("resolved_backend")
-    return f"{rec['backend']} ({resolved})" if resolved else rec["backend"]
+    cell = f"{rec['backend']} ({resolved})" if resolved else rec["backend"]
+    precision = rec.get("precision") or "bf16"
+    return cell if precision == "bf16" else f"{cell} {precision}"
 
 
 def _status_cell(rec: dict) -> str | None:
@@ -123,6 +125,7 @@ _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
 _CHECK_COLUMN = ("check (rel err)", _check_cell)
 # Shown only when some record has the field (host times, NVLink copies, tunables): (header, field).
 _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("vs bf16", "speedup_vs_bf16"),
     ("host fwd ms", "host_fwd_ms"),
     ("host bwd ms", "host_bwd_ms"),
     ("dispatch GB/s", "dispatch_gbps"),
@@ -142,7 +145,7 @@ _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
 def _columns(records: Sequence[dict]) -> list[tuple[str, Any]]:
     """The layer columns, with the communication ones that some record fills."""
     comm = [
-        (header, lambda r, f=field: _fmt(r.get(f), 2 if f.startswith("host") else 0))
+        (header, lambda r, f=field: _fmt(r.get(f), 2 if f.startswith(("host", "speedup")) else 0))
         for header, field in _COMM_COLUMNS
         if any(r.get(field) is not None for r in records)
     ]

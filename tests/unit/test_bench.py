@@ -265,3 +265,46 @@ def test_set_applies_tunables_and_names_bad_ones(capsys):
         with pytest.raises(SystemExit):
             apply_settings(config, [spec], parser)
         assert message in capsys.readouterr().err
+
+
+def test_precisions_run_interleaved_with_their_bf16_runs():
+    """--precision bf16 fp8: an fp8 run of each backend that has it, checked with fp8's
+    tolerance and compared with its own bf16 run; the baseline runs once, in bf16; a backend
+    without fp8 gets a skipped record saying why."""
+    from megamoe.tools import bench
+    from megamoe.tools.harness import DistEnv
+
+    opts = bench.BenchOptions(
+        shapes=["tiny"],
+        backends=["reference", "fused", "torch-a2a"],
+        iters=2,
+        warmup=0,
+        precisions=["bf16", "fp8"],
+    )
+    records = bench.run_bench(opts, DistEnv())
+    got = {(r["backend"], r["precision"]): r for r in records}
+    assert set(got) == {
+        ("reference", "bf16"),
+        ("reference", "fp8"),
+        ("fused", "bf16"),
+        ("fused", "fp8"),
+        ("torch-a2a", "bf16"),
+    }
+    fp8 = got["reference", "fp8"]
+    assert fp8["status"] == "ok" and fp8["check_ok"] is True
+    assert bench.CHECK_RTOL["bf16"] < fp8["check_rel"] <= bench.CHECK_RTOL["fp8"]
+    bf16 = got["reference", "bf16"]
+    assert fp8["speedup_vs_bf16"] == pytest.approx(bf16["fwdbwd_ms"] / fp8["fwdbwd_ms"])
+    assert fp8["speedup_vs_torch_a2a"] == pytest.approx(
+        got["torch-a2a", "bf16"]["fwdbwd_ms"] / fp8["fwdbwd_ms"]
+    )
+    assert bf16["speedup_vs_bf16"] is None
+    assert got["fused", "fp8"]["status"] == "skipped"  # (on the CPU: no GPU for it either)
+    fp8_config = bench.resolve_shape("tiny").config(1).replace(precision="fp8")
+    ok, why = bench.precision_status("fused", fp8_config)
+    assert not ok and "does not run precision 'fp8'" in why
+    assert bench.precision_status("triton", fp8_config) == (True, "")
+    assert not bench.precision_status("torch-a2a", fp8_config)[0]
+    assert bench.total_steps(opts) == 1 + 1 + 5 * (1 + 2)  # peak, reference, 5 runs
+    with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8'\], got 'fp4'"):
+        bench.BenchOptions(shapes=["tiny"], backends=["reference"], precisions=["fp4"])
