@@ -31,7 +31,8 @@
 #   host     (not part of all) where the host time of a call goes (megamoe.tools.profile
 #            --host): triton and fused, forward + backward, on $MEGAMOE_HOST_MODEL
 #   gemms    (not part of all) our six grouped GEMMs against torch._grouped_mm on every model
-#            of $MEGAMOE_MODELS (default all) at $MEGAMOE_GEMM_TOKENS tokens (default 4096)
+#            of $MEGAMOE_MODELS (default all) at $MEGAMOE_GEMM_TOKENS tokens (default 4096), in
+#            $MEGAMOE_GEMM_PRECISIONS (default bf16; fp8 adds the cuBLAS anchors)
 #            (megamoe.tools.bench_kernels; gemms.json)
 #   train    (not part of all) megamoe train-bench: the DeepSeek-V3- and Qwen3-30B-A3B-shaped
 #            transformers models, native MoE against megamoe triton and fused, learned and
@@ -54,9 +55,12 @@
 #   TRITON_CACHE_DIR     Triton's compile cache (default $ROOT/.triton_cache, git-ignored). On a
 #                        fresh machine compiling dominates the tests (the fused kernel compiles
 #                        once per tunable set: the EP tests took > 5 min there). If
-#                        $ROOT/.triton_cache.tgz exists (git-ignored; carry it to the machine) it
-#                        is unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the cache into
-#                        $OUT/triton_cache.tgz at the end (bring it back as .triton_cache.tgz)
+#                        $ROOT/.triton_cache.tgz or the pieces $ROOT/.triton_cache_parts/
+#                        triton_cache.tgz.part-* exist (git-ignored; carry them to the machine)
+#                        they are unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the cache
+#                        into $OUT/triton_cache.tgz.part-* at the end, pieces of 15 MiB (the
+#                        device tool brings back files of up to 16 MiB; bring them back into
+#                        .triton_cache_parts/)
 #   MEGAMOE_PACK         1: at the end, pack every file under $OUT into $OUT/gpu_check.tgz (and
 #                        keep summary.txt beside it), for transports that bring back few files
 #   MEGAMOE_SUSTAINED_BACKENDS  default "triton fused"; MEGAMOE_SUSTAINED_SECONDS default 2.5
@@ -124,6 +128,10 @@ pack_out() {  # MEGAMOE_PACK=1: everything under $OUT into $OUT/gpu_check.tgz, s
 trap pack_out EXIT
 if [ -f "$ROOT/.triton_cache.tgz" ]; then
     tar xzf "$ROOT/.triton_cache.tgz" -C "$TRITON_CACHE_DIR" && echo "Triton cache: unpacked $ROOT/.triton_cache.tgz"
+fi
+if compgen -G "$ROOT/.triton_cache_parts/triton_cache.tgz.part-*" >/dev/null; then
+    cat "$ROOT"/.triton_cache_parts/triton_cache.tgz.part-* | tar xz -C "$TRITON_CACHE_DIR" \
+        && echo "Triton cache: unpacked $ROOT/.triton_cache_parts/"
 fi
 
 SUMMARY="$OUT/summary.txt"
@@ -269,7 +277,8 @@ fi
 if want gemms; then
     # shellcheck disable=SC2086
     step "grouped GEMMs vs torch._grouped_mm" "$OUT/gemms.log" "$PY" -m megamoe.tools.bench_kernels \
-        --model ${MEGAMOE_MODELS:-all} --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" --out "$OUT/gemms.json"
+        --model ${MEGAMOE_MODELS:-all} --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" \
+        --precision ${MEGAMOE_GEMM_PRECISIONS:-bf16} --out "$OUT/gemms.json"
 fi
 
 if want train; then
@@ -281,7 +290,8 @@ if want train; then
 fi
 
 if [ "${MEGAMOE_SAVE_TRITON_CACHE:-0}" = 1 ]; then
-    tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && echo "Triton cache: $OUT/triton_cache.tgz ($(du -h "$OUT/triton_cache.tgz" | cut -f1))"
+    tar cz -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton_cache.tgz.part-" \
+        && echo "Triton cache: $(du -ch "$OUT"/triton_cache.tgz.part-* | tail -1 | cut -f1) in $OUT/triton_cache.tgz.part-*"
 fi
 echo "--- summary ($failures failed step(s)); files in $OUT:"
 cat "$SUMMARY"

@@ -7,8 +7,17 @@ tokens routed top-k, every expert the same whole number of rows (a multiple of 1
 ``torch._grouped_mm``'s offsets want; ours pads each expert to its 128-row blocks, and that
 cost is in its time). Gate and up are one stacked ``[E, 2I, H]`` weight, read in place by both.
 Median of per-iteration CUDA-event times; one record per (shape, kernel, implementation) with
-the ratio to torch from the same run. ``python -m megamoe.tools.bench_kernels --model all
---out results.json`` prints a table and writes the records.
+the ratio to torch from the same run.
+
+With ``precision="fp8"`` (``--precision fp8``) the block-scaled fp8 kernels (``triton-fp8``)
+join them, on operands quantized before the timing (1x128 rows, 128x1 columns for the weight
+gradients, 128x128 weights): the GEMMs alone, their quantizers not counted. For gate/up and
+down two dense cuBLAS anchors of the same product size come with them: ``cublas-bf16``
+(``torch.mm``) and ``cublas-fp8-rowwise`` (``torch._scaled_mm`` with one scale per row and
+column), the rates a grouped kernel is measured against.
+
+``python -m megamoe.tools.bench_kernels --model all --out results.json`` prints a table and
+writes the records.
 """
 
 from __future__ import annotations
@@ -78,20 +87,25 @@ def _flops(kind: str, m: int, h: int, i: int) -> int:
 
 
 def bench_grouped_gemm(
-    models: list[str] | None = None, tokens: int = 4096, iters: int = 20
+    models: list[str] | None = None,
+    tokens: int = 4096,
+    iters: int = 20,
+    precisions: tuple[str, ...] = ("bf16",),
 ) -> list[dict]:
     """TFLOP/s of our grouped GEMMs and of ``torch._grouped_mm`` on the same products (see the
-    module docstring); ``models`` default: the presets."""
+    module docstring); ``models`` default: the presets; ``precisions``: "bf16" and/or "fp8"."""
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     records = []
     for shape in gemm_shapes(models or ["dsv3", "qwen3-30b", "mok-v4"], tokens):
         base = dict(shape=shape[0], tokens=tokens, gpu=_gpu_name(), date=date)
-        records += _bench_shape(*shape[1:], iters, base)
+        records += _bench_shape(*shape[1:], iters, base, precisions)
         torch.cuda.empty_cache()  # (one shape's tensors at a time)
     return records
 
 
-def _bench_shape(e: int, rows: int, h: int, i: int, iters: int, base: dict) -> list[dict]:
+def _bench_shape(
+    e: int, rows: int, h: int, i: int, iters: int, base: dict, precisions=("bf16",)
+) -> list[dict]:
     from ..kernels import gemm
     from ..kernels.schedule import build_row_schedule
 
@@ -109,7 +123,7 @@ def _bench_shape(e: int, rows: int, h: int, i: int, iters: int, base: dict) -> l
     x, hh, dz, g, u = rnd(m, h), rnd(m, i), rnd(m, h), rnd(m, i), rnd(m, i)
     xp, hp, dzp, gp, up = (rows_padded(t, sched) for t in (x, hh, dz, g, u))
     stacked, w_down = rnd(e, 2 * i, h), rnd(e, h, i)
-    w = ExpertWeights.from_gate_up(stacked, w_down)
+    w = ExpertWeights.from_gate_up(stacked, w_down).split_gate_up()  # views of the halves
     gu = torch.cat([g, u], dim=1)
     ours = {
         "gate_up": lambda: gemm.gate_up(xp, w.w_gate, w.w_up, sched),
@@ -129,25 +143,77 @@ def _bench_shape(e: int, rows: int, h: int, i: int, iters: int, base: dict) -> l
         "wgrad_down": lambda: torch._grouped_mm(dz.t(), hh, offs=offs),
         "wgrad_gate_up": lambda: torch._grouped_mm(gu.t(), x, offs=offs),
     }
+    fp8 = anchors = {}
+    if "fp8" in precisions:
+        fp8 = _fp8_kernels(xp, hp, dzp, gp, up, w, w_down, sched)
+        anchors = _dense_anchors(x, hh, stacked, w_down)
     records = []
     for kind in KERNELS:
-        impls = {"triton": ours[kind]}
+        impls = {}
+        if "bf16" in precisions:
+            impls["triton"] = ours[kind]
+        if kind in fp8:
+            impls["triton-fp8"] = fp8[kind]
         if hasattr(torch, "_grouped_mm"):
             impls["torch._grouped_mm"] = theirs[kind]
+        for name, fn in anchors.get(kind, {}).items():
+            impls[name] = fn
         recs = []
         for impl, fn in impls.items():
             rec = dict(base, kernel=kind, impl=impl, experts=e, rows_per_expert=rows)
-            rec.update(hidden=h, intermediate=i)
+            rec.update(hidden=h, intermediate=i, precision="fp8" if "fp8" in impl else "bf16")
             try:
                 ms = _time_ms(fn, iters)
                 rec.update(ms=ms, tflops=_flops(kind, m, h, i) / ms / 1e9)
             except Exception as exc:  # record and go on: one failing variant hides no other
                 rec.update(error=f"{type(exc).__name__}: {exc}"[:500])
             recs.append(rec)
-        if len(recs) == 2 and all("ms" in r for r in recs):
-            recs[0]["vs_torch"] = recs[1]["ms"] / recs[0]["ms"]
+        torch_rec = next((r for r in recs if r["impl"] == "torch._grouped_mm" and "ms" in r), None)
+        for r in recs:
+            if torch_rec is not None and r is not torch_rec and "ms" in r:
+                r["vs_torch"] = torch_rec["ms"] / r["ms"]
         records += recs
     return records
+
+
+def _fp8_kernels(xp, hp, dzp, gp, up, w: ExpertWeights, w_down, sched) -> dict[str, Callable]:
+    """The fp8 kernels of each GEMM on operands quantized here (the timing sees the GEMMs)."""
+    from ..kernels import fp8, fp8_gemm
+
+    xq, hq, dzq, gq, uq = (fp8.quantize_rows(t) for t in (xp, hp, dzp, gp, up))
+    xc, hc, dzc, gc, uc = (fp8.quantize_cols(t) for t in (xp, hp, dzp, gp, up))
+    wg, wu, wd = (fp8.quantize_weight(t, transposed=True) for t in (w.w_gate, w.w_up, w_down))
+    return {
+        "gate_up": lambda: fp8_gemm.gate_up(*xq, wg, wu, sched),
+        "down": lambda: fp8_gemm.grouped_mm(*hq, wd, sched),
+        "dgrad_swiglu": lambda: fp8_gemm.dgrad_swiglu(*dzq, wd, gp, up, sched),
+        "dgrad_pair": lambda: fp8_gemm.dgrad_pair(*gq, wg, *uq, wu, sched),
+        "wgrad_down": lambda: fp8_gemm.wgrad(*dzc, *hc, sched),
+        "wgrad_gate_up": lambda: (fp8_gemm.wgrad(*gc, *xc, sched), fp8_gemm.wgrad(*uc, *xc, sched)),
+    }
+
+
+def _dense_anchors(x, hh, stacked, w_down) -> dict[str, dict[str, Callable]]:
+    """cuBLAS on one dense product of the grouped one's size (all rows times one expert's
+    weight): bf16 ``torch.mm`` and rowwise-scaled fp8 ``torch._scaled_mm``, for gate/up and
+    down."""
+    fp8 = torch.float8_e4m3fn
+
+    def rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+        return (t.float() / scale).to(fp8), scale
+
+    out = {}
+    for kind, a, wt in (("gate_up", x, stacked[0]), ("down", hh, w_down[0])):
+        (aq, a_s), (bq, b_s) = rowwise(a), rowwise(wt)
+        bt = wt.t()
+        out[kind] = {
+            "cublas-bf16": lambda a=a, bt=bt: torch.mm(a, bt),
+            "cublas-fp8-rowwise": lambda aq=aq, a_s=a_s, bq=bq, b_s=b_s: torch._scaled_mm(
+                aq, bq.t(), scale_a=a_s, scale_b=b_s.t(), out_dtype=torch.bfloat16
+            ),
+        }
+    return out
 
 
 def rows_padded(t: torch.Tensor, sched) -> torch.Tensor:
@@ -224,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, default=4096, help="tokens routed (W = 1)")
     parser.add_argument("--layer", nargs="*", default=[], help="also time the layer at presets")
+    parser.add_argument(
+        "--precision",
+        nargs="+",
+        choices=["bf16", "fp8"],
+        default=["bf16"],
+        help="our kernels in bf16 and/or fp8 (fp8 adds the cuBLAS anchors; default bf16)",
+    )
     args = parser.parse_args(argv)
     for m in args.model:
         if m != "all" and m not in MODEL_SHAPES and m not in PRESETS:
@@ -231,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--model {m!r} is neither a model of the shape table ({', '.join(MODEL_SHAPES)}) "
                 f"nor a preset ({', '.join(PRESETS)}), nor 'all'"
             )
-    records = bench_grouped_gemm(args.model, args.tokens, args.iters)
+    records = bench_grouped_gemm(args.model, args.tokens, args.iters, tuple(args.precision))
     print(f"{'shape':22s} {'kernel':14s} {'impl':18s} {'ms':>8s} {'TFLOP/s':>8s} {'vs torch':>8s}")
     for r in records:
         head = f"{r['shape']:22s} {r['kernel']:14s} {r['impl']:18s}"
