@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -85,11 +86,21 @@ def init_distributed() -> DistEnv:
     return DistEnv(dist.get_world_size(), dist.get_rank(), device, dist.group.WORLD)
 
 
-def finish_distributed(env: DistEnv) -> None:
-    """End of a torchrun tool: wait for every rank, then tear the group down."""
-    if env.group is not None:
-        dist.barrier(group=env.group)
-        dist.destroy_process_group()
+def finish_distributed(env: DistEnv, code: int = 0) -> int:
+    """End of a torchrun tool that has done its work: wait for every rank, then tear the group
+    down; returns ``code``. On gloo (CPU ranks) the process ends here instead, with ``code``
+    and its output flushed, without tearing gloo down: gloo's teardown aborted a rank now and
+    then (std::terminate in its threads, after the tool's output was complete), which turned a
+    finished run into a failed one."""
+    if env.group is None:
+        return code
+    dist.barrier(group=env.group)
+    if dist.get_backend(env.group) == "gloo":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    dist.destroy_process_group()
+    return code
 
 
 # ------------------------------------------------------------------------------------ shapes
