@@ -6,10 +6,16 @@ from one initialization:
 
 - megamoe ("megamoe_triton") twice: bitwise the same losses and final parameters;
 - transformers' own experts (grouped_mm) against itself with another reduction order (its
-  per-expert loop, "eager", and grouped_mm with the top-k slots reversed): the largest loss
-  difference over the run is the band; megamoe against grouped_mm must stay within
-  max(2 x band, FLOOR) (batched_mm, another native order, would gather a [2I, H] weight per
-  routed row: tens of GB at this size);
+  per-expert loop, "eager", and grouped_mm with the batch's tokens in reverse order, which
+  reorders each expert's weight-gradient rows): the band is how far those runs' losses stray
+  from grouped_mm's, and megamoe's losses must stay within max(2 x band, FLOOR) of grouped_mm's.
+  Two measures, each with its own band: the mean over the steps of |loss difference|, and the
+  largest difference of the 10-step moving averages. A single step's difference is not one:
+  bf16 runs diverge chaotically, and in the first steps (the loss spikes before it falls) one
+  step of one run decides it (measured: eager 0.021 vs megamoe 0.090 at step 7, both means
+  and both smoothed curves within 1.3x of each other). The learning rate warms up linearly
+  over the first WARMUP_STEPS steps, as training runs do (batched_mm, another native order,
+  would gather a [2I, H] weight per routed row: tens of GB at this size);
 - "megamoe_fused" for a few steps: bitwise the losses and parameters of "megamoe_triton".
 
 Prints the numbers (past pytest's capture, so they reach the log of a passing run too); with
@@ -40,8 +46,9 @@ BATCH, SEQ = 8, 256  # 2048 tokens a step
 LR = 1e-3
 SEED = 1234
 ZIPF_S = 1.1
-# The smallest allowed megamoe-vs-native difference (loss units, the loss starts near ln 8192 ~ 9).
-FLOOR = 1e-2
+# The smallest allowed megamoe-vs-native difference of each measure (loss units; the loss starts
+# near ln 8192 ~ 9 and ends near 5.8): a band measured near zero does not fail a run by noise.
+FLOOR = 2e-3
 MODEL = dict(
     vocab_size=8192,
     hidden_size=1024,
@@ -57,18 +64,22 @@ MODEL = dict(
     max_position_embeddings=SEQ,
     attn_implementation="eager",
 )
+WARMUP_STEPS = 20
+SMOOTH = 10  # steps of the moving average
 NATIVE = "grouped_mm"
-REVERSED = "grouped_mm_reversed_topk"  # registered below: native, other summation order
+REVERSED = "grouped_mm_reversed_tokens"  # registered below: native, other summation order
 
 
-def _grouped_mm_reversed_topk(self, hidden_states, top_k_index, top_k_weights):
-    """transformers' grouped_mm with each token's top-k slots in reverse order: the same math,
-    with the top-k sum and each expert's weight-gradient rows in another order."""
+def _grouped_mm_reversed_tokens(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped_mm on the tokens in reverse order, its output put back in order:
+    the same math, with the rows of each expert (and so its weight-gradient sums) in another
+    order. (Reversing each token's top-k slots instead gives grouped_mm's bits exactly.)"""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    return grouped_mm_experts_forward(
-        self, hidden_states, top_k_index.flip(-1).contiguous(), top_k_weights.flip(-1).contiguous()
+    y = grouped_mm_experts_forward(
+        self, hidden_states.flip(0), top_k_index.flip(0), top_k_weights.flip(0)
     )
+    return y.flip(0)
 
 
 def _say(request, text: str) -> None:
@@ -88,7 +99,7 @@ def setup():
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
     from transformers.integrations.moe import ExpertsInterface
 
-    ExpertsInterface.register(REVERSED, _grouped_mm_reversed_topk)
+    ExpertsInterface.register(REVERSED, _grouped_mm_reversed_tokens)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -103,7 +114,13 @@ def setup():
     half = torch.multinomial(zipf, STEPS * BATCH * SEQ // 2, replacement=True, generator=g)
     half = half.view(STEPS, BATCH, SEQ // 2)
     batches = torch.cat([half, half], dim=2)
-    record: dict = {"model": MODEL, "steps": STEPS, "batch": [BATCH, SEQ], "lr": LR}
+    record: dict = {
+        "model": MODEL,
+        "steps": STEPS,
+        "batch": [BATCH, SEQ],
+        "lr": LR,
+        "lr_warmup_steps": WARMUP_STEPS,
+    }
     yield model, batches, record
     torch.use_deterministic_algorithms(was_deterministic)
     out = _results_dir()
@@ -121,6 +138,7 @@ def _train(init, batches, key: str, steps: int) -> tuple[list[float], torch.nn.M
     assert model.config._experts_implementation == key
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
     losses = []
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -129,6 +147,7 @@ def _train(init, batches, key: str, steps: int) -> tuple[list[float], torch.nn.M
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
+        warmup.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     torch.cuda.synchronize()
@@ -138,6 +157,18 @@ def _train(init, batches, key: str, steps: int) -> tuple[list[float], torch.nn.M
 
 def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _mean_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def _smoothed(a: list[float]) -> list[float]:
+    return [sum(a[i : i + SMOOTH]) / SMOOTH for i in range(len(a) - SMOOTH + 1)]
+
+
+def _smoothed_diff(a: list[float], b: list[float]) -> float:
+    return _max_diff(_smoothed(a), _smoothed(b))
 
 
 def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
@@ -156,7 +187,7 @@ def runs(setup, request):
         ("megamoe_again", mt.experts_implementation("triton")),
         ("native", NATIVE),
         ("native_eager", "eager"),
-        ("native_reversed_topk", REVERSED),
+        ("native_reversed_tokens", REVERSED),
     ]:
         out[name] = _train(init, batches, key, STEPS)
         losses, _, seconds = out[name]
@@ -182,33 +213,44 @@ def test_megamoe_bitwise_run_to_run(runs, setup, request):
     assert not diff_params, f"final parameters differ: {diff_params}"
 
 
+MEASURES = {"mean |diff|": _mean_diff, "max |diff| of moving averages": _smoothed_diff}
+
+
 def test_megamoe_within_native_band(runs, setup, request):
     record = setup[2]
     native = runs["native"][0]
-    bands = {
-        name: _max_diff(runs[name][0], native) for name in ("native_eager", "native_reversed_topk")
-    }
-    band = max(bands.values())
-    limit = max(2 * band, FLOOR)
-    mega = _max_diff(runs["megamoe"][0], native)
-    final = abs(runs["megamoe"][0][-1] - native[-1]) / native[-1]
-    record["band"] = {
-        "native_vs_itself": bands,
-        "band": band,
-        "floor": FLOOR,
-        "limit": limit,
-        "megamoe_vs_native": mega,
-        "final_loss_rel_diff": final,
-    }
-    _say(
-        request,
-        f"band (max |loss diff| native vs itself): {bands}; limit max(2 x {band:.3e}, "
-        f"{FLOOR}) = {limit:.3e}; megamoe vs native {mega:.3e}; final loss rel diff {final:.2e}",
-    )
     assert native[-1] < 0.9 * native[0], (
         f"the native run did not train: {native[0]} -> {native[-1]}"
     )
-    assert mega <= limit, f"megamoe vs native {mega:.3e} > max(2 x band {band:.3e}, {FLOOR})"
+    others = ("native_eager", "native_reversed_tokens")
+    report, failures = {}, []
+    for measure, fn in MEASURES.items():
+        bands = {name: fn(runs[name][0], native) for name in others}
+        band = max(bands.values())
+        limit = max(2 * band, FLOOR)
+        mega = fn(runs["megamoe"][0], native)
+        report[measure] = {
+            "native_vs_itself": bands,
+            "band": band,
+            "limit": limit,
+            "megamoe_vs_native": mega,
+        }
+        _say(
+            request,
+            f"{measure}: native vs itself {bands}; limit max(2 x {band:.3e}, {FLOOR}) = "
+            f"{limit:.3e}; megamoe vs native {mega:.3e}",
+        )
+        if mega > limit:
+            failures.append(f"{measure}: megamoe vs native {mega:.3e} > {limit:.3e}")
+    final = abs(runs["megamoe"][0][-1] - native[-1]) / native[-1]
+    record["band"] = {
+        "floor": FLOOR,
+        "measures": report,
+        "max_step_diff": {n: _max_diff(runs[n][0], native) for n in (*others, "megamoe")},
+        "final_loss_rel_diff": final,
+    }
+    _say(request, f"max one-step |diff| (not a measure): {record['band']['max_step_diff']}")
+    assert not failures, "; ".join(failures)
 
 
 def test_fused_gives_the_bits_of_triton(setup, request):
