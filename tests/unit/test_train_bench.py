@@ -197,6 +197,18 @@ def test_memory_estimate_fits_the_budget():
     # weights + grads + two AdamW moments, 2 bytes each
     assert est.state_bytes == 8 * (est.layers * per_layer + fixed)
     assert "layers" in est.describe()
+    # gradient accumulation: the earlier micro-batches' gradients are held at every backward
+    one = tb.estimate_memory(spec, 9, 4096, per_layer, fixed)
+    acc = tb.estimate_memory(spec, 9, 4096, per_layer, fixed, microbatches=4)
+    params = 9 * per_layer + fixed
+    backward_one = params * 2 * 3 + one.activation_bytes
+    assert acc.total_bytes - one.total_bytes == pytest.approx(
+        max(backward_one + 2 * params, one.state_bytes) - max(backward_one, one.state_bytes)
+    )
+    assert acc.total_bytes > one.total_bytes
+    assert tb.fit_layers(spec, 130e9, 4096, per_layer, fixed, microbatches=4).layers < (
+        tb.fit_layers(spec, 130e9, 4096, per_layer, fixed).layers
+    )
 
 
 # ------------------------------------------------------------------------------------ routing
