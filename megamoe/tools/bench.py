@@ -383,12 +383,27 @@ def check_backend(fn: MoEFn, case: Case, expected: RunResult, env: DistEnv) -> d
     return {"check": worst_abs, "check_rel": worst_rel, "check_ok": ok}
 
 
+def forget_fp8_weights() -> None:
+    """Empty the fp8 weight cache (megamoe.backends.fp8_weights), so that the next forward
+    quantizes every weight, as the first forward after an optimizer step does: the timed
+    iteration then holds the weight quantization of a training step of one micro-batch. (Graph
+    replays quantize in the graph anyway.) Without Triton there is no cache to empty."""
+    try:
+        from ..backends import fp8_weights
+    except ImportError:
+        return
+    fp8_weights.clear()
+
+
 def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock, sync: bool) -> tuple:
     """One training iteration (grads reset, forward, backward): device marks (forward start,
     forward end, step start, step end) and the host seconds of the forward and the backward
-    call. ``sync``: wait for the device first (latency mode)."""
+    call. ``sync``: wait for the device first (latency mode). An fp8 run's weights are quantized
+    again in every forward, as after each optimizer step (:func:`forget_fp8_weights`)."""
     for t in case.leaves():
         t.grad = None
+    if case.config.precision == "fp8":
+        forget_fp8_weights()
     if sync:
         clock.sync()
     m0 = clock.mark()

@@ -267,13 +267,21 @@ def test_set_applies_tunables_and_names_bad_ones(capsys):
         assert message in capsys.readouterr().err
 
 
-def test_precisions_run_interleaved_with_their_bf16_runs():
+def test_precisions_run_interleaved_with_their_bf16_runs(monkeypatch):
     """--precision bf16 fp8: an fp8 run of each backend that has it, checked with fp8's
     tolerance and compared with its own bf16 run; the baseline runs once, in bf16; a backend
     without fp8 gets a skipped record saying why."""
     from megamoe.tools import bench
     from megamoe.tools.harness import DistEnv
 
+    cleared = [0]
+    real_forget = bench.forget_fp8_weights
+
+    def forget():
+        cleared[0] += 1
+        real_forget()
+
+    monkeypatch.setattr(bench, "forget_fp8_weights", forget)
     opts = bench.BenchOptions(
         shapes=["tiny"],
         backends=["reference", "fused", "torch-a2a"],
@@ -306,5 +314,6 @@ def test_precisions_run_interleaved_with_their_bf16_runs():
     assert bench.precision_status("triton", fp8_config) == (True, "")
     assert not bench.precision_status("torch-a2a", fp8_config)[0]
     assert bench.total_steps(opts) == 1 + 1 + 5 * (1 + 2)  # peak, reference, 5 runs
+    assert cleared[0] >= 2  # every timed fp8 iteration starts from an empty weight cache
     with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8'\], got 'fp4'"):
         bench.BenchOptions(shapes=["tiny"], backends=["reference"], precisions=["fp4"])
