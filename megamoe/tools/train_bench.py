@@ -32,7 +32,9 @@ runs are compared in one run of the tool:
   same start: ``deterministic`` says whether its losses came out bit for bit the same. That is
   the whole model's property: on a GPU the native parts (attention's and the embedding's
   backward) are not deterministic unless ``torch.use_deterministic_algorithms`` is on, which
-  the benchmark leaves off (the 200-step GPU test turns it on and checks megamoe's bits).
+  the benchmark leaves off unless ``--deterministic-algorithms`` (recorded as
+  ``deterministic_algorithms``; it slows native parts down). The 200-step GPU test turns it on
+  and checks megamoe's bits.
 - **Timing.** CUDA events around each step (``zero_grad``, forward, loss, backward,
   ``optimizer.step``; no host sync between steps, the host runs ahead); ``step_ms`` is the
   median over the timed steps (after ``warmup``) of every round, ``host_step_ms`` the median of
@@ -156,6 +158,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "lr",
     "experts_implementation",
     "deterministic",
+    "deterministic_algorithms",
     "estimated_mem_gb",
     "microbatches",
     "breakdown_ms",
@@ -736,6 +739,7 @@ class TrainOptions:
     tokens: int | None = None  # per micro-batch, GPU (batch_size x seq_len); None: 4096 (tiny 64)
     microbatches: int = 1  # micro-batches per optimizer step (gradient accumulation)
     breakdown: bool = False  # time the parts of each step (megamoe.tools.step_parts)
+    deterministic_algorithms: bool = False  # torch.use_deterministic_algorithms for the runs
     seq_len: int | None = None  # None: min(tokens, 4096) (tiny 32)
     steps: int | None = None  # timed steps per run; None: 30 (tiny 3)
     warmup: int | None = None  # untimed steps first; None: 5 (tiny 1)
@@ -1292,8 +1296,17 @@ def run_train_bench(opts: TrainOptions) -> list[dict[str, Any]]:
         **_versions(),
     }
     records = []
-    for name in opts.models:
-        records += run_model(MODELS[name], opts, facts, keys)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    if opts.deterministic_algorithms:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for name in opts.models:
+            records += run_model(MODELS[name], opts, facts, keys)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    for r in records:
+        r["deterministic_algorithms"] = opts.deterministic_algorithms
     add_speedups(records)
     return records
 
@@ -1397,6 +1410,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="time each step's parts: routed experts, MoE blocks, attention, optimizer, rest "
         "(marks on the modules in every timed step; megamoe.tools.step_parts)",
     )
+    p.add_argument(
+        "--deterministic-algorithms",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True) for every run, so that a second round "
+        "can repeat the first bit for bit (slower native parts)",
+    )
     p.add_argument("--steps", type=int, help="timed steps per run (default 30; tiny 3)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 5; tiny 1)")
     p.add_argument(
@@ -1430,6 +1449,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         tokens=args.tokens,
         microbatches=args.microbatches,
         breakdown=args.breakdown,
+        deterministic_algorithms=args.deterministic_algorithms,
         seq_len=args.seq_len,
         steps=args.steps,
         warmup=args.warmup,

@@ -490,3 +490,29 @@ def test_plot_breakdown(tmp_path):
     no_parts.write_text(json.dumps([dict(json.loads(path.read_text())[0], breakdown_ms=None)]))
     with pytest.raises(SystemExit):
         plot_main([str(no_parts), "--out", str(out), "--x", "breakdown"])
+
+
+def test_deterministic_algorithms_hold_for_the_runs_only(monkeypatch):
+    seen = []
+    real = tb.train_run
+
+    def spy(*args, **kw):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tb, "train_run", spy)
+    before = torch.are_deterministic_algorithms_enabled()
+    opts = _opts(
+        models=["qwen3-30b-a3b"],
+        routings=["learned"],
+        steps=1,
+        warmup=0,
+        rounds=1,
+        deterministic_algorithms=True,
+    )
+    recs = tb.run_train_bench(opts)
+    assert seen == [True, True]
+    assert torch.are_deterministic_algorithms_enabled() == before
+    assert all(r["deterministic_algorithms"] is True for r in recs)
+    opts.deterministic_algorithms = False
+    assert all(r["deterministic_algorithms"] is False for r in tb.run_train_bench(opts))
