@@ -258,15 +258,24 @@ def plot_breakdown(records: Sequence[dict], path: str) -> None:
             + (f"\n{micro} micro-batches" if micro > 1 else "")
         )
     ax.set_xticks(range(len(recs)), labels, fontsize=7)
-    ax.set_ylabel("ms per training step (medians)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="best", fontsize=7)
     first = recs[0]
-    fig.suptitle(
+    _finish_train(
+        plt,
+        fig,
+        ax,
+        path,
+        "ms per training step (medians)",
         f"where a training step's time goes, {first.get('gpu', '?')}, "
         f"{first.get('precision', '?')}, commit {first.get('commit', '?')}",
-        fontsize=10,
     )
+
+
+def _finish_train(plt, fig, ax, path: str, ylabel: str, title: str) -> None:
+    """Axis label, grid, legend and title of a train-bench plot; write it to ``path``."""
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -312,19 +321,17 @@ def plot_train(records: Sequence[dict], path: str) -> None:
     ax.set_xticks(
         range(len(groups)), [f"{m}\n{routing}, {layers} layers" for m, routing, layers in groups]
     )
-    ax.set_ylabel("tokens/s per GPU (median step)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
     first = recs[0]
-    fig.suptitle(
+    _finish_train(
+        plt,
+        fig,
+        ax,
+        path,
+        "tokens/s per GPU (median step)",
         f"megamoe train-bench, {first.get('gpu', '?')}, W={first.get('world_size', '?')}, "
         f"{first.get('precision', '?')}, {_tokens_per_step(first)} tokens/step, commit "
         f"{first.get('commit', '?')}",
-        fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def add_x_argument(parser) -> None:
