@@ -318,3 +318,18 @@ def test_expert_parallel_equals_one_process(name, tmp_path, monkeypatch):
     grads = {k: p.grad.detach().clone() for k, p in one.named_parameters()}
     losses = train(twin(model, REF), ids, EP_STEPS)
     run_gloo(2, _ep_rank, str(tmp_path), name, ids, losses, grads)
+
+
+def test_docs_example_runs_as_written(capsys):
+    """docs/transformers.md's one-process example (the CPU one), executed."""
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "transformers.md"
+    text = doc.read_text().split("## Example (one process)", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'set_experts_implementation(mt.experts_implementation("reference"))' in code
+    exec(compile(code, str(doc), "exec"), {"__name__": "docs_example"})
+    lines = capsys.readouterr().out.split("\n")
+    losses = [float(line.split()[1]) for line in lines if line.strip()]
+    assert len(losses) == 3 and all(2.0 < x < 10.0 for x in losses), lines
+    assert losses[-1] < losses[0]  # it trains
