@@ -252,8 +252,11 @@ def run_precisions(backend: str, opts: BenchOptions) -> list[str]:
 
 
 def precision_status(name: str, config: MoEConfig) -> tuple[bool, str]:
-    """Whether ``name`` runs ``config.precision`` (the baseline and "auto": bf16 only)."""
-    if name in (BASELINE, "auto"):
+    """Whether ``name`` runs ``config.precision`` ("auto" takes a backend that does; the
+    baseline runs bf16 only)."""
+    if name == "auto":
+        return True, ""
+    if name == BASELINE:
         if config.precision == "bf16":
             return True, ""
         return False, f"{name} runs precision 'bf16' only, got {config.precision!r}"

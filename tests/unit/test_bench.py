@@ -313,6 +313,7 @@ def test_precisions_run_interleaved_with_their_bf16_runs(monkeypatch):
     assert not ok and "does not run precision 'fp8'" in why
     assert bench.precision_status("triton", fp8_config) == (True, "")
     assert not bench.precision_status("torch-a2a", fp8_config)[0]
+    assert bench.precision_status("auto", fp8_config) == (True, "")  # resolves to one that does
     assert bench.total_steps(opts) == 1 + 1 + 5 * (1 + 2)  # peak, reference, 5 runs
     assert cleared[0] >= 2  # every timed fp8 iteration starts from an empty weight cache
     with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8'\], got 'fp4'"):
