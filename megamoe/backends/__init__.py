@@ -33,6 +33,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_PRECISIONS",
     "check_precision",
+    "precision_reason",
     "get_backend",
     "available_backends",
     "resolve_backend",
@@ -86,16 +87,21 @@ def get_backend(name: str) -> ModuleType:
     return importlib.import_module(BACKENDS[name])
 
 
-def _precision_reason(name: str, config: MoEConfig | None) -> str | None:
-    """Why backend ``name`` does not run ``config.precision``; None when it does."""
-    if config is None or config.precision in BACKEND_PRECISIONS[name]:
+def precision_reason(name: str, precision: str) -> str | None:
+    """Why backend ``name`` does not run ``precision``; None when it does."""
+    if precision in BACKEND_PRECISIONS[name]:
         return None
-    runs = [n for n, p in BACKEND_PRECISIONS.items() if config.precision in p]
+    runs = [n for n, p in BACKEND_PRECISIONS.items() if precision in p]
     return (
-        f"backend {name!r} does not run precision {config.precision!r} (it runs "
-        f"{list(BACKEND_PRECISIONS[name])}); precision {config.precision!r} runs on backend "
+        f"backend {name!r} does not run precision {precision!r} (it runs "
+        f"{list(BACKEND_PRECISIONS[name])}); precision {precision!r} runs on backend "
         f"{' or '.join(repr(n) for n in runs)}"
     )
+
+
+def _precision_reason(name: str, config: MoEConfig | None) -> str | None:
+    """Why backend ``name`` does not run ``config.precision``; None when it does."""
+    return None if config is None else precision_reason(name, config.precision)
 
 
 def check_precision(name: str, config: MoEConfig | None) -> None:

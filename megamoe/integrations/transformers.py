@@ -4,13 +4,16 @@ Importing this module registers megamoe in transformers' registries:
 
 - ``ExpertsInterface`` (one process, or experts that are not split between ranks): the keys
   ``"megamoe"`` (backend ``"auto"``), ``"megamoe_triton"``, ``"megamoe_fused"`` and
-  ``"megamoe_reference"`` (one pinned backend each, so runs can compare them). Select one with
-  ``from_pretrained(..., experts_implementation=key)`` or ``model.set_experts_implementation(key)``;
-  :func:`experts_implementation` gives the key of a backend.
+  ``"megamoe_reference"`` (one pinned backend each, so runs can compare them), and their fp8
+  twins ``"megamoe_fp8"``, ``"megamoe_triton_fp8"`` and ``"megamoe_reference_fp8"``
+  (``MoEConfig(precision="fp8")``: DeepSeek-V3's block-scaled E4M3 recipe, docs/fp8.md; backend
+  "fused" has no fp8). Select one with ``from_pretrained(..., experts_implementation=key)`` or
+  ``model.set_experts_implementation(key)``; :func:`experts_implementation` gives the key of a
+  backend and precision.
 - ``EPImplementationInterface`` (expert parallelism over W > 1 ranks): the key ``"megamoe"``, for
   ``DistributedConfig(ep_size=W, fsdp_size=W, ep_implementation="megamoe")``. megamoe then does
-  the token dispatch and combine itself; the backend is the one the model's experts
-  implementation names when that is a megamoe key, else ``"auto"``.
+  the token dispatch and combine itself; the backend and precision are the ones the model's
+  experts implementation names when that is a megamoe key, else ``"auto"`` in bf16.
 
 Versions (transformers >= 5.17, < 6):
 
@@ -37,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from .. import functional
-from ..config import MoEConfig
+from ..backends import BACKEND_PRECISIONS
+from ..config import PRECISIONS, MoEConfig
 from ..types import ExpertWeights
 
 try:
@@ -83,25 +87,40 @@ except ImportError:
     _EPImplementation = None
     _EPImplementationInterface = None
 
-# The megamoe backends an experts key can pin, and the key of each.
+# The megamoe backends an experts key can pin, and the key of each (backend, precision): bf16
+# "megamoe" / "megamoe_<backend>", fp8 the same with "_fp8" (the backends that run fp8).
 BACKENDS: tuple[str, ...] = ("auto", "triton", "fused", "reference")
-_KEYS: dict[str, str] = {b: "megamoe" if b == "auto" else f"megamoe_{b}" for b in BACKENDS}
-_BACKEND_OF_KEY: dict[str, str] = {key: backend for backend, key in _KEYS.items()}
+_KEYS: dict[tuple[str, str], str] = {
+    (b, p): ("megamoe" if b == "auto" else f"megamoe_{b}") + ("" if p == "bf16" else f"_{p}")
+    for p in PRECISIONS
+    for b in BACKENDS
+    if b == "auto" or p in BACKEND_PRECISIONS[b]
+}
+_RUN_OF_KEY: dict[str, tuple[str, str]] = {key: run for run, key in _KEYS.items()}
 
 # The ``ep_implementation`` key of expert parallelism through megamoe (transformers >= 5.23).
 EP_IMPLEMENTATION = "megamoe"
 SUPPORTS_EXPERT_PARALLEL: bool = _EPImplementationInterface is not None
 
 _check_values = True
-_CONFIGS: dict[tuple[int, int, int, int], MoEConfig] = {}
+_CONFIGS: dict[tuple[int, int, int, int, str], MoEConfig] = {}
 
 
-def experts_implementation(backend: str = "auto") -> str:
+def experts_implementation(backend: str = "auto", precision: str = "bf16") -> str:
     """The ``experts_implementation`` key that runs megamoe with ``backend`` ("auto", "triton",
-    "fused" or "reference")."""
-    if backend not in _KEYS:
+    "fused" or "reference") in ``precision`` ("bf16" or "fp8"; ``MoEConfig.precision``)."""
+    if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    return _KEYS[backend]
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    key = _KEYS.get((backend, precision))
+    if key is None:
+        runs = [b for b in BACKENDS if (b, precision) in _KEYS]
+        raise ValueError(
+            f"backend {backend!r} does not run precision {precision!r}; the backends that do: "
+            f"{runs}"
+        )
+    return key
 
 
 def set_check_values(enabled: bool) -> None:
@@ -115,12 +134,15 @@ def set_check_values(enabled: bool) -> None:
     _check_values = enabled
 
 
-def _config(hidden: int, intermediate: int, num_experts: int, top_k: int) -> MoEConfig:
-    """The MoEConfig of one layer shape, built once."""
-    key = (hidden, intermediate, num_experts, top_k)
+def _config(
+    hidden: int, intermediate: int, num_experts: int, top_k: int, precision: str
+) -> MoEConfig:
+    """The MoEConfig of one layer shape and precision, built once."""
+    key = (hidden, intermediate, num_experts, top_k, precision)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = _CONFIGS[key] = MoEConfig(hidden, intermediate, num_experts, top_k)
+        cfg = MoEConfig(hidden, intermediate, num_experts, top_k, precision=precision)
+        _CONFIGS[key] = cfg
     return cfg
 
 
@@ -213,6 +235,7 @@ def _run(
     top_k_weights: torch.Tensor,
     *,
     backend: str,
+    precision: str,
     group: dist.ProcessGroup | None,
     world_size: int,
 ) -> torch.Tensor:
@@ -227,7 +250,7 @@ def _run(
     x = hidden_states
     if x.dtype != down.dtype:  # as transformers' grouped_mm: the inputs in the weights' dtype
         x = x.to(down.dtype)
-    cfg = _config(h, i, e_local * world_size, top_k_index.shape[1])
+    cfg = _config(h, i, e_local * world_size, top_k_index.shape[1], precision)
     # gate_up_proj itself is the op's input (no copy), so its gradient lands on it as one tensor
     y = functional.moe(
         x.contiguous(),
@@ -258,7 +281,7 @@ def _split(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _refuse_split(module: torch.nn.Module, backend: str) -> None:
+def _refuse_split(module: torch.nn.Module, backend: str, precision: str) -> None:
     how = _split(module)
     if how is None:
         return
@@ -271,7 +294,8 @@ def _refuse_split(module: torch.nn.Module, backend: str) -> None:
     )
     raise ValueError(
         f"{type(module).__name__} is split between ranks ({how}), but "
-        f"experts_implementation={experts_implementation(backend)!r} runs whole experts in "
+        f"experts_implementation={experts_implementation(backend, precision)!r} runs whole "
+        "experts in "
         f"each process (FSDP alone is fine); for expert parallelism use {ep}"
     )
 
@@ -283,27 +307,33 @@ def experts_forward(
     top_k_weights: torch.Tensor,
     *,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """The forward of an experts module through megamoe, on this process's experts: ``y [T, H]
     = sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden_states[t])`` (what the
     registered keys run)."""
-    _refuse_split(module, backend)
+    experts_implementation(backend, precision)  # a bad pair is refused by name
+    _refuse_split(module, backend, precision)
     return _run(
         module,
         hidden_states,
         top_k_index,
         top_k_weights,
         backend=backend,
+        precision=precision,
         group=None,
         world_size=1,
     )
 
 
-def _registered_forward(backend: str):
+def _registered_forward(backend: str, precision: str):
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        return experts_forward(self, hidden_states, top_k_index, top_k_weights, backend=backend)
+        return experts_forward(
+            self, hidden_states, top_k_index, top_k_weights, backend=backend, precision=precision
+        )
 
-    forward.__name__ = forward.__qualname__ = f"megamoe_{backend}_experts_forward"
+    name = experts_implementation(backend, precision)
+    forward.__name__ = forward.__qualname__ = f"{name}_experts_forward"
     return forward
 
 
@@ -334,9 +364,11 @@ if _EPImplementation is not None:
                     f"position {ep_mesh.get_local_rank()}; megamoe needs them to agree"
                 )
 
-        def _backend(self) -> str:
+        def _run_kind(self) -> tuple[str, str]:
+            """(backend, precision) of the model's experts key, ("auto", "bf16") when it is not
+            a megamoe key."""
             key = getattr(getattr(self.experts, "config", None), "_experts_implementation", None)
-            return _BACKEND_OF_KEY.get(key, "auto")
+            return _RUN_OF_KEY.get(key, ("auto", "bf16"))
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
             from torch.distributed.tensor import DTensor
@@ -345,12 +377,14 @@ if _EPImplementation is not None:
                 t.to_local() if isinstance(t, DTensor) else t
                 for t in (hidden_states, top_k_index, top_k_weights)
             )
+            backend, precision = self._run_kind()
             return _run(
                 self.experts,
                 hidden_states,
                 top_k_index,
                 top_k_weights,
-                backend=self._backend(),
+                backend=backend,
+                precision=precision,
                 group=self.group,
                 world_size=self.world_size,
             )
@@ -360,8 +394,8 @@ if _EPImplementation is not None:
 
 def register() -> None:
     """Register the keys (done on import; again is harmless)."""
-    for backend, key in _KEYS.items():
-        _hf_moe.ExpertsInterface.register(key, _registered_forward(backend))
+    for (backend, precision), key in _KEYS.items():
+        _hf_moe.ExpertsInterface.register(key, _registered_forward(backend, precision))
     if _EPImplementationInterface is not None:
         _EPImplementationInterface.register(EP_IMPLEMENTATION, MegaMoEExpertParallel)
 

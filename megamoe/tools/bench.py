@@ -40,8 +40,8 @@ from .. import functional
 from ..backends import (
     BACKENDS,
     available_backends,
-    check_precision,
     get_backend,
+    precision_reason,
     resolve_backend,
 )
 from ..config import PRECISIONS, TUNABLES, MoEConfig
@@ -260,11 +260,8 @@ def precision_status(name: str, config: MoEConfig) -> tuple[bool, str]:
         if config.precision == "bf16":
             return True, ""
         return False, f"{name} runs precision 'bf16' only, got {config.precision!r}"
-    try:
-        check_precision(name, config)
-    except ValueError as exc:
-        return False, str(exc)
-    return True, ""
+    reason = precision_reason(name, config.precision)
+    return reason is None, reason or ""
 
 
 def backend_status(name: str, device: torch.device) -> tuple[bool, str]:

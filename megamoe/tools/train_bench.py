@@ -170,13 +170,16 @@ RECORD_FIELDS: tuple[str, ...] = (
 
 # transformers' own experts implementation (the default one of its MoE models).
 NATIVE_KEY = "grouped_mm"
-# impl name -> megamoe backend (None: transformers' native experts).
-IMPLS: dict[str, str | None] = {
+# impl name -> (megamoe backend, MoEConfig.precision) (None: transformers' native experts).
+IMPLS: dict[str, tuple[str, str] | None] = {
     "native": None,
-    "megamoe-triton": "triton",
-    "megamoe-fused": "fused",
-    "megamoe-auto": "auto",
-    "megamoe-reference": "reference",
+    "megamoe-triton": ("triton", "bf16"),
+    "megamoe-fused": ("fused", "bf16"),
+    "megamoe-auto": ("auto", "bf16"),
+    "megamoe-reference": ("reference", "bf16"),
+    "megamoe-triton-fp8": ("triton", "fp8"),
+    "megamoe-auto-fp8": ("auto", "fp8"),
+    "megamoe-reference-fp8": ("reference", "fp8"),
 }
 GPU_DEFAULT_IMPLS = ("native", "megamoe-triton", "megamoe-fused")
 CPU_DEFAULT_IMPLS = ("native", "megamoe-reference")
@@ -696,8 +699,8 @@ def memory_budget(device: torch.device) -> float:
 # ---------------------------------------------------------------------------- experts keys
 
 
-def megamoe_experts_key(backend: str) -> str:
-    """The transformers experts implementation of a megamoe backend, as
+def megamoe_experts_key(backend: str, precision: str = "bf16") -> str:
+    """The transformers experts implementation of a megamoe backend and precision, as
     ``megamoe.integrations.transformers`` registers it (importing it registers them)."""
     try:
         from ..integrations import transformers as hf_integration
@@ -706,22 +709,30 @@ def megamoe_experts_key(backend: str) -> str:
             f"megamoe backend {backend!r} needs megamoe.integrations.transformers, which does not "
             f"import here ({exc})"
         ) from exc
-    return hf_integration.experts_implementation(backend)
+    return hf_integration.experts_implementation(backend, precision)
 
 
 def experts_key(impl: str) -> str:
     """The experts implementation key of ``impl`` (:data:`IMPLS`)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
-    backend = IMPLS[impl]
-    return NATIVE_KEY if backend is None else megamoe_experts_key(backend)
+    run = IMPLS[impl]
+    return NATIVE_KEY if run is None else megamoe_experts_key(*run)
+
+
+def impl_precision(impl: str, opts: "TrainOptions") -> str:
+    """The record's precision: the model's ("bf16"; "fp32" for the tiny models), or "fp8" for
+    an fp8 megamoe impl (its expert GEMMs in the block-scaled recipe, the rest as the model)."""
+    run = IMPLS[impl]
+    return "fp8" if run is not None and run[1] == "fp8" else opts.precision
 
 
 def impl_status(impl: str, device: torch.device) -> tuple[bool, str]:
     """Whether ``impl`` can run on ``device`` (megamoe's backend availability)."""
-    backend = IMPLS[impl]
-    if backend is None or backend == "auto":
+    run = IMPLS[impl]
+    if run is None or run[0] == "auto":
         return True, ""
+    backend = run[0]
     from ..backends import available_backends
 
     return available_backends(device).get(backend, (False, f"unknown backend {backend!r}"))
@@ -1148,7 +1159,7 @@ def _base_record(
         impl=impl,
         routing=routing,
         world_size=1,
-        precision=opts.precision,
+        precision=impl_precision(impl, opts),
         layers=layers,
         tokens=opts.tokens,
         microbatches=opts.microbatches,
@@ -1324,6 +1335,7 @@ def summary_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "model": r["model"],
                 "routing": r["routing"],
                 "impl": r["impl"],
+                "precision": r["precision"],
                 "layers": r["layers"],
                 "tokens/step": r["tokens"] * (r.get("microbatches") or 1),
                 "step ms": r.get("step_ms"),
@@ -1353,7 +1365,7 @@ def format_summary(records: Sequence[dict[str, Any]], *, markdown: bool = False)
     first = records[0]
     head = (
         f"gpu: {first['gpu']}   commit: {first['commit']}   date: {first['date']}   "
-        f"dense bf16 GEMM: {first['dense_tflops']:.1f} TFLOP/s   precision: {first['precision']}   "
+        f"dense bf16 GEMM: {first['dense_tflops']:.1f} TFLOP/s   "
         f"steps: {first['steps']} timed after {first['warmup']}, {first['rounds']} round(s)"
     )
     return head + "\n" + format_generic_table(summary_rows(records), markdown=markdown)

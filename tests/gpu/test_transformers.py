@@ -16,7 +16,8 @@ from one initialization:
   and both smoothed curves within 1.3x of each other). The learning rate warms up linearly
   over the first WARMUP_STEPS steps, as training runs do (batched_mm, another native order,
   would gather a [2I, H] weight per routed row: tens of GB at this size);
-- "megamoe_fused" for a few steps: bitwise the losses and parameters of "megamoe_triton".
+- "megamoe_fused" for a few steps: bitwise the losses and parameters of "megamoe_triton";
+- "megamoe_triton_fp8" (the fp8 recipe): its final loss within 0.5% of the bf16 run's.
 
 Prints the numbers (past pytest's capture, so they reach the log of a passing run too); with
 $MEGAMOE_RESULTS_DIR set, writes them to transformers_training.json there. Run on the device:
@@ -266,3 +267,32 @@ def test_fused_gives_the_bits_of_triton(setup, request):
     _say(request, f"fused vs triton ({FUSED_STEPS} steps): max |loss diff| {_max_diff(lt, lf):.3e}")
     assert lt == lf, "megamoe_fused and megamoe_triton losses differ"
     assert not diff_params, f"final parameters differ: {diff_params}"
+
+
+FP8_LOSS_RTOL = 5e-3  # the final loss (mean of the last SMOOTH steps) within 0.5% of bf16's
+
+
+def test_fp8_trains_within_half_a_percent_of_bf16(runs, setup, request):
+    """The same run with megamoe's fp8 experts ("megamoe_triton_fp8": every expert GEMM in the
+    block-scaled E4M3 recipe): its final loss within 0.5% of the bf16 run's."""
+    init, batches, record = setup
+    losses, _, seconds = _train(init, batches, mt.experts_implementation("triton", "fp8"), STEPS)
+    bf16 = runs["megamoe"][0]
+    final = sum(losses[-SMOOTH:]) / SMOOTH
+    final_bf16 = sum(bf16[-SMOOTH:]) / SMOOTH
+    rel = abs(final - final_bf16) / final_bf16
+    record["fp8"] = {
+        "losses": losses,
+        "seconds": seconds,
+        "final_loss": final,
+        "final_loss_bf16": final_bf16,
+        "rel_diff": rel,
+        "mean_abs_diff": _mean_diff(losses, bf16),
+    }
+    _say(
+        request,
+        f"fp8: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {seconds:.1f} s; final (mean of "
+        f"{SMOOTH}) {final:.4f} against bf16 {final_bf16:.4f}: {rel:.2e} relative",
+    )
+    assert all(x == x for x in losses), "an fp8 step gave a NaN loss"
+    assert rel <= FP8_LOSS_RTOL, f"fp8's final loss is {rel:.2e} off bf16's (> {FP8_LOSS_RTOL})"

@@ -178,6 +178,31 @@ def test_moe_layer_matches_native_forward_and_every_gradient(name, override, cal
     assert torch.equal(yc, ya)
 
 
+@pytest.mark.parametrize("override", OVERRIDES)
+def test_fp8_option_runs_the_fp8_recipe(override, monkeypatch):
+    """``precision="fp8"`` (a MoEConfig field, passed like any tunable) reaches megamoe: the
+    layer runs the block-scaled recipe, close to the float32 layer but not equal to it."""
+    seen = []
+    real = functional.forward
+
+    def recording(x, topk_ids, topk_weights, weights, config, *args, **kwargs):
+        seen.append(config.precision)
+        return real(x, topk_ids, topk_weights, weights, config, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "forward", recording)
+    name = "deepseek_v3_debugmodel"
+    native, mega = moe_pair(name, override, options={**FP32, "precision": "fp8"})
+    assert mega.routed_experts.megamoe_config().precision == "fp8"
+    x, dy = _inputs(native)
+    ya, dxa = _run(native, x, dy)
+    yb, dxb = _run(mega, x, dy)
+    assert seen == ["fp8"]
+    assert 0 < rel_err(yb, ya) < 0.1 and 0 < rel_err(dxb, dxa) < 0.1
+    ga, gb = grads(native), grads(mega)
+    for n in ga:
+        assert rel_err(gb[n], ga[n]) < 0.1, n
+
+
 def test_bfloat16_default_matches_native_bfloat16_experts():
     """The default compute dtype is GroupedExperts' (bfloat16); float32 in and out."""
     name = "deepseek_v3_debugmodel"
@@ -453,6 +478,12 @@ def test_fsdp2_over_two_gloo_ranks_equals_one_process():
         ({"top_k": 2}, ValueError, r"unknown megamoe option\(s\) \['top_k'\]"),
         ({"ring_rows": 1536}, ValueError, r"ring_rows must be a multiple of minibatch_rows"),
         ({"capacity_factor": 0.5}, ValueError, "capacity_factor must be a number >= 1.0"),
+        ({"precision": "fp4"}, ValueError, r"precision must be one of \['bf16', 'fp8'\]"),
+        (
+            {"precision": "fp8", "backend": "fused"},
+            ValueError,
+            r"backend 'fused' does not run precision 'fp8'",
+        ),
     ],
 )
 def test_bad_options_are_refused_when_the_override_is_applied(options, error, match):

@@ -63,6 +63,19 @@ def test_keys_and_versions():
     for key in keys.values():
         assert key in registered
     assert "deepgemm_megamoe" not in keys.values()
+    fp8 = {b: mt.experts_implementation(b, "fp8") for b in ("auto", "triton", "reference")}
+    assert fp8 == {
+        "auto": "megamoe_fp8",
+        "triton": "megamoe_triton_fp8",
+        "reference": "megamoe_reference_fp8",
+    }
+    for key in fp8.values():
+        assert key in registered
+    assert "megamoe_fused_fp8" not in registered
+    with pytest.raises(ValueError, match=r"backend 'fused' does not run precision 'fp8'"):
+        mt.experts_implementation("fused", "fp8")
+    with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8'\], got 'fp4'"):
+        mt.experts_implementation("auto", "fp4")
     with pytest.raises(ValueError, match=re.escape("backend must be one of")) as err:
         mt.experts_implementation("cuda")
     assert "'cuda'" in str(err.value)
@@ -97,6 +110,24 @@ def test_training_matches_grouped_mm(name, monkeypatch):
     assert native_losses[-1] < 0.8 * native_losses[0]  # the steps change the model
     for step, (a, b) in enumerate(zip(mega_losses, native_losses)):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: megamoe {a} vs grouped_mm {b}"
+
+
+def test_fp8_key_trains_in_the_fp8_recipe(monkeypatch):
+    """ "megamoe_reference_fp8" runs every MoE layer with MoEConfig(precision="fp8"): losses close
+    to the bf16-recipe key's (float32 model) but not equal (the operands are quantized), and the
+    same bits run to run."""
+    model = build("qwen3_moe")
+    key = mt.experts_implementation("reference", "fp8")
+    ids = token_ids(4, 32)
+    calls = _CountCalls(monkeypatch)
+    fp8_losses = train(twin(model, key), ids, STEPS)
+    assert len(calls.calls) == STEPS * len(experts_modules(model))
+    assert {(c[1].precision, c[3]) for c in calls.calls} == {("fp8", "reference")}
+    assert train(twin(model, key), ids, STEPS) == fp8_losses
+    ref_losses = train(twin(model, REF), ids, STEPS)
+    assert fp8_losses != ref_losses
+    for step, (a, b) in enumerate(zip(fp8_losses, ref_losses)):
+        assert abs(a - b) <= 5e-3 * abs(b), f"step {step}: fp8 {a} vs bf16 recipe {b}"
 
 
 def test_gate_up_gradient_without_copy(monkeypatch):

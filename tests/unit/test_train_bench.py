@@ -24,21 +24,23 @@ from megamoe.tools import train_bench as tb  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def standin_experts_key(backend: str) -> str:
-    """Register an experts forward that runs megamoe ``backend`` on the module's own weights
-    and return its key (what megamoe.integrations.transformers.experts_implementation does)."""
+def standin_experts_key(backend: str, precision: str = "bf16") -> str:
+    """Register an experts forward that runs megamoe ``backend`` in ``precision`` on the
+    module's own weights and return its key (what megamoe.integrations.transformers'
+    experts_implementation does)."""
     from transformers.integrations.moe import ExpertsInterface
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         h, i = hidden_states.shape[-1], self.down_proj.shape[-1]
-        cfg = megamoe.MoEConfig(h, i, self.gate_up_proj.shape[0], top_k_index.shape[-1])
+        e, k = self.gate_up_proj.shape[0], top_k_index.shape[-1]
+        cfg = megamoe.MoEConfig(h, i, e, k, precision=precision)
         weights = megamoe.ExpertWeights.from_gate_up(self.gate_up_proj, self.down_proj)
         y = megamoe.functional.moe(
             hidden_states, top_k_index, top_k_weights.float(), weights, cfg, backend=backend
         )
         return y.to(hidden_states.dtype)
 
-    key = f"megamoe_test_{backend}"
+    key = f"megamoe_test_{backend}_{precision}"
     ExpertsInterface.register(key, forward)
     return key
 
@@ -104,7 +106,7 @@ def test_records_fields_and_types(records):
             assert r["speedup_vs_native"] == 1.0
             assert r["experts_implementation"] == tb.NATIVE_KEY
         else:
-            assert r["experts_implementation"] == "megamoe_test_reference"
+            assert r["experts_implementation"] == "megamoe_test_reference_bf16"
     json.dumps(records)  # plain JSON
 
 
@@ -292,7 +294,7 @@ def test_runs_follow_the_order_and_start_from_the_same_state(monkeypatch):
     monkeypatch.setattr(tb, "train_run", spy)
     opts = _opts(models=["qwen3-30b-a3b"], routings=["learned"], steps=1, warmup=0, rounds=2)
     tb.run_train_bench(opts)
-    native, ours = tb.NATIVE_KEY, "megamoe_test_reference"
+    native, ours = tb.NATIVE_KEY, "megamoe_test_reference_bf16"
     assert [k for k, _ in calls] == [native, ours, ours, native]
     for _, first in calls[1:]:  # every run starts from the built model's state
         assert torch.equal(first, calls[0][1])
@@ -368,7 +370,7 @@ def test_options_name_the_valid_values():
 
 
 def test_a_megamoe_impl_without_the_integration_is_skipped_with_the_reason(monkeypatch):
-    def missing(backend):
+    def missing(backend, precision="bf16"):
         raise RuntimeError(f"megamoe backend {backend!r} needs megamoe.integrations.transformers")
 
     monkeypatch.setattr(tb, "megamoe_experts_key", missing)
@@ -516,3 +518,24 @@ def test_deterministic_algorithms_hold_for_the_runs_only(monkeypatch):
     assert all(r["deterministic_algorithms"] is True for r in recs)
     opts.deterministic_algorithms = False
     assert all(r["deterministic_algorithms"] is False for r in tb.run_train_bench(opts))
+
+
+def test_an_fp8_impl_records_its_precision_and_trains_close_to_bf16():
+    opts = _opts(
+        models=["qwen3-30b-a3b"],
+        routings=["learned"],
+        impls=["native", "megamoe-reference", "megamoe-reference-fp8"],
+        steps=3,
+        warmup=0,
+        rounds=1,
+    )
+    by = {r["impl"]: r for r in tb.run_train_bench(opts)}
+    assert by["megamoe-reference-fp8"]["status"] == "ok", by["megamoe-reference-fp8"]["note"]
+    assert by["megamoe-reference-fp8"]["experts_implementation"] == "megamoe_test_reference_fp8"
+    assert by["megamoe-reference-fp8"]["precision"] == "fp8"
+    assert by["megamoe-reference"]["precision"] == by["native"]["precision"] == "fp32"
+    bf16, fp8 = by["megamoe-reference"]["losses"], by["megamoe-reference-fp8"]["losses"]
+    assert bf16 != fp8
+    for a, b in zip(fp8, bf16):
+        assert abs(a - b) <= 5e-3 * abs(b)
+    assert tb.experts_key("native") == tb.NATIVE_KEY

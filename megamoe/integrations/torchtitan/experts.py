@@ -21,8 +21,8 @@ from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.protocols.module import Module
 
 from megamoe import ops
-from megamoe.backends import BACKENDS
-from megamoe.config import MoEConfig
+from megamoe.backends import BACKENDS, precision_reason
+from megamoe.config import PRECISIONS, MoEConfig
 from megamoe.types import ExpertWeights
 from megamoe.validation import group_size_rank
 
@@ -66,6 +66,11 @@ def check_options(backend: Any, compute_dtype: Any, check_values: Any, tunables:
             f"unknown megamoe option(s) {unknown}: the accepted tunables are "
             f"{list(OPTION_FIELDS)} (the layer's shape comes from the model)"
         )
+    precision = tunables.get("precision", "bf16")
+    if backend != "auto" and precision in PRECISIONS:  # (a bad name: MoEConfig says so)
+        reason = precision_reason(backend, precision)
+        if reason is not None:
+            raise ValueError(reason)
 
 
 def moe_config(
