@@ -2,7 +2,7 @@
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
 #   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [fingerprint] [comm] [bench] [kernels]
-#                        [sustained] [sweep] [shapes] [host] [gemms] [train] [all]
+#                        [sustained] [sweep] [shapes] [host] [gemms] [tiles] [train] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -34,6 +34,11 @@
 #            of $MEGAMOE_MODELS (default all) at $MEGAMOE_GEMM_TOKENS tokens (default 4096), in
 #            $MEGAMOE_GEMM_PRECISIONS (default bf16; fp8 adds the cuBLAS anchors)
 #            (megamoe.tools.bench_kernels; gemms.json)
+#   tiles    (not part of all) the tile sweep of the grouped GEMMs (megamoe.tools.sweep_tiles):
+#            every candidate tile of each GEMM beside the default, same-bits check, interleaved
+#            timing, on $MEGAMOE_TILE_MODELS (default "deepseek-v3 qwen3-30b-a3b") at
+#            $MEGAMOE_GEMM_TOKENS tokens in $MEGAMOE_GEMM_PRECISIONS (tiles.json); a candidate
+#            that changes bits fails the step
 #   train    (not part of all) megamoe train-bench: the DeepSeek-V3- and Qwen3-30B-A3B-shaped
 #            transformers models, native MoE against megamoe triton and fused, learned and
 #            balanced routing ($MEGAMOE_TRAIN_ARGS, default "--steps 20 --rounds 2"; train.json),
@@ -102,8 +107,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host | gemms | train) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host, gemms, train or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host | gemms | tiles | train) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host, gemms, tiles, train or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -111,7 +116,7 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     for p in "${parts[@]}"; do
         case "$p" in
             "$1") return 0 ;;
-            all) case "$1" in sweep | shapes | host | gemms | train) ;; *) return 0 ;; esac ;;
+            all) case "$1" in sweep | shapes | host | gemms | tiles | train) ;; *) return 0 ;; esac ;;
             tests) [ "$1" = tests-1gpu ] || [ "$1" = tests-ep ] && return 0 ;;
         esac
     done
@@ -279,6 +284,14 @@ if want gemms; then
     step "grouped GEMMs vs torch._grouped_mm" "$OUT/gemms.log" "$PY" -m megamoe.tools.bench_kernels \
         --model ${MEGAMOE_MODELS:-all} --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" \
         --precision ${MEGAMOE_GEMM_PRECISIONS:-bf16} --out "$OUT/gemms.json"
+fi
+
+if want tiles; then
+    # shellcheck disable=SC2086
+    step "tile sweep" "$OUT/tiles.log" "$PY" -m megamoe.tools.sweep_tiles \
+        --model ${MEGAMOE_TILE_MODELS:-deepseek-v3 qwen3-30b-a3b} \
+        --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" --precision ${MEGAMOE_GEMM_PRECISIONS:-bf16} \
+        --out "$OUT/tiles.json"
 fi
 
 if want train; then

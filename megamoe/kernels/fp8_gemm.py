@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
-from .gemm import GemmTiles, weight_2d
+from .gemm import GemmTiles, row_tile, weight_2d
 from .runtime import descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
 from .tiles import cast, store_gate_up, store_mm, tile_of
@@ -91,7 +91,9 @@ def fp8_mma(acc, a, b, a_scale, b_scale, UPCAST: tl.constexpr):
         d = tl.dot(a64, from_e4m3(b, UPCAST).to(tl.float64)).to(tl.float32)
     else:
         d = tl.dot(a, b)
-    return acc + d * a_scale * b_scale
+    # one product of the two scales per row first: then one FMA per element, rounding as
+    # acc + d * a_scale * b_scale would (every product of powers of two here is exact)
+    return acc + d * (a_scale * b_scale)
 
 
 @triton.jit
@@ -340,11 +342,12 @@ def _fp8_gate_up_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
-    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    num_tiles = tl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
         mb, nb = tile_of(tile, tiles_n)
         fp8_gate_up_tile(
@@ -357,7 +360,7 @@ def _fp8_gate_up_kernel(
             g_desc,
             u_desc,
             h_desc,
-            tl.load(block_expert_ptr + mb),
+            tl.load(block_expert_ptr + mb // BLOCK_TILES),
             mb * BM,
             nb * BN,
             w_rows,
@@ -407,11 +410,12 @@ def _fp8_grouped_mm_kernel(
     BK: tl.constexpr,
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
-    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    num_tiles = tl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
         mb, nb = tile_of(tile, tiles_n)
         fp8_grouped_mm_tile(
@@ -427,7 +431,7 @@ def _fp8_grouped_mm_kernel(
             c2_desc,
             g_desc,
             u_desc,
-            tl.load(block_expert_ptr + mb),
+            tl.load(block_expert_ptr + mb // BLOCK_TILES),
             mb * BM,
             nb * BN,
             w_rows,
@@ -582,11 +586,12 @@ def gate_up(
         raise ValueError(f"w_up.q is {list(qu.shape)}, w_gate.q is {list(qg.shape)}")
     su = _like(su, sg)
     t = tiles_for("gate_up")
-    bm = sched.block_rows
+    bm, block_tiles = row_tile(t, sched.block_rows)
     n = qg.shape[1]
     g, u, h = (empty((rows, n), out_dtype, a.device) for _ in range(3))
     (wg, w_rows), (wu, _) = weight_2d(qg), weight_2d(qu)
-    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _fp8_gate_up_kernel[grid](
         descriptor(a, [bm, t.bk]),
         a_scale,
@@ -606,6 +611,7 @@ def gate_up(
         BM=bm,
         BN=t.bn,
         BK=t.bk,
+        BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
         num_warps=t.warps,
@@ -633,7 +639,7 @@ def _mm_launch(
     q, s = _check_weight(names[1], w, sched.num_experts, k, transposed)
     n = q.shape[1]
     t = tiles_for(kind)
-    bm = sched.block_rows
+    bm, block_tiles = row_tile(t, sched.block_rows)
     wb, w_rows = weight_2d(q)
     a_desc = descriptor(a, [bm, t.bk])
     b_desc = descriptor(wb, [t.bn, t.bk])
@@ -655,7 +661,8 @@ def _mm_launch(
             if tuple(x.shape) != (rows, n):
                 raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
-    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _fp8_grouped_mm_kernel[grid](
         a_desc,
         a_scale,
@@ -683,6 +690,7 @@ def _mm_launch(
         BK=t.bk,
         TWO_PAIRS=a2 is not None,
         SWIGLU_BWD=gu is not None,
+        BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
         num_warps=t.warps,
@@ -798,7 +806,8 @@ def wgrad(
             f"out must be a floating [{e}, {m}, {n}] tensor with contiguous rows, got "
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
-    grid = launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a_t.device, programs)
+    work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
+    grid = launch_grid(work, a_t.device, programs, t.programs_per_sm)
     _fp8_wgrad_kernel[grid](
         descriptor(a_t, [t.bm, t.bk]),
         a_t_scale,

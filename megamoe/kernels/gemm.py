@@ -37,19 +37,36 @@ __all__ = [
     "dgrad_pair",
     "wgrad",
     "tiles_for",
+    "row_tile",
 ]
 
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Tile shape and pipelining of one kernel (the row-block height is ``block_rows``)."""
+    """Tile shape, pipelining and grid of one kernel. None of them changes a result bit: each
+    output element is summed by one program in K order whatever the tile (tests check it)."""
 
     bn: int
     bk: int
     stages: int
     warps: int
-    bm: int = 0  # only the weight-gradient kernel picks its own tile height
+    # Tile height. Row-block kernels: 0 = one tile per row block (``block_rows``), or a divisor
+    # of it (each block split into block_rows // bm tiles of one expert). The weight gradient:
+    # the tile's extent along the weight's first dimension.
+    bm: int = 0
     flatten: bool = False  # fuse the persistent tile loop with the K loop (software pipelining)
+    programs_per_sm: int = 1  # persistent programs per SM (2: small tiles hide each other)
+
+
+def row_tile(t: GemmTiles, block_rows: int) -> tuple[int, int]:
+    """(tile height, tiles per row block) of a row-block kernel with tiles ``t``."""
+    bm = t.bm or block_rows
+    if block_rows % bm:
+        raise ValueError(
+            f"tile height bm = {bm} must divide block_rows = {block_rows} (a tile holds rows "
+            "of one expert)"
+        )
+    return bm, block_rows // bm
 
 
 # Hopper choices (H200), from interleaved A/B runs at the dsv3 shapes on 2026-11-30 (run-to-run
@@ -153,12 +170,13 @@ def _gate_up_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     FLATTEN: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
-    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    num_tiles = tl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         mb, nb = tile_of(tile, tiles_n)
         gate_up_tile(
@@ -168,7 +186,7 @@ def _gate_up_kernel(
             g_desc,
             u_desc,
             h_desc,
-            tl.load(block_expert_ptr + mb),
+            tl.load(block_expert_ptr + mb // BLOCK_TILES),
             mb * BM,
             nb * BN,
             w_rows,
@@ -252,12 +270,13 @@ def _grouped_mm_kernel(
     B_KN: tl.constexpr,
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     FLATTEN: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
-    num_tiles = tl.load(num_blocks_ptr) * tiles_n
+    num_tiles = tl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         mb, nb = tile_of(tile, tiles_n)
         grouped_mm_tile(
@@ -269,7 +288,7 @@ def _grouped_mm_kernel(
             c2_desc,
             g_desc,
             u_desc,
-            tl.load(block_expert_ptr + mb),
+            tl.load(block_expert_ptr + mb // BLOCK_TILES),
             mb * BM,
             nb * BN,
             w_rows,
@@ -386,13 +405,14 @@ def gate_up(
     """(g, u, h), each [rows of a, I]: both projections and SwiGLU of every used row block.
     ``programs`` (every GEMM here): the grid, default one per SM; the bits never depend on it."""
     t = tiles_for("gate_up")
-    bm = sched.block_rows
+    bm, block_tiles = row_tile(t, sched.block_rows)
     rows, k = a.shape
     n = w_gate.shape[1]
     g, u, h = (empty((rows, n), a.dtype, a.device) for _ in range(3))
     out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
     (wg, w_rows), (wu, _) = gate_up_2d(w_gate, w_up)
-    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _gate_up_kernel[grid](
         descriptor(a, [bm, t.bk]),
         descriptor(wg, [t.bn, t.bk]),
@@ -406,6 +426,7 @@ def gate_up(
         BM=bm,
         BN=t.bn,
         BK=t.bk,
+        BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         FLATTEN=t.flatten and not interpreting(),
         UPCAST=interpreting(),
@@ -428,7 +449,7 @@ def _mm_launch(
     programs: int | None = None,
 ) -> list[torch.Tensor]:
     t = tiles_for(kind)
-    bm = sched.block_rows
+    bm, block_tiles = row_tile(t, sched.block_rows)
     rows, k = a.shape
     n = w.shape[2] if b_kn else w.shape[1]
     outs = [empty((rows, n), a.dtype, a.device) for _ in range(2 if gu is not None else 1)]
@@ -438,7 +459,8 @@ def _mm_launch(
     b_desc = descriptor(wb, b_block)
     c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
-    grid = launch_grid(sched.max_blocks * triton.cdiv(n, t.bn), a.device, programs)
+    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _grouped_mm_kernel[grid](
         a_desc,
         b_desc,
@@ -460,6 +482,7 @@ def _mm_launch(
         B_KN=b_kn,
         TWO_PAIRS=a2 is not None,
         SWIGLU_BWD=gu is not None,
+        BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         FLATTEN=t.flatten and not interpreting(),
         UPCAST=interpreting(),
@@ -523,7 +546,8 @@ def wgrad(
             f"out must be a {a.dtype} [{e}, {m}, {n}] tensor with contiguous rows, got "
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
-    grid = launch_grid(e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn), a.device, programs)
+    work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
+    grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _wgrad_kernel[grid](
         descriptor(a, [bk, t.bm]),
         descriptor(b, [bk, t.bn]),

@@ -67,10 +67,12 @@ def persistent_programs(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_grid(work_items: int, device: torch.device, programs: int | None = None) -> tuple[int]:
-    """A persistent grid: one program per SM (or ``programs``, e.g. the SMs the NVLink copies
-    leave free), never more than there are tiles."""
-    limit = persistent_programs(device) if programs is None else programs
+def launch_grid(
+    work_items: int, device: torch.device, programs: int | None = None, per_sm: int = 1
+) -> tuple[int]:
+    """A persistent grid: ``per_sm`` programs per SM (or ``programs``, e.g. the SMs the NVLink
+    copies leave free), never more than there are tiles."""
+    limit = persistent_programs(device) * per_sm if programs is None else programs
     if limit < 1:
         raise ValueError(f"programs must be >= 1, got {limit}")
     return (max(1, min(limit, work_items)),)

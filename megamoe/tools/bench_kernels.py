@@ -33,7 +33,7 @@ import torch
 from ..shapes import MODEL_SHAPES, PRESETS, get_preset
 from ..types import ExpertWeights
 
-__all__ = ["bench_grouped_gemm", "bench_layer", "gemm_shapes", "KERNELS"]
+__all__ = ["bench_grouped_gemm", "bench_layer", "gemm_shapes", "kernel_calls", "KERNELS"]
 
 KERNELS = ("gate_up", "down", "dgrad_swiglu", "dgrad_pair", "wgrad_down", "wgrad_gate_up")
 _WARMUP = 5
@@ -103,9 +103,12 @@ def bench_grouped_gemm(
     return records
 
 
-def _bench_shape(
-    e: int, rows: int, h: int, i: int, iters: int, base: dict, precisions=("bf16",)
-) -> list[dict]:
+def kernel_calls(
+    e: int, rows: int, h: int, i: int, precisions=("bf16",)
+) -> dict[str, dict[str, Callable]]:
+    """``{impl: {kernel: call}}`` at one shape (``e`` experts of ``rows`` rows each): ours in
+    each precision ("triton", "triton-fp8"), ``torch._grouped_mm`` where torch has it, and with
+    fp8 the dense cuBLAS anchors; the operands are made (and quantized) here, once."""
     from ..kernels import gemm
     from ..kernels.schedule import build_row_schedule
 
@@ -125,45 +128,51 @@ def _bench_shape(
     stacked, w_down = rnd(e, 2 * i, h), rnd(e, h, i)
     w = ExpertWeights.from_gate_up(stacked, w_down).split_gate_up()  # views of the halves
     gu = torch.cat([g, u], dim=1)
-    ours = {
-        "gate_up": lambda: gemm.gate_up(xp, w.w_gate, w.w_up, sched),
-        "down": lambda: gemm.grouped_mm(hp, w_down, sched),
-        "dgrad_swiglu": lambda: gemm.dgrad_swiglu(dzp, w_down, gp, up, sched),
-        "dgrad_pair": lambda: gemm.dgrad_pair(gp, w.w_gate, up, w.w_up, sched),
-        "wgrad_down": lambda: gemm.wgrad(dzp, hp, sched),
-        "wgrad_gate_up": lambda: (gemm.wgrad(gp, xp, sched), gemm.wgrad(up, xp, sched)),
-    }
-    # torch: the same products on packed rows (the SwiGLU backward that our dgrad of down does
-    # in its epilogue is not timed for torch, which favours torch)
-    theirs = {
-        "gate_up": lambda: torch._grouped_mm(x, stacked.transpose(1, 2), offs=offs),
-        "down": lambda: torch._grouped_mm(hh, w_down.transpose(1, 2), offs=offs),
-        "dgrad_swiglu": lambda: torch._grouped_mm(dz, w_down, offs=offs),
-        "dgrad_pair": lambda: torch._grouped_mm(gu, stacked, offs=offs),
-        "wgrad_down": lambda: torch._grouped_mm(dz.t(), hh, offs=offs),
-        "wgrad_gate_up": lambda: torch._grouped_mm(gu.t(), x, offs=offs),
-    }
-    fp8 = anchors = {}
+    calls: dict[str, dict[str, Callable]] = {}
+    if "bf16" in precisions:
+        calls["triton"] = {
+            "gate_up": lambda: gemm.gate_up(xp, w.w_gate, w.w_up, sched),
+            "down": lambda: gemm.grouped_mm(hp, w_down, sched),
+            "dgrad_swiglu": lambda: gemm.dgrad_swiglu(dzp, w_down, gp, up, sched),
+            "dgrad_pair": lambda: gemm.dgrad_pair(gp, w.w_gate, up, w.w_up, sched),
+            "wgrad_down": lambda: gemm.wgrad(dzp, hp, sched),
+            "wgrad_gate_up": lambda: (gemm.wgrad(gp, xp, sched), gemm.wgrad(up, xp, sched)),
+        }
     if "fp8" in precisions:
-        fp8 = _fp8_kernels(xp, hp, dzp, gp, up, w, w_down, sched)
-        anchors = _dense_anchors(x, hh, stacked, w_down)
+        calls["triton-fp8"] = _fp8_kernels(xp, hp, dzp, gp, up, w, w_down, sched)
+    if hasattr(torch, "_grouped_mm"):
+        # the same products on packed rows (the SwiGLU backward that our dgrad of down does in
+        # its epilogue is not timed for torch, which favours torch)
+        calls["torch._grouped_mm"] = {
+            "gate_up": lambda: torch._grouped_mm(x, stacked.transpose(1, 2), offs=offs),
+            "down": lambda: torch._grouped_mm(hh, w_down.transpose(1, 2), offs=offs),
+            "dgrad_swiglu": lambda: torch._grouped_mm(dz, w_down, offs=offs),
+            "dgrad_pair": lambda: torch._grouped_mm(gu, stacked, offs=offs),
+            "wgrad_down": lambda: torch._grouped_mm(dz.t(), hh, offs=offs),
+            "wgrad_gate_up": lambda: torch._grouped_mm(gu.t(), x, offs=offs),
+        }
+    if "fp8" in precisions:
+        for kind, anchors in _dense_anchors(x, hh, stacked, w_down).items():
+            for impl, fn in anchors.items():
+                calls.setdefault(impl, {})[kind] = fn
+    return calls
+
+
+def _bench_shape(
+    e: int, rows: int, h: int, i: int, iters: int, base: dict, precisions=("bf16",)
+) -> list[dict]:
+    m = e * rows
+    calls = kernel_calls(e, rows, h, i, precisions)
     records = []
     for kind in KERNELS:
-        impls = {}
-        if "bf16" in precisions:
-            impls["triton"] = ours[kind]
-        if kind in fp8:
-            impls["triton-fp8"] = fp8[kind]
-        if hasattr(torch, "_grouped_mm"):
-            impls["torch._grouped_mm"] = theirs[kind]
-        for name, fn in anchors.get(kind, {}).items():
-            impls[name] = fn
         recs = []
-        for impl, fn in impls.items():
+        for impl, fns in calls.items():
+            if kind not in fns:
+                continue
             rec = dict(base, kernel=kind, impl=impl, experts=e, rows_per_expert=rows)
             rec.update(hidden=h, intermediate=i, precision="fp8" if "fp8" in impl else "bf16")
             try:
-                ms = _time_ms(fn, iters)
+                ms = _time_ms(fns[kind], iters)
                 rec.update(ms=ms, tflops=_flops(kind, m, h, i) / ms / 1e9)
             except Exception as exc:  # record and go on: one failing variant hides no other
                 rec.update(error=f"{type(exc).__name__}: {exc}"[:500])

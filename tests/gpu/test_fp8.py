@@ -57,6 +57,32 @@ def test_fp8_layer_within_the_recipe_bars_and_reproducible(name: str) -> None:
         assert torch.equal(a, b), f"output {i} differs run to run"
 
 
+@pytest.mark.parametrize("bn, row_bm, per_sm", [(64, 0, 1), (128, 64, 2)])
+def test_fp8_tiles_never_change_bits(monkeypatch, bn: int, row_bm: int, per_sm: int) -> None:
+    """The block-scaled GEMMs give the same bits with other tiles than the defaults (narrower
+    output tiles, 64-row tiles of one warpgroup, two programs per SM): each element's K loop,
+    128 a step, is the same in every tile."""
+    import dataclasses
+
+    from megamoe.kernels import fp8_gemm
+
+    p = make_problem(CASES["qwen3-30b"], seed=2, device=DEV, **FP8)
+    default = _step(p)
+    tiles = {
+        kind: dataclasses.replace(
+            t,
+            bn=min(t.bn, bn),
+            bm=t.bm if kind == "wgrad" else row_bm,
+            warps=4 if row_bm == 64 else t.warps,
+            programs_per_sm=per_sm,
+        )
+        for kind, t in fp8_gemm.GPU_TILES.items()
+    }
+    monkeypatch.setattr(fp8_gemm, "GPU_TILES", tiles)
+    for i, (a, b) in enumerate(zip(default, _step(p))):
+        assert torch.equal(a, b), f"output {i} changed with tiles {tiles}"
+
+
 def test_cuda_graph_quantizes_the_current_weights() -> None:
     p = make_problem(CASES["qwen3-30b"], seed=2, device=DEV, **FP8)
     weights = [t.clone() for t in p.weights if t is not None]

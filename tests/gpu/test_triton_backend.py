@@ -97,11 +97,11 @@ def test_cuda_graph_of_a_whole_step_replays_to_the_same_bits() -> None:
         assert a is None or torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bn", [64, 128])
-def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int) -> None:
-    """Narrower output tiles (and weight-gradient tiles) than the defaults give the same bits
-    on the GPU too: the K loop, not the tile, orders each element's sum (so a tile width chosen
-    by shape never changes results)."""
+@pytest.mark.parametrize("bn, row_bm, per_sm", [(64, 0, 1), (128, 0, 1), (128, 64, 2)])
+def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int, row_bm: int, per_sm: int):
+    """Other tiles than the defaults give the same bits on the GPU too: narrower output tiles
+    (and weight-gradient tiles), 64-row tiles of one warpgroup, two programs per SM. The K loop,
+    not the tile, orders each element's sum, so tiles chosen by shape never change results."""
     import dataclasses
 
     from megamoe.kernels import gemm
@@ -109,7 +109,13 @@ def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int) -> None:
     p = _preset_problem("qwen3-30b", seed=5)
     default = run_backend(p)
     tiles = {
-        name: dataclasses.replace(t, bn=min(t.bn, bn), bm=min(t.bm, bn) if t.bm else 0)
+        name: dataclasses.replace(
+            t,
+            bn=min(t.bn, bn),
+            bm=(min(t.bm, bn) if name == "wgrad" else row_bm),
+            warps=4 if row_bm == 64 else t.warps,
+            programs_per_sm=per_sm,
+        )
         for name, t in gemm.GPU_TILES.items()
     }
     monkeypatch.setattr(gemm, "GPU_TILES", tiles)

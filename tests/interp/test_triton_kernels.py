@@ -145,11 +145,14 @@ def test_gemm_grid_size_never_changes_bits() -> None:
         gemm.grouped_mm(xs, w.w_down, sched, 0)
 
 
-@pytest.mark.parametrize("bn, bm", [(16, 16), (64, 64)])
-def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int, bm: int) -> None:
-    """The output tile's width (and the weight-gradient tile's height) only splits the outputs:
-    each element keeps its K loop, so a tile chosen by shape gives the same bits. (The K step
-    is not free: it orders the accumulation.)"""
+@pytest.mark.parametrize("bn, bm, row_bm, per_sm", [(16, 16, 0, 1), (64, 64, 0, 1), (32, 32, 8, 2)])
+def test_gemm_tile_width_never_changes_bits(
+    monkeypatch, bn: int, bm: int, row_bm: int, per_sm: int
+) -> None:
+    """The output tile's width and height (a row block split into tiles of ``row_bm`` rows; the
+    weight-gradient tile's height) and the programs per SM only split the outputs: each element
+    keeps its K loop, so tiles chosen by shape give the same bits. (The K step is not free: it
+    orders the accumulation.)"""
     from megamoe.kernels import gemm
 
     p = make_problem(Case(29, 64, 96, 4, 2), seed=12)  # I = 96: partial 64-wide tiles
@@ -170,7 +173,9 @@ def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int, bm: int) -> No
     used = int(sched.num_blocks.item()) * sched.block_rows
     default = every_gemm()
     tiles = {
-        name: dataclasses.replace(t, bn=bn, bm=bm if name == "wgrad" else 0)
+        name: dataclasses.replace(
+            t, bn=bn, bm=bm if name == "wgrad" else row_bm, programs_per_sm=per_sm
+        )
         for name, t in gemm.INTERPRETER_TILES.items()
     }
     monkeypatch.setattr(gemm, "INTERPRETER_TILES", tiles)
@@ -178,4 +183,8 @@ def test_gemm_tile_width_never_changes_bits(monkeypatch, bn: int, bm: int) -> No
         if a.shape[0] == sched.rows:
             a, b = a[:used], b[:used]
         assert not b.isnan().any(), f"output {i}: a tile was not written"
-        assert torch.equal(a, b), f"output {i} changed with tiles {bn} x {bm}"
+        assert torch.equal(a, b), f"output {i} changed with tiles {tiles}"
+    bad = {name: dataclasses.replace(t, bm=12) for name, t in tiles.items()}
+    monkeypatch.setattr(gemm, "INTERPRETER_TILES", bad)
+    with pytest.raises(ValueError, match="bm = 12 must divide block_rows = 16"):
+        gemm.grouped_mm(xs, w.w_down, sched)
