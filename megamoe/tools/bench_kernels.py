@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels.schedule import RowSchedule
 from ..shapes import MODEL_SHAPES, PRESETS, get_preset
 from ..types import ExpertWeights
 
@@ -105,10 +106,11 @@ def bench_grouped_gemm(
 
 def kernel_calls(
     e: int, rows: int, h: int, i: int, precisions=("bf16",)
-) -> dict[str, dict[str, Callable]]:
+) -> tuple[dict[str, dict[str, Callable]], RowSchedule]:
     """``{impl: {kernel: call}}`` at one shape (``e`` experts of ``rows`` rows each): ours in
     each precision ("triton", "triton-fp8"), ``torch._grouped_mm`` where torch has it, and with
-    fp8 the dense cuBLAS anchors; the operands are made (and quantized) here, once."""
+    fp8 the dense cuBLAS anchors; the operands are made (and quantized) here, once. Also the
+    row schedule of our padded layout (past its used rows the outputs hold garbage)."""
     from ..kernels import gemm
     from ..kernels.schedule import build_row_schedule
 
@@ -155,14 +157,14 @@ def kernel_calls(
         for kind, anchors in _dense_anchors(x, hh, stacked, w_down).items():
             for impl, fn in anchors.items():
                 calls.setdefault(impl, {})[kind] = fn
-    return calls
+    return calls, sched
 
 
 def _bench_shape(
     e: int, rows: int, h: int, i: int, iters: int, base: dict, precisions=("bf16",)
 ) -> list[dict]:
     m = e * rows
-    calls = kernel_calls(e, rows, h, i, precisions)
+    calls, _ = kernel_calls(e, rows, h, i, precisions)
     records = []
     for kind in KERNELS:
         recs = []

@@ -117,10 +117,13 @@ def _tiles(module, tile_kind: str, t: GemmTiles) -> Iterator[None]:
         module.GPU_TILES[tile_kind] = old
 
 
-def _bits(out) -> list[torch.Tensor]:
-    """Every output tensor of a call as raw bytes (NaN-safe bitwise comparison)."""
+def _bits(out, rows: int, used: int) -> list[torch.Tensor]:
+    """Every output tensor of a call as raw bytes (NaN-safe bitwise comparison); of a row
+    output (``rows`` rows) only the ``used`` rows the kernels write."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    return [o.contiguous().view(torch.uint8).clone() for o in outs]
+    return [
+        (o[:used] if o.shape[0] == rows else o).contiguous().view(torch.uint8).clone() for o in outs
+    ]
 
 
 def _times_ms(fn: Callable[[], object], iters: int) -> list[float]:
@@ -141,14 +144,16 @@ def _sweep_kernel(
     cands: list[GemmTiles],
     iters: int,
     rounds: int,
+    rows: tuple[int, int],
 ) -> list[dict]:
-    """Records of each candidate of one kernel at one shape (the default is ``cands[0]``)."""
+    """Records of each candidate of one kernel at one shape (the default is ``cands[0]``);
+    ``rows``: (rows, written rows) of the padded row layout, for :func:`_bits`."""
     recs, live, ref = [], [], None
     for t in cands:
         rec = dict(tiles=dataclasses.asdict(t), default=not recs)
         try:
             with _tiles(module, tile_kind, t):
-                bits = _bits(fn())  # compiles; then a warm-up
+                bits = _bits(fn(), *rows)  # compiles; then a warm-up
                 for _ in range(2):
                     fn()
                 torch.cuda.synchronize()
@@ -186,7 +191,8 @@ def sweep_tiles(
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     records = []
     for name, e, rows, h, i in gemm_shapes(models, tokens):
-        calls = kernel_calls(e, rows, h, i, precisions)
+        calls, sched = kernel_calls(e, rows, h, i, precisions)
+        written = (sched.rows, int(sched.num_blocks.item()) * sched.block_rows)
         for precision in precisions:
             module = modules[precision]
             fns = calls["triton-fp8" if precision == "fp8" else "triton"]
@@ -198,7 +204,7 @@ def sweep_tiles(
                     if t != module.GPU_TILES[tile_kind]
                     and fits_shared_memory(tile_kind, t, precision)
                 ]
-                recs = _sweep_kernel(module, tile_kind, fns[kind], cands, iters, rounds)
+                recs = _sweep_kernel(module, tile_kind, fns[kind], cands, iters, rounds, written)
                 base_ms = recs[0].get("ms")
                 for rec in recs:
                     rec.update(
