@@ -261,12 +261,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--host", action="store_true", help="profile the host time of the calls (cProfile)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="the expert GEMMs' precision (fp8: the weights' fp8 copies stay cached across "
+        "the calls, so their quantization is not in the profile)",
+    )
     args = parser.parse_args(argv)
     env = harness.init_distributed()
     if env.device.type != "cuda":
         print("profile: needs a CUDA GPU", file=sys.stderr)
         return 2
     shape, case, config = harness.case_of_args(args, parser, env)
+    config = config.replace(precision=args.precision)
     call = harness.layer_call(args.backend, case, config, env.group, args.backward)
     for _ in range(args.warmup):
         call()
@@ -288,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **shape.record_fields(),
         backend=args.backend,
         backward=args.backward,
+        precision=args.precision,
         world_size=env.world_size,
         rank=env.rank,
         tokens_per_rank=case.tokens,
@@ -301,8 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         texts = gathered
     if env.is_main:
         print(
-            f"{shape.name}, backend {args.backend}, {what}, W = {env.world_size}, "
-            f"{case.tokens} tokens/rank"
+            f"{shape.name}, backend {args.backend}, {what}, {args.precision}, "
+            f"W = {env.world_size}, {case.tokens} tokens/rank"
         )
         print("\n".join(texts))
     if out is not None:

@@ -53,8 +53,9 @@ _BF16_ROW = [
     T(bn=128, bk=64, stages=3, warps=4, bm=64, programs_per_sm=2),
 ]
 _FP8_ROW = [
+    T(bn=128, bk=128, stages=4, warps=8),
     T(bn=128, bk=128, stages=3, warps=8),
-    T(bn=128, bk=128, stages=3, warps=4, bm=64, programs_per_sm=2),
+    T(bn=128, bk=128, stages=2, warps=4, bm=64, programs_per_sm=3),
     T(bn=64, bk=128, stages=4, warps=4, bm=64, programs_per_sm=3),
 ]
 CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
@@ -75,15 +76,13 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
     },
     "fp8": {
         "gate_up": [
-            T(bn=64, bk=128, stages=3, warps=8),
-            T(bn=64, bk=128, stages=3, warps=4, bm=64, programs_per_sm=2),
-            T(bn=32, bk=128, stages=4, warps=4, bm=64, programs_per_sm=3),
+            T(bn=64, bk=128, stages=4, warps=8),
+            T(bn=64, bk=128, stages=4, warps=4, bm=64, programs_per_sm=2),
         ],
         "mm": _FP8_ROW,
         "swiglu_bwd": _FP8_ROW,
         "wgrad": [
-            T(bm=128, bn=128, bk=128, stages=3, warps=8),
-            T(bm=64, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2),
+            T(bm=128, bn=128, bk=128, stages=4, warps=8),
             T(bm=128, bn=64, bk=128, stages=4, warps=4, programs_per_sm=2),
         ],
     },
