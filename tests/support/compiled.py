@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["SMEM_LIMIT", "REGISTERS_PER_SM", "MAX_REGISTERS_PER_THREAD", "pick"]
+__all__ = ["SMEM_LIMIT", "SM_SHARED", "REGISTERS_PER_SM", "MAX_REGISTERS_PER_THREAD", "pick"]
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 block may use
+SM_SHARED = 228 * 1024  # bytes of one SM's shared memory, its blocks' (each + 1 KB) together
 REGISTERS_PER_SM = 64 * 1024
 MAX_REGISTERS_PER_THREAD = 255
 

@@ -1,0 +1,81 @@
+"""The tile sweep's candidates and its bitwise comparison (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megamoe.kernels import fp8_gemm, gemm  # noqa: E402
+from megamoe.kernels.gemm import GemmTiles, row_tile  # noqa: E402
+from megamoe.tools import sweep_tiles  # noqa: E402
+from megamoe.tools.bench_kernels import KERNELS  # noqa: E402
+
+MODULES = {"bf16": gemm, "fp8": fp8_gemm}
+
+
+def test_every_kernel_has_a_tile_kind_with_candidates() -> None:
+    assert set(sweep_tiles.TILE_KIND) == set(KERNELS)
+    for precision, module in MODULES.items():
+        assert set(sweep_tiles.CANDIDATES[precision]) == set(module.GPU_TILES)
+        assert set(sweep_tiles.TILE_KIND.values()) == set(module.GPU_TILES)
+
+
+@pytest.mark.parametrize("precision", sorted(MODULES))
+def test_candidates_are_valid_tiles(precision: str) -> None:
+    """Each candidate (and default) splits a 128-row block into whole tiles, keeps the fp8 K
+    step at the scale block, and fits one SM's shared memory with its programs."""
+    defaults = MODULES[precision].GPU_TILES
+    for kind, cands in sweep_tiles.CANDIDATES[precision].items():
+        for t in [defaults[kind], *cands]:
+            if kind != "wgrad":
+                bm, per_block = row_tile(t, 128)
+                assert bm * per_block == 128
+            else:
+                assert t.bm > 0, f"{kind} {t}: the weight gradient's tile needs a height"
+            if precision == "fp8":
+                assert t.bk == 128, f"{kind} {t}: the fp8 K step is the scale block"
+            assert t.programs_per_sm >= 1
+            assert sweep_tiles.fits_shared_memory(kind, t, precision), (kind, t)
+
+
+def test_fits_shared_memory_counts_stages_and_programs() -> None:
+    big = GemmTiles(bn=256, bk=128, stages=6, warps=8)
+    assert not sweep_tiles.fits_shared_memory("mm", big, "bf16")
+    one = GemmTiles(bn=128, bk=64, stages=3, warps=4, bm=64)
+    assert sweep_tiles.fits_shared_memory("mm", one, "bf16")
+    four = GemmTiles(bn=128, bk=64, stages=3, warps=4, bm=64, programs_per_sm=4)
+    assert not sweep_tiles.fits_shared_memory("mm", four, "bf16")
+
+
+def test_row_tile_rejects_a_height_that_splits_an_expert() -> None:
+    with pytest.raises(ValueError, match="bm = 48 must divide block_rows = 128"):
+        row_tile(GemmTiles(bn=64, bk=64, stages=3, warps=4, bm=48), 128)
+
+
+def test_bits_compare_only_the_rows_the_kernels_write() -> None:
+    """Rows past the schedule's used ones hold whatever the allocator left: the comparison of
+    a candidate with the default must not see them, and must see every written bit (NaN too)."""
+    a = torch.zeros(8, 4, dtype=torch.bfloat16)
+    b = a.clone()
+    b[6:] = 1.0  # garbage past the 6 used rows
+    dw = torch.full((2, 4, 4), float("nan"), dtype=torch.bfloat16)  # not a row output
+    ref, got = sweep_tiles._bits((a, dw), 8, 6), sweep_tiles._bits((b, dw.clone()), 8, 6)
+    assert all(torch.equal(x, y) for x, y in zip(ref, got))
+    b[5, 0] = -0.0  # one written bit differs (== would call it equal)
+    assert not torch.equal(sweep_tiles._bits(b, 8, 6)[0], ref[0])
+
+
+def test_lines_name_tiles_and_errors() -> None:
+    base = dict(shape="dsv3", precision="fp8", kernel="down", tiles=vars_of(fp8_gemm, "mm"))
+    ok = sweep_tiles._line(dict(base, ms=1.25, tflops=700.0, vs_default=1.07, same_bits=True))
+    assert "64x128x128 s3 w4 p2" in ok and "1.07x" in ok and "same bits" in ok
+    bad = sweep_tiles._line(dict(base, error="OutOfResources: shared memory"))
+    assert "ERROR OutOfResources" in bad
+
+
+def vars_of(module, kind: str) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(module.GPU_TILES[kind])
