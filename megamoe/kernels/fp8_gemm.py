@@ -581,8 +581,8 @@ def gate_up(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(g, u, h), each [rows of a, I] in ``out_dtype``: g = A Wg^T and u = A Wu^T of every used
     row block (``a`` 1x128-quantized [rows, H], ``w_gate``/``w_up`` [E, I, H] 128x128-quantized)
-    and h = silu(g) * u from the fp32 accumulators. ``programs``: the grid (default one per SM;
-    the bits never depend on it)."""
+    and h = silu(g) * u from the fp32 accumulators. ``programs``: the SMs to fill (default all,
+    ``programs_per_sm`` programs on each; the bits never depend on it)."""
     rows, k = _check_rows("a", a, a_scale)
     qg, sg = _check_weight("w_gate", w_gate, sched.num_experts, k, False)
     qu, su = _check_weight("w_up", w_up, sched.num_experts, k, False)

@@ -403,7 +403,8 @@ def gate_up(
     programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(g, u, h), each [rows of a, I]: both projections and SwiGLU of every used row block.
-    ``programs`` (every GEMM here): the grid, default one per SM; the bits never depend on it."""
+    ``programs`` (every GEMM here): the SMs to fill, default all (the grid is the tiles'
+    ``programs_per_sm`` on each); the bits never depend on it."""
     t = tiles_for("gate_up")
     bm, block_tiles = row_tile(t, sched.block_rows)
     rows, k = a.shape

@@ -70,12 +70,12 @@ def persistent_programs(device: torch.device) -> int:
 def launch_grid(
     work_items: int, device: torch.device, programs: int | None = None, per_sm: int = 1
 ) -> tuple[int]:
-    """A persistent grid: ``per_sm`` programs per SM (or ``programs``, e.g. the SMs the NVLink
-    copies leave free), never more than there are tiles."""
-    limit = persistent_programs(device) * per_sm if programs is None else programs
-    if limit < 1:
-        raise ValueError(f"programs must be >= 1, got {limit}")
-    return (max(1, min(limit, work_items)),)
+    """A persistent grid: ``per_sm`` programs on each SM, or on each of ``programs`` SMs (e.g.
+    the SMs the NVLink copies leave free); never more programs than there are tiles."""
+    sms = persistent_programs(device) if programs is None else programs
+    if sms < 1:
+        raise ValueError(f"programs must be >= 1, got {sms}")
+    return (max(1, min(sms * per_sm, work_items)),)
 
 
 @functools.lru_cache(maxsize=None)
