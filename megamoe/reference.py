@@ -16,7 +16,11 @@ ops: each of the three GEMMs of an expert quantizes its operands as the kernels 
 activations and output gradients, 128x1 along the rows for the weight gradient, 128x128
 weights; power-of-two scales), dequantizes them exactly and multiplies in fp32, with the
 kernels' roundings (h from the fp32 gate/up products, the SwiGLU backward from the fp32 d_h).
-A reference of the recipe, not of the kernels' bits (the fp32 sums run in another order).
+x is quantized 1x128 once, and its 128x1 operand of the gate/up weight gradients is re-blocked
+from that quantization (the kernels quantize each token on its rank before the dispatch; a
+1x128 block lies inside one token's row, so quantizing the exchanged rows gives the same
+values). A reference of the recipe, not of the kernels' bits (the fp32 sums run in another
+order).
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def _fp8_cols(x: torch.Tensor) -> torch.Tensor:
 class _Fp8Expert(torch.autograd.Function):
     """One SwiGLU expert in the fp8 recipe, forward and backward as the kernels compute it:
     h from the fp32 gate/up products, the SwiGLU backward from the fp32 d_h and the saved g, u
-    in the compute dtype, d_x of the gate and up parts in one fp32 sum."""
+    in the compute dtype, d_x of the gate and up parts in one fp32 sum, the gate/up weight
+    gradients' x re-blocked 128x1 from its 1x128 quantization (exact fp32 values)."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down):
@@ -95,7 +100,7 @@ class _Fp8Expert(torch.autograd.Function):
         sig = torch.sigmoid(g)
         dg, du = (dh * u * sig * (1 + g * (1 - sig))).to(dtype), (dh * g * sig).to(dtype)
         dx = fp8_blocks(dg, 1) @ fp8_blocks(w_gate, 128) + fp8_blocks(du, 1) @ fp8_blocks(w_up, 128)
-        xc = _fp8_cols(x)
+        xc = _fp8_cols(fp8_blocks(x, 1))
         d_gate = (_fp8_cols(dg).t() @ xc).to(w_gate.dtype)
         d_up = (_fp8_cols(du).t() @ xc).to(w_up.dtype)
         d_down = (_fp8_cols(dz).t() @ _fp8_cols(h)).to(w_down.dtype)

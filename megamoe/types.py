@@ -121,8 +121,9 @@ class MoEGrads(NamedTuple):
 
 class RoutedActivations(NamedTuple):
     """The routed rows of one forward in the schedule's row layout: the gathered or pulled
-    inputs ``xs [rows, H]``, ``g, u, h [rows, I]`` (gate, up, SwiGLU) and the down projection
-    ``z [rows, H]``; the backward reads them."""
+    inputs ``xs [rows, H]`` (with ``precision="fp8"`` their packed 1x128 quantization, ``[rows,
+    fp8.packed_width(H)]`` int16), ``g, u, h [rows, I]`` (gate, up, SwiGLU) and the down
+    projection ``z [rows, H]``; the backward reads them."""
 
     xs: torch.Tensor
     g: torch.Tensor

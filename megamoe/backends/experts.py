@@ -18,9 +18,11 @@ from ..kernels.runtime import empty
 from ..kernels.schedule import RowSchedule, uniform_schedule
 from ..types import ExpertWeights, RoutedActivations, SharedActivations, stacked_gate_up
 from . import fp8_weights
+from .requirements import KERNEL_DTYPE
 from .state import TritonContext
 
 __all__ = [
+    "input_rows",
     "routed_forward",
     "shared_forward",
     "routed_dgrad",
@@ -38,14 +40,24 @@ def _is_fp8(config: MoEConfig) -> bool:
     return config.precision == "fp8"
 
 
+def _pad16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows up to a multiple of 16 rows (16-byte rows of the transposed weight
+    gradient operand for TMA; only the shared expert's token count needs it): zero rows leave
+    every scale and sum unchanged (packed zero rows are zero values with scale 0)."""
+    pad = -x.shape[0] % 16
+    return torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+
+
 def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_cols`` of the rows ``x [rows, N]``: ``x^T`` 128x1-quantized, for a weight
-    gradient. Zero rows pad the row count to a multiple of 16 (16-byte rows of ``x^T`` for TMA;
-    only the shared expert's token count needs it): zeros leave every scale and sum unchanged."""
-    pad = -x.shape[0] % 16
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    return fp8.quantize_cols(x)
+    gradient."""
+    return fp8.quantize_cols(_pad16(x))
+
+
+def _x_cols(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate/up weight gradients' x operand: x^T 128x1-quantized, re-blocked from the
+    packed 1x128 rows the forward read (``fp8.requantize_cols``; once for gate and up)."""
+    return fp8.requantize_cols(*fp8.unpack_rows(_pad16(packed), hidden))
 
 
 def _fp8_wgrad(
@@ -66,34 +78,44 @@ def _fp8_wgrad(
 def routed_forward(
     xs: torch.Tensor, weights: ExpertWeights, sched: RowSchedule, precision: str = "bf16"
 ) -> RoutedActivations:
-    """gate/up + SwiGLU and down of the routed rows ``xs`` (``precision``: the config's)."""
+    """gate/up + SwiGLU and down of the routed rows ``xs`` (``precision``: the config's). In
+    fp8 ``xs`` holds the rows' packed 1x128 quantization (``fp8.quantize_packed`` on the source
+    rank, then gathered or pulled), which the gate/up GEMM reads in place."""
     if precision == "fp8":
-        xq, xq_s = fp8.quantize_rows(xs)
+        xq, xq_s = fp8.unpack_rows(xs, weights.w_gate.shape[-1])
         w_gate, w_up = fp8_weights.get(weights.w_gate), fp8_weights.get(weights.w_up)
-        g, u, h = fp8_gemm.gate_up(xq, xq_s, w_gate, w_up, sched, out_dtype=xs.dtype)
+        g, u, h = fp8_gemm.gate_up(xq, xq_s, w_gate, w_up, sched, out_dtype=KERNEL_DTYPE)
         hq, hq_s = fp8.quantize_rows(h)
         w_down = fp8_weights.get(weights.w_down)
         return RoutedActivations(
-            xs, g, u, h, fp8_gemm.grouped_mm(hq, hq_s, w_down, sched, out_dtype=xs.dtype)
+            xs, g, u, h, fp8_gemm.grouped_mm(hq, hq_s, w_down, sched, out_dtype=KERNEL_DTYPE)
         )
     g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)
     return RoutedActivations(xs, g, u, h, gemm.grouped_mm(h, weights.w_down, sched))
 
 
+def input_rows(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """What the expert GEMMs read of the local tokens ``x``: x itself in bf16; in fp8 its
+    packed 1x128 quantization (``fp8.quantize_packed``), made once for the routed rows (before
+    the gather) and the shared expert. (At W > 1 ``workspace.publish_packed`` makes it.)"""
+    return fp8.quantize_packed(x) if precision == "fp8" else x
+
+
 def shared_forward(
     x: torch.Tensor, weights: ExpertWeights, config: MoEConfig, programs: int | None = None
 ) -> tuple[SharedActivations | None, torch.Tensor | None]:
-    """(activations, output) of the shared expert on the local tokens; (None, None) without one."""
+    """(activations, output) of the shared expert on the local tokens ``x`` (in fp8 their
+    packed rows, :func:`input_rows`); (None, None) without one."""
     if not weights.has_shared:
         return None, None
     one = uniform_schedule(x.shape[0], config.block_rows, x.device)
     if _is_fp8(config):
-        xq, xq_s = fp8.quantize_rows(x)
+        xq, xq_s = fp8.unpack_rows(x, weights.s_gate.shape[-1])
         s_gate, s_up = fp8_weights.get(weights.s_gate[None]), fp8_weights.get(weights.s_up[None])
-        sg, su, sh = fp8_gemm.gate_up(xq, xq_s, s_gate, s_up, one, programs, out_dtype=x.dtype)
+        sg, su, sh = fp8_gemm.gate_up(xq, xq_s, s_gate, s_up, one, programs, out_dtype=KERNEL_DTYPE)
         hq, hq_s = fp8.quantize_rows(sh)
         s_down = fp8_weights.get(weights.s_down[None])
-        out = fp8_gemm.grouped_mm(hq, hq_s, s_down, one, programs, out_dtype=x.dtype)
+        out = fp8_gemm.grouped_mm(hq, hq_s, s_down, one, programs, out_dtype=KERNEL_DTYPE)
         return SharedActivations(sg, su, sh), out
     sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one, programs)
     return SharedActivations(sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one, programs)
@@ -138,7 +160,7 @@ def routed_wgrad(
     first two are the halves of one stacked gradient, written in place (no concatenation)."""
     sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
     if _is_fp8(ctx.schedule.config):
-        xs = _cols(routed.xs)  # quantized once for both gate and up
+        xs = _x_cols(routed.xs, w.w_gate.shape[-1])
         wgrad = functools.partial(_fp8_wgrad, out_dtype=dg.dtype)
     else:
         xs, wgrad = routed.xs, gemm.wgrad
@@ -177,7 +199,9 @@ def shared_wgrad(
         return None, None, None
     _, dsg, dsu, one = dgrad
     if _is_fp8(ctx.schedule.config):
-        x = _cols(ctx.x)  # quantized once for both gate and up
+        # x's 1x128 quantization as the forward read it (a function of x: computed again),
+        # re-blocked as the routed experts' is
+        x = _x_cols(fp8.quantize_packed(ctx.x), ctx.x.shape[1])
         pairs = ((dsg, x), (dsu, x), (dy, ctx.shared.h))
         return tuple(_fp8_wgrad(a, b, one, programs, out_dtype=dy.dtype)[0] for a, b in pairs)
     pairs = ((dsg, ctx.x), (dsu, ctx.x), (dy, ctx.shared.h))

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..ep.workspace import Workspace, get_workspace
+from ..kernels.fp8 import packed_width
 from ..kernels.schedule import RowSchedule, max_rows
 from ..types import ExpertWeights, RoutedActivations, SharedActivations
 
@@ -136,8 +137,14 @@ def saved_layout(
         ]
     h, i, i_s = config.hidden_size, config.intermediate_size, config.shared_intermediate_size
     if keeps_routed:
+        # the routed input rows: in fp8 their packed 1x128 quantization, as dispatched
+        xs = (
+            ((rows, packed_width(h)), torch.int16)
+            if config.precision == "fp8"
+            else ((rows, h), dtype)
+        )
         out += [
-            ("xs", (rows, h), dtype),
+            ("xs", *xs),
             ("g", (rows, i), dtype),
             ("u", (rows, i), dtype),
             ("h", (rows, i), dtype),

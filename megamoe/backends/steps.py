@@ -17,8 +17,15 @@ import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..ep import checks
-from ..ep.workspace import Workspace, get_workspace, local_workspace, publish
-from ..kernels import comm, rows
+from ..ep.workspace import (
+    Workspace,
+    get_workspace,
+    local_workspace,
+    packed_x_buffer,
+    publish,
+    publish_packed,
+)
+from ..kernels import comm, fp8, rows
 from ..kernels.checks import check_ids, limit_capacity
 from ..kernels.schedule import build_row_schedule
 from ..types import ExpertWeights, MoEGrads, RoutedActivations, SharedActivations
@@ -191,13 +198,40 @@ def prepare(
 # Forward
 
 
-def routed_rows(schedule: TritonSchedule, x: torch.Tensor) -> torch.Tensor:
-    """The routed input rows in the schedule's layout: gathered from the local tokens, or pulled
-    from every rank's published ``x_buffer`` (after the barrier that follows the publish)."""
+def _packed_width(config: MoEConfig) -> int | None:
+    """int16 words of the packed fp8 rows the dispatch moves; None in bf16 (bf16 rows)."""
+    return fp8.packed_width(config.hidden_size) if config.precision == "fp8" else None
+
+
+def publish_tokens(ws: Workspace, x: torch.Tensor, config: MoEConfig) -> None:
+    """Publish the tokens for the dispatch pull: x, or in fp8 its packed 1x128 quantization
+    (quantized here, on the source rank, once)."""
+    if _packed_width(config) is None:
+        publish(ws, x=x.detach())
+    else:
+        publish_packed(ws, x.detach())
+
+
+def published_tokens(ws: Workspace, x: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """What the experts read of the local tokens (:func:`experts.input_rows`) once they are
+    published: x, or in fp8 the packed rows in our x_buffer (no second quantization)."""
+    width = _packed_width(config)
+    return x if width is None else packed_x_buffer(ws, width)
+
+
+def routed_rows(schedule: TritonSchedule, tokens: torch.Tensor) -> torch.Tensor:
+    """The routed input rows in the schedule's layout: gathered from the local ``tokens``
+    (:func:`experts.input_rows`) with one process, or else pulled from every rank's published
+    ``x_buffer`` (after the barrier that follows the publish); in fp8 packed fp8 rows either
+    way."""
     if schedule.ep is None:
-        return rows.gather(x, schedule.routed)
+        return rows.gather(tokens, schedule.routed)
     return comm.dispatch_pull(
-        schedule.ep.workspace, schedule.routed, "x", programs=schedule.config.copy_programs
+        schedule.ep.workspace,
+        schedule.routed,
+        "x",
+        programs=schedule.config.copy_programs,
+        packed_width=_packed_width(schedule.config),
     )
 
 
@@ -222,7 +256,8 @@ def experts_unfused(
     (:func:`routed_unfused`)."""
     beside = BesideCopies(ws.device, schedule.config)
     try:
-        shared, shared_out = beside.run(experts.shared_forward, x, weights, schedule.config)
+        tokens = published_tokens(ws, x, schedule.config)
+        shared, shared_out = beside.run(experts.shared_forward, tokens, weights, schedule.config)
         routed = routed_unfused(ws, schedule, x, weights)
     finally:
         beside.join()
@@ -242,7 +277,8 @@ def forward_steps(
     backend "fused" passes its kernel).
     """
     ws = schedule.ep.workspace
-    publish(ws, x=x.detach(), topk_weights=topk_weights.detach())
+    publish_tokens(ws, x, schedule.config)
+    publish(ws, topk_weights=topk_weights.detach())
     yield from barrier_point(ws)
     _, slot_weights = comm.gather_routing(ws)
     routed, shared, shared_out = (experts_step or experts_unfused)(ws, schedule, weights, x)
@@ -258,11 +294,10 @@ def local_forward(
     x: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights, schedule: TritonSchedule
 ) -> tuple[torch.Tensor, TritonContext]:
     """One process: gather rows, expert GEMMs, combine in k order (+ shared)."""
-    sched = schedule.routed
-    routed = experts.routed_forward(
-        routed_rows(schedule, x), weights, sched, schedule.config.precision
-    )
-    shared, shared_out = experts.shared_forward(x, weights, schedule.config)
+    sched, precision = schedule.routed, schedule.config.precision
+    tokens = experts.input_rows(x, precision)
+    routed = experts.routed_forward(routed_rows(schedule, tokens), weights, sched, precision)
+    shared, shared_out = experts.shared_forward(tokens, weights, schedule.config)
     y = rows.combine(routed.z, sched, topk_weights, shared_out, x.dtype, schedule.invalid)
     return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared)
 
@@ -270,13 +305,16 @@ def local_forward(
 def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
     """The context with the routed activations a bounded ring dropped recomputed (bitwise the
     forward's: the unfused pull / gather and GEMMs, which the fused kernel reproduces)."""
-    schedule = ctx.schedule
+    schedule, precision = ctx.schedule, ctx.schedule.config.precision
     if schedule.ep is not None:
         ws = schedule.ep.workspace
-        publish(ws, x=ctx.x.detach())  # the x_buffer may hold a later forward's tokens
+        publish_tokens(ws, ctx.x, schedule.config)  # x_buffer may hold a later forward's tokens
         yield from barrier_point(ws)
+        tokens = ctx.x
+    else:
+        tokens = experts.input_rows(ctx.x, precision)
     routed = experts.routed_forward(
-        routed_rows(schedule, ctx.x), ctx.weights, schedule.routed, schedule.config.precision
+        routed_rows(schedule, tokens), ctx.weights, schedule.routed, precision
     )
     return dataclasses.replace(ctx, routed=routed)
 

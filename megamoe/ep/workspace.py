@@ -11,7 +11,9 @@ kernels run under the CPU interpreter with W ranks emulated in one process.
 
 Layout of a rank's allocation (each region starts at a multiple of ``REGION_ALIGN`` bytes):
 
-  x_buffer        [T, H]    dtype  this rank's tokens, read (pulled) by the experts' owners
+  x_buffer        [T, H]    dtype  this rank's tokens, read (pulled) by the experts' owners; in
+                                   fp8 their packed 1x128 quantization instead, [T, P] int16
+                                   rows at the region's start (P = fp8.packed_width(H) <= H)
   combine_buffer  [T*K, H]  dtype  slot t*K+k, written (pushed) by the rank owning expert id[t,k]
   dy_buffer       [T, H]    dtype  backward: this rank's output gradient, pulled like x_buffer
   dx_slots        [T*K, H]  dtype  backward: d_x of slot t*K+k, pushed like combine_buffer
@@ -45,6 +47,8 @@ __all__ = [
     "cached_workspaces",
     "check_errors",
     "publish",
+    "publish_packed",
+    "packed_x_buffer",
     "BARRIER_CHANNELS",
     "REGION_ALIGN",
     "workspace_bytes",
@@ -415,6 +419,29 @@ def publish(
         if tuple(value.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(value.shape)}")
         dst.copy_(value)
+
+
+def packed_x_buffer(ws: Workspace, width: int) -> torch.Tensor:
+    """The x_buffer region as ``[T, width]`` int16 rows (packed fp8 rows, at its start)."""
+    t, words = ws.num_tokens, ws.hidden * ws.dtype.itemsize // 2
+    if isinstance(width, bool) or not isinstance(width, int) or not 0 < width <= words:
+        raise ValueError(
+            f"width must be an int in [1, {words}] (int16 words of one x_buffer row), got {width!r}"
+        )
+    return ws.x_buffer.view(torch.int16).view(-1)[: t * width].view(t, width)
+
+
+def publish_packed(ws: Workspace, x: torch.Tensor) -> None:
+    """Quantize this rank's tokens ``x [T, H]`` 1x128 straight into its x_buffer as packed fp8
+    rows (``fp8.quantize_packed``; stream-ordered, no host sync), so that the dispatch pulls
+    fp8 bytes and scales (``dispatch_pull(..., packed_width=fp8.packed_width(H))``): about half
+    the bytes of bf16 rows. Peers may read them only after the next barrier."""
+    from ..kernels import fp8  # (here: the workspace itself needs no Triton)
+
+    t, h = ws.num_tokens, ws.hidden
+    if tuple(x.shape) != (t, h):
+        raise ValueError(f"x must have shape {[t, h]}, got {list(x.shape)}")
+    fp8.quantize_packed(x, out=packed_x_buffer(ws, fp8.packed_width(h)))
 
 
 def take_stall(

@@ -719,6 +719,7 @@ def dispatch_pull(
     tile_bytes: int = PULL_TILE_BYTES,
     num_warps: int = PULL_WARPS,
     scale: bool | None = None,
+    packed_width: int | None = None,
 ) -> torch.Tensor:
     """Pull the scheduled rows from every rank into ``out [sched.rows, H]``.
 
@@ -728,6 +729,11 @@ def dispatch_pull(
     are zeros; rows past the used ones are left untouched. Call after a barrier that follows the
     publish. Unscaled pulls go in token order (:func:`pull_tokens`: a token's row crosses NVLink
     once however many of this rank's experts it was routed to); scaled ones in row order.
+
+    ``packed_width``: the buffer holds rows of that many int16 words instead (packed fp8 rows,
+    ``fp8.packed_width(H)``, published by ``workspace.publish_packed``), and ``out`` is
+    ``[sched.rows, packed_width]`` int16: the copy moves 16-bit words whatever they encode, so
+    the token's fp8 bytes and scales arrive unchanged. Unscaled pulls only.
     """
     check_schedule(ws, sched)
     if source not in ("x", "dy"):
@@ -735,18 +741,33 @@ def dispatch_pull(
     if source == "dy" and not ws.backward:
         raise ValueError("source='dy' needs a workspace built with backward=True")
     if scale is None:
-        scale = source == "dy"
+        scale = source == "dy" and packed_width is None
     elif scale and source != "dy":
         raise ValueError("scale=True needs source='dy' (x rows are never scaled)")
-    h = ws.hidden
+    h, dtype = ws.hidden, ws.dtype
+    if packed_width is not None:
+        if scale:
+            raise ValueError("packed_width needs scale=False: packed rows are words, not values")
+        words = h * ws.dtype.itemsize // 2
+        if (
+            isinstance(packed_width, bool)
+            or not isinstance(packed_width, int)
+            or not 0 < packed_width <= words
+            or packed_width % 8
+        ):
+            raise ValueError(
+                f"packed_width must be a multiple of 8 int16 words (16-byte rows) in [8, "
+                f"{words}] (a buffer row of {h} {ws.dtype} holds {words}), got {packed_width!r}"
+            )
+        h, dtype = packed_width, torch.int16
     if out is None:
-        out = empty((sched.rows, h), ws.dtype, ws.device)
-    elif out.shape != (sched.rows, h) or out.dtype != ws.dtype or not out.is_contiguous():
+        out = empty((sched.rows, h), dtype, ws.device)
+    elif out.shape != (sched.rows, h) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(
-            f"out must be a contiguous [{sched.rows}, {h}] {ws.dtype} tensor, "
+            f"out must be a contiguous [{sched.rows}, {h}] {dtype} tensor, "
             f"got {list(out.shape)} {out.dtype}"
         )
-    rows, cols = copy_tile(h, ws.dtype.itemsize, tile_bytes)
+    rows, cols = copy_tile(h, dtype.itemsize, tile_bytes)
     table = ws.peers.x if source == "x" else ws.peers.dy
     if scale:  # each row is scaled by its own slot's weight: row order
         _pull_kernel[(check_programs(programs),)](

@@ -53,11 +53,22 @@ __all__ = [
     "quantize_rows",
     "quantize_cols",
     "quantize_weight",
+    "PACK_WORDS",
+    "packed_width",
+    "quantize_packed",
+    "pack_rows",
+    "unpack_rows",
+    "dequantize_rows",
+    "requantize_cols",
 ]
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128  # values per scale along a blocked dimension
 FP8 = torch.float8_e4m3fn
+
+# A packed row's int16 words are a multiple of this (32-byte rows): Triton specializes an int
+# argument on its divisibility by 16, so copies of packed rows then move 16-byte vectors.
+PACK_WORDS = 16
 
 # Rows (or columns) of one quantization program, a [ROWS, 128] tile of the source (fewer,
 # larger programs under the interpreter, where each program costs time of its own).
@@ -167,12 +178,14 @@ def _quantize_rows_kernel(
     K,
     stride_xm,
     stride_xk,
+    stride_qm,
     stride_sm,
     stride_sk,
     ROWS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One [ROWS, 128] tile: 1x128 scales along K; q is [M, K] row-major."""
+    """One [ROWS, 128] tile: 1x128 scales along K; q's rows are contiguous, ``stride_qm``
+    apart (K, or a packed row's bytes)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
@@ -182,7 +195,9 @@ def _quantize_rows_kernel(
     x = source_f32(x, UPCAST)
     scale, inverse = pow2_scale(block_amax(tl.where(mask, x, 0.0), 1))
     tl.store(
-        q_ptr + rows64[:, None] * K + cols[None, :], to_e4m3(x * inverse[:, None], UPCAST), mask
+        q_ptr + rows64[:, None] * stride_qm + cols[None, :],
+        to_e4m3(x * inverse[:, None], UPCAST),
+        mask,
     )
     tl.store(s_ptr + rows64 * stride_sm + kb * stride_sk, scale, mask=rows < M)
 
@@ -190,26 +205,37 @@ def _quantize_rows_kernel(
 @triton.jit
 def _quantize_cols_kernel(
     x_ptr,
+    rs_ptr,
     qt_ptr,
     s_ptr,
     M,
     K,
     stride_xm,
     stride_xk,
+    stride_rm,
+    stride_rk,
     stride_sk,
     stride_sb,
     COLS: tl.constexpr,
+    DEQUANT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One [128, COLS] tile: 128x1 scales along M; writes q_t [K, M] (x^T) row-major."""
+    """One [128, COLS] tile: 128x1 scales along M; writes q_t [K, M] (x^T) row-major. With
+    ``DEQUANT`` x is fp8 with 1x128 row scales ``rs`` [M, ceil(K/128)], and the values
+    quantized are x * rs in fp32 (exact: the scales are powers of two); COLS divides 128, so
+    a tile's columns share one row scale."""
     mb = tl.program_id(0)
     rows = mb * 128 + tl.arange(0, 128)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(
-        x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask
-    )
-    x = source_f32(x, UPCAST)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
+    if DEQUANT:
+        kb = (tl.program_id(1) * COLS) // 128
+        rs = tl.load(rs_ptr + rows64 * stride_rm + kb * stride_rk, mask=rows < M, other=0.0)
+        x = from_e4m3(x, UPCAST) * rs[:, None]
+    else:
+        x = source_f32(x, UPCAST)
     scale, inverse = pow2_scale(block_amax(tl.where(mask, x, 0.0), 0))
     q = tl.trans(to_e4m3(x * inverse[None, :], UPCAST))  # [COLS, 128]
     offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
@@ -264,18 +290,13 @@ def _check_source(name: str, x: torch.Tensor, dims: int) -> None:
         )
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 blocks along the rows of ``x [M, K]``: (q float8_e4m3fn [M, K], scale float32
-    [M, ceil(K/128)]); ``scale`` is a transposed view (``scale.t()`` is contiguous). Any K: the
-    last block of a row may be partial."""
-    _check_source("x", x, 2)
+def _quantize_rows_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Launch the 1x128 quantization of ``x [M, K]`` into ``q`` (rows contiguous, any row
+    stride) and ``scale`` (any strides)."""
     m, k = x.shape
-    kb = triton.cdiv(k, BLOCK)
-    q = empty((m, k), FP8, x.device)
-    scale = empty((kb, m), torch.float32, x.device).t()
     if m and k:
         rows = _ROWS[interpreting()]
-        _quantize_rows_kernel[(triton.cdiv(m, rows), kb)](
+        _quantize_rows_kernel[(triton.cdiv(m, rows), triton.cdiv(k, BLOCK))](
             x,
             q,
             scale,
@@ -283,13 +304,58 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k,
             x.stride(0),
             x.stride(1),
+            q.stride(0),
             scale.stride(0),
             scale.stride(1),
             ROWS=rows,
             UPCAST=interpreting(),
             num_warps=4,
         )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 blocks along the rows of ``x [M, K]``: (q float8_e4m3fn [M, K], scale float32
+    [M, ceil(K/128)]); ``scale`` is a transposed view (``scale.t()`` is contiguous). Any K: the
+    last block of a row may be partial."""
+    _check_source("x", x, 2)
+    m, k = x.shape
+    q = empty((m, k), FP8, x.device)
+    scale = empty((triton.cdiv(k, BLOCK), m), torch.float32, x.device).t()
+    _quantize_rows_into(x, q, scale)
     return q, scale
+
+
+def _quantize_cols_launch(
+    x: torch.Tensor, row_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_t, scale) of the 128x1 quantization of ``x``, or with ``row_scale`` of the values
+    ``x * row_scale`` of fp8 rows ``x``."""
+    m, k = x.shape
+    mb = triton.cdiv(m, BLOCK)
+    q_t = empty((k, m), FP8, x.device)
+    scale = empty((mb, k), torch.float32, x.device).t()
+    rs = x if row_scale is None else row_scale
+    if m and k:
+        cols = _ROWS[interpreting()]  # (32 or 128: divides 128, as DEQUANT needs)
+        _quantize_cols_kernel[(mb, triton.cdiv(k, cols))](
+            x,
+            rs,
+            q_t,
+            scale,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            rs.stride(0),
+            rs.stride(1),
+            scale.stride(0),
+            scale.stride(1),
+            COLS=cols,
+            DEQUANT=row_scale is not None,
+            UPCAST=interpreting(),
+            num_warps=4,
+        )
+    return q_t, scale
 
 
 def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,27 +364,122 @@ def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     transposed view (``scale.t()`` [ceil(M/128), K] is contiguous). The same as
     ``quantize_rows(x.t())``, reading ``x`` in place."""
     _check_source("x", x, 2)
-    m, k = x.shape
-    mb = triton.cdiv(m, BLOCK)
-    q_t = empty((k, m), FP8, x.device)
-    scale = empty((mb, k), torch.float32, x.device).t()
-    if m and k:
-        cols = _ROWS[interpreting()]
-        _quantize_cols_kernel[(mb, triton.cdiv(k, cols))](
-            x,
-            q_t,
-            scale,
-            m,
-            k,
-            x.stride(0),
-            x.stride(1),
-            scale.stride(0),
-            scale.stride(1),
-            COLS=cols,
-            UPCAST=interpreting(),
-            num_warps=4,
+    return _quantize_cols_launch(x, None)
+
+
+def _check_quantized(q: torch.Tensor, scale: torch.Tensor) -> None:
+    """``q [M, K]`` fp8 and its 1x128 scales ``[M, ceil(K/128)]`` fp32 (any strides)."""
+    if q.dtype != FP8 or q.dim() != 2:
+        raise ValueError(f"q must be a 2-D float8_e4m3fn tensor, got {q.dtype} {list(q.shape)}")
+    expected = [q.shape[0], triton.cdiv(q.shape[1], BLOCK)]
+    if scale.dtype != torch.float32 or list(scale.shape) != expected:
+        raise ValueError(
+            f"scale must be a float32 {expected} tensor (one scale per row and 128 columns of "
+            f"q), got {scale.dtype} {list(scale.shape)}"
         )
-    return q_t, scale
+
+
+def requantize_cols(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_cols`` of the values ``q * scale`` of 1x128-quantized rows (``q [M, K]`` fp8,
+    ``scale [M, ceil(K/128)]``, any strides: e.g. :func:`unpack_rows`' views), in one pass.
+
+    The dequantized values are exact in fp32 (the scales are powers of two), so this is
+    ``quantize_cols(dequantize_rows(q, scale))`` bit for bit, without the [M, K] fp32
+    intermediate. A value ``q * s`` is E4M3 times a power of two; divided by its 128x1 block's
+    scale (also a power of two, at least amax / 448) it still is, so it is requantized exactly
+    unless it falls into E4M3's subnormal range (below 2^-6 times the new scale: below amax /
+    14336 of its column block), where it is rounded to a multiple of 2^-9 times the scale.
+    """
+    _check_quantized(q, scale)
+    return _quantize_cols_launch(q, scale)
+
+
+def dequantize_rows(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``q * scale`` of 1x128-quantized rows (``q [M, K]`` fp8, ``scale [M, ceil(K/128)]``) in
+    ``dtype``: exact in fp32 (an E4M3 value times a power of two). Torch ops (tests and
+    references; the layer's kernels read q and the scales directly)."""
+    _check_quantized(q, scale)
+    k = q.shape[1]
+    return (q.float() * scale.repeat_interleave(BLOCK, dim=1)[:, :k]).to(dtype)
+
+
+def packed_width(hidden: int) -> int:
+    """int16 words of one packed row of ``hidden`` fp8 values: their ``hidden`` bytes, then
+    their ceil(hidden/128) float32 scales, padded with zeros to a multiple of PACK_WORDS."""
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 16 or hidden % 16:
+        raise ValueError(
+            f"hidden must be a positive multiple of 16 (16-byte fp8 rows), got {hidden!r}"
+        )
+    words = hidden // 2 + 2 * triton.cdiv(hidden, BLOCK)
+    return triton.cdiv(words, PACK_WORDS) * PACK_WORDS
+
+
+def _packed_out(out: torch.Tensor | None, m: int, hidden: int, device) -> torch.Tensor:
+    width = packed_width(hidden)
+    if out is None:
+        return empty((m, width), torch.int16, device)
+    if out.dtype != torch.int16 or tuple(out.shape) != (m, width) or out.stride(1) != 1:
+        raise ValueError(
+            f"out must be an int16 [{m}, {width}] tensor with contiguous rows (packed_width("
+            f"{hidden}) words each), got {out.dtype} {list(out.shape)} strides {out.stride()}"
+        )
+    return out
+
+
+def _zero_tail(packed: torch.Tensor, hidden: int) -> torch.Tensor:
+    """Zero the padding words of packed rows (every byte of a packed row is determined)."""
+    used = hidden + 4 * triton.cdiv(hidden, BLOCK)
+    if 2 * packed.shape[1] > used:
+        packed.view(torch.uint8)[:, used:].zero_()
+    return packed
+
+
+def unpack_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [M, hidden], scale float32 [M, ceil(hidden/128)]) of packed rows
+    ``[M, packed_width(hidden)]`` int16: views, no copy. Their rows are the packed rows'
+    stride apart (the fp8 GEMMs and :func:`requantize_cols` take these strides)."""
+    width = packed_width(hidden)
+    if (
+        packed.dtype != torch.int16
+        or packed.dim() != 2
+        or packed.shape[1] != width
+        or packed.stride(1) != 1
+    ):
+        raise ValueError(
+            f"packed must be an int16 [rows, {width}] tensor with contiguous rows (packed_width("
+            f"{hidden})), got {packed.dtype} {list(packed.shape)} strides {packed.stride()}"
+        )
+    raw = packed.view(torch.uint8)
+    kb = triton.cdiv(hidden, BLOCK)
+    return raw[:, :hidden].view(FP8), raw[:, hidden : hidden + 4 * kb].view(torch.float32)
+
+
+def pack_rows(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Packed rows ``[M, packed_width(K)]`` int16 of 1x128-quantized rows (``q [M, K]`` fp8,
+    ``scale [M, ceil(K/128)]``): the bytes of q's row, then its scales, then zeros. Into
+    ``out`` when given."""
+    _check_quantized(q, scale)
+    m, k = q.shape
+    packed = _packed_out(out, m, k, q.device)
+    q_view, scale_view = unpack_rows(packed, k)
+    q_view.copy_(q)
+    scale_view.copy_(scale)
+    return _zero_tail(packed, k)
+
+
+def quantize_packed(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``pack_rows(*quantize_rows(x))`` in one pass: ``x [M, K]`` (K a multiple of 16)
+    quantized 1x128 straight into packed rows ``[M, packed_width(K)]`` int16 (into ``out``
+    when given, e.g. a workspace's ``x_buffer``)."""
+    _check_source("x", x, 2)
+    m, k = x.shape
+    packed = _packed_out(out, m, k, x.device)
+    _quantize_rows_into(x, *unpack_rows(packed, k))
+    return _zero_tail(packed, k)
 
 
 def quantize_weight(w: torch.Tensor, *, transposed: bool = False) -> Fp8Weight:

@@ -93,6 +93,9 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 # sentinel (ints), so an element a kernel forgot to write shows up in the results.
 _POISON = False
 _INT_POISON = -(2**30)
+# Ints too narrow for it (int16 packed fp8 rows, bytes): every byte 0x7F, a large integer
+# that reads as NaN in float8_e4m3fn and as 3.4e38 in a float32 scale.
+_BYTE_POISON = 0x7F
 
 
 @contextlib.contextmanager
@@ -119,5 +122,16 @@ def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device
         ):
             return torch.zeros(shape, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
-    fill = float("nan") if dtype.is_floating_point else _INT_POISON
-    return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.full(shape, _poison(dtype), dtype=dtype, device=device)
+
+
+def _poison(dtype: torch.dtype) -> float | int | bool:
+    """The fill of a poisoned buffer of ``dtype`` (it must fit the dtype)."""
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    info = torch.iinfo(dtype)
+    if info.min <= _INT_POISON <= info.max:
+        return _INT_POISON
+    return int.from_bytes(bytes([_BYTE_POISON]) * (info.bits // 8), "little")

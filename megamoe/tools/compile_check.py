@@ -233,6 +233,7 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
             "triton fp8 dsv3 W=1",
             lambda: _train_step(unfused, cfg.replace(precision="fp8"), tokens - 7),
         ),
+        ("triton fp8 dsv3 W=2 (rank 0)", lambda: _ep_step(ep2.replace(precision="fp8"), tokens, 2)),
         ("fused dsv3 comm kernel", fused_step(cfg)),
         ("fused dsv3 comm kernel traced", fused_step(cfg, trace=True)),
         ("fused dsv3 odd row width", fused_step(odd)),

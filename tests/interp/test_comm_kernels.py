@@ -18,10 +18,11 @@ from megamoe.ep.workspace import (
     check_errors,
     emulated_workspaces,
     publish,
+    publish_packed,
     workspace_bytes,
 )
 from megamoe.errors import ErrorWord, Stage, StallError
-from megamoe.kernels import comm
+from megamoe.kernels import comm, fp8
 from megamoe.kernels.schedule import build_row_schedule
 
 BLOCK_ROWS = 16
@@ -120,6 +121,39 @@ def test_dispatch_lands_every_row(case):
         assert torch.equal(out[:used][real][:, 1].long(), token[real])
         assert torch.all(out[:used][~real] == 0)  # padding rows are zero-filled
         assert torch.all(out[used:].isnan())  # rows past the used ones are not touched
+
+
+@pytest.mark.parametrize(
+    "world, t, h, k, e_local, programs, tile",
+    [(2, 10, 272, 2, 3, 3, 256), (3, 7, 2304, 3, 2, 2, 4096)],  # 144 and 1200 words a row
+    ids=["W2-H272", "W3-H2304"],
+)
+def test_dispatch_moves_packed_fp8_rows_word_for_word(world, t, h, k, e_local, programs, tile):
+    """``publish_packed`` quantizes each rank's tokens into its x_buffer as packed fp8 rows, and
+    the pull with ``packed_width`` lands each token's packed row (its fp8 bytes and scales)
+    unchanged in every row routed to it: padding rows zeros, rows past the used ones untouched."""
+    cl = Cluster(world, t, h, k, e_local, seed=world * 100 + h)
+    width = fp8.packed_width(h)
+    for ws, x in zip(cl.ws, cl.x):
+        publish_packed(ws, x)
+    barrier_all(cl.ws)
+    tokens = fp8.quantize_packed(torch.cat(cl.x))
+    for r in range(cl.world):
+        sched = cl.scheds[r]
+        out = torch.full((sched.rows, width), 0x7F7F, dtype=torch.int16)
+        pulled = comm.dispatch_pull(
+            cl.ws[r], sched, out=out, programs=programs, tile_bytes=tile, packed_width=width
+        )
+        assert pulled is out
+        used, slots = cl.used_rows(r), cl.row_slots(r)
+        real = slots >= 0
+        assert torch.equal(out[:used][real], tokens[slots[real] // cl.k])
+        assert torch.all(out[:used][~real] == 0)
+        assert torch.all(out[used:] == 0x7F7F)
+        q, scale = fp8.unpack_rows(out[:used][real], h)
+        want_q, want_scale = fp8.quantize_rows(torch.cat(cl.x)[slots[real] // cl.k])
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
 
 
 def test_dispatch_of_an_emptied_schedule_writes_nothing(case):
@@ -298,6 +332,14 @@ def test_errors_name_the_argument():
         comm.dispatch_pull(ws, sched, programs=0)
     with pytest.raises(ValueError, match="channel must be"):
         comm.barrier(ws, channel=BARRIER_CHANNELS)
+    with pytest.raises(ValueError, match="packed_width needs scale=False"):
+        comm.dispatch_pull(ws, sched, source="dy", scale=True, packed_width=16)
+    with pytest.raises(ValueError, match=r"packed_width must be a multiple of 8 .* \[8, 16\]"):
+        comm.dispatch_pull(ws, sched, packed_width=24)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[32, 16\] torch.int16"):
+        comm.dispatch_pull(ws, sched, packed_width=16, out=torch.zeros(sched.rows, 16))
+    with pytest.raises(ValueError, match=r"x must have shape \[4, 16\]"):
+        publish_packed(ws, torch.zeros(4, 32))
     wrong = build_row_schedule(torch.zeros(4, 2, dtype=torch.int32), 1, BLOCK_ROWS)
     with pytest.raises(ValueError, match=r"all ranks' ids \[W\*T, K\] = \[8, 2\]"):
         comm.combine_push(ws, torch.zeros(wrong.rows, 16, dtype=torch.bfloat16), wrong)

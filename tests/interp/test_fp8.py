@@ -251,6 +251,94 @@ def test_quantizers_name_bad_arguments() -> None:
         fp8.quantize_cols(torch.zeros(4, 4, dtype=FP8))
 
 
+# ------------------------------------------------------------------ packed rows, re-blocking
+
+
+def test_packed_width() -> None:
+    # H bytes + 4 bytes per 128 columns, in int16 words, padded to PACK_WORDS
+    assert fp8.packed_width(7168) == 3584 + 112  # dsv3: already a multiple of 16 words
+    assert fp8.packed_width(144) == 80 and fp8.packed_width(16) == 16
+    for h in range(16, 4096, 16):
+        width = fp8.packed_width(h)
+        assert width % fp8.PACK_WORDS == 0 and h // 2 + 2 * triton.cdiv(h, 128) <= width <= h
+    for bad in (0, 8, 136, 7168.0, True):
+        with pytest.raises(ValueError, match=r"hidden must be a positive multiple of 16"):
+            fp8.packed_width(bad)
+
+
+def test_pack_unpack_round_trip_is_exact() -> None:
+    """Every fp8 byte (NaN included) and every float32 scale bit pattern (inf, NaN, subnormal,
+    negative zero) comes back unchanged; the padding words are zeros."""
+    m, h = 300, 272  # a partial 128-block: 3 scales, 136 + 6 = 142 words padded to 144
+    gen = torch.Generator().manual_seed(4)
+    q = torch.arange(m * h, dtype=torch.int64).remainder(256).to(torch.uint8).view(m, h).view(FP8)
+    bits = torch.randint(-(2**31), 2**31, (m, 3), generator=gen, dtype=torch.int64)
+    bits[:4, 0] = torch.tensor([0x7F800000, 0x7FC00001, 0x00000001, -(2**31)])
+    scale = bits.to(torch.int32).view(torch.float32)
+    with poisoned_buffers():
+        packed = fp8.pack_rows(q, scale)
+    assert packed.dtype == torch.int16 and packed.shape == (m, fp8.packed_width(h)) == (m, 144)
+    q2, scale2 = fp8.unpack_rows(packed, h)
+    assert same_bytes(q2, q) and torch.equal(scale2.view(torch.int32), scale.view(torch.int32))
+    assert q2.data_ptr() == packed.data_ptr()  # views, no copy
+    assert packed.view(torch.uint8)[:, h + 12 :].eq(0).all()
+    # a strided scale (quantize_rows' MN-major view) packs the same
+    mn_major = scale.t().contiguous().t()
+    assert torch.equal(fp8.pack_rows(q, mn_major), packed)
+
+
+@INF_BLOCK
+def test_quantize_packed_is_pack_rows_of_quantize_rows() -> None:
+    x = _awkward_rows(37, 272, seed=5).to(torch.bfloat16)
+    with poisoned_buffers():
+        packed = fp8.quantize_packed(x)
+        into = torch.full((37, fp8.packed_width(272)), -1, dtype=torch.int16)
+        fp8.quantize_packed(x, out=into)
+        want = fp8.pack_rows(*fp8.quantize_rows(x))
+    assert torch.equal(packed, want) and torch.equal(into, want)
+    q, scale = fp8.unpack_rows(packed, 272)
+    want_q, want_scale = ref_quantize_rows(x)
+    assert same_bytes(q, want_q) and torch.equal(scale, want_scale)
+
+
+@INF_BLOCK
+def test_requantize_cols_is_quantize_cols_of_the_dequantized_rows() -> None:
+    """Bit for bit, from the packed views too; on unscaled Gaussian rows it also equals the
+    direct 128x1 quantization of x on all but a few elements (only values in an E4M3 subnormal
+    range of a block can differ)."""
+    x = _awkward_rows(300, 272, seed=6)  # 3 column blocks, the last partial; tiny rows
+    q, scale = fp8.quantize_rows(x)
+    with poisoned_buffers():
+        q_t, s_t = fp8.requantize_cols(q, scale)
+        from_packed = fp8.requantize_cols(*fp8.unpack_rows(fp8.pack_rows(q, scale), 272))
+    values = fp8.dequantize_rows(q, scale)
+    assert torch.allclose(values.double(), dequant_rows(q, scale), 0, 0, equal_nan=True)
+    want_q, want_s = fp8.quantize_cols(values)
+    assert same_bytes(q_t, want_q) and torch.equal(s_t, want_s)
+    assert same_bytes(from_packed[0], want_q) and torch.equal(from_packed[1], want_s)
+    # re-blocking an E4M3 value times a power of two is exact above the subnormal range
+    back = dequant_rows(q_t, s_t)
+    finite = values.t().isfinite()
+    tiny = values.t().abs() < s_t.double().repeat_interleave(128, 1)[:, :300] * 2.0**-6
+    assert torch.equal(back[finite & ~tiny], values.t().double()[finite & ~tiny])
+    gauss = torch.randn(512, 1024, generator=torch.Generator().manual_seed(7))
+    direct = dequant_rows(*fp8.quantize_cols(gauss))
+    reblocked = dequant_rows(*fp8.requantize_cols(*fp8.quantize_rows(gauss)))
+    assert (direct != reblocked).double().mean() < 1e-4
+
+
+def test_packed_rows_name_bad_arguments() -> None:
+    q, scale = fp8.quantize_rows(torch.randn(4, 144))
+    with pytest.raises(ValueError, match=r"packed must be an int16 \[rows, 80\] tensor"):
+        fp8.unpack_rows(torch.zeros(4, 72, dtype=torch.int16), 144)
+    with pytest.raises(ValueError, match=r"out must be an int16 \[4, 80\] tensor"):
+        fp8.pack_rows(q, scale, out=torch.zeros(4, 80, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"scale must be a float32 \[4, 2\] tensor"):
+        fp8.requantize_cols(q, scale[:, :1])
+    with pytest.raises(ValueError, match="q must be a 2-D float8_e4m3fn tensor"):
+        fp8.dequantize_rows(q.float(), scale)
+
+
 # -------------------------------------------------------------------------------------- GEMMs
 
 

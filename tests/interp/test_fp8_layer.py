@@ -3,8 +3,9 @@
 Checked: the output and every gradient against a float64 emulation of the quantized recipe
 (the same 1x128 / 128x1 / 128x128 quantization in torch ops, the same bf16 roundings of the
 saved activations, every product in float64) and against the float64 layer on the unquantized
-inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2 and 3 (lockstep);
-backend "reference"'s fp8 recipe against the same emulation;
+inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2 and 3 (lockstep),
+where the dispatch moves packed fp8 rows; backend "reference"'s fp8 recipe against the same
+emulation;
 every output written (poisoned buffers); the weight cache quantizes each weight once per
 version; the errors.
 """
@@ -22,6 +23,7 @@ from megamoe import functional
 from megamoe.backends import fp8_weights, resolve_backend
 from megamoe.backends import triton as backend
 from megamoe.config import TUNABLES, MoEConfig
+from megamoe.kernels import comm, fp8
 from megamoe.kernels.runtime import poisoned_buffers
 from megamoe.types import ExpertWeights, MoEGrads
 from support.lockstep import ep_step
@@ -98,7 +100,8 @@ def _expert(x, dz, w_gate, w_up, w_down):
     sig = torch.sigmoid(gb)
     dg, du = _bf16(dh * ub * sig * (1 + gb * (1 - sig))), _bf16(dh * gb * sig)
     dx = _bf16(_rows(dg) @ wg + _rows(du) @ wu)
-    dw = (_cols(dg).t() @ _cols(x), _cols(du).t() @ _cols(x), _cols(dz).t() @ _cols(hb))
+    xc = _cols(_rows(x))  # re-blocked from x's 1x128 quantization (the dispatched rows)
+    dw = (_cols(dg).t() @ xc, _cols(du).t() @ xc, _cols(dz).t() @ _cols(hb))
     return z, dx, *dw
 
 
@@ -247,16 +250,18 @@ EP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", params(*EP_CASES))
-def test_expert_parallel_fp8_is_bitwise_single_process(case: Case) -> None:
+def _ep_against_single_process(case: Case):
+    """Every rank's y, d_x, d_w and expert weight gradients bitwise those of one process on
+    the global batch (the shared expert's weight gradients: per-rank partial sums); returns
+    the ranks' (y, ctx, grads) and the single process's context."""
     p = _problem(case, seed=EP_CASES.index(case))
     e_local, t = case.local_experts, case.tokens
     with poisoned_buffers():
         out, _, _ = ep_step(p, poison_slots=False)
         x, ids, tw, dy = p.single
         sched = backend.build_schedule(ids, p.config, None)
-        y1, ctx = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
-        g1 = backend.backward(ctx, dy)
+        y1, ctx1 = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
+        g1 = backend.backward(ctx1, dy)
     assert len(out) == case.world
     for r, (y, _, g) in enumerate(out):
         tok, ex = slice(r * t, (r + 1) * t), slice(r * e_local, (r + 1) * e_local)
@@ -270,6 +275,51 @@ def test_expert_parallel_fp8_is_bitwise_single_process(case: Case) -> None:
             total = sum(getattr(o[2], name).double() for o in out)
             ref = getattr(g1, name).double()
             assert (total - ref).norm() <= 2e-2 * ref.norm(), name
+    return p, out, ctx1
+
+
+def _packed_rows_of_their_tokens(xs: torch.Tensor, sched, tokens: torch.Tensor) -> None:
+    """``xs`` holds packed fp8 rows (not bf16): each real row is its token's packed 1x128
+    quantization, padding rows zeros."""
+    assert xs.dtype == torch.int16 and xs.shape == (sched.rows, fp8.packed_width(tokens.shape[1]))
+    used = int(sched.num_blocks) * sched.block_rows
+    slots = sched.row_src[:used].long()
+    real = slots >= 0
+    assert torch.equal(xs[:used][real], fp8.quantize_packed(tokens)[slots[real] // sched.top_k])
+    assert (xs[:used][~real] == 0).all()
+
+
+def test_the_dispatch_moves_packed_fp8_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In fp8 every rank publishes its tokens quantized 1x128 and packed, the dispatch pulls
+    those int16 words (a row's fp8 bytes and scales: 64 + 2 words padded to 80 at H 128, where
+    bf16 takes 128; at dsv3's H 7168, 3696 against 7168), the routed GEMMs read them in place,
+    and W = 2 gives the bits of W = 1, whose gather moves the same packed rows."""
+    pulls = []
+    pull = comm.dispatch_pull
+
+    def recording(ws, sched, source="x", *args, **kwargs):
+        out = pull(ws, sched, source, *args, **kwargs)
+        pulls.append((source, kwargs.get("packed_width"), out))
+        return out
+
+    monkeypatch.setattr(comm, "dispatch_pull", recording)
+    case = EP_CASES[0]
+    p, out, ctx1 = _ep_against_single_process(case)
+    x_pulls = [(w, o) for source, w, o in pulls if source == "x"]
+    assert len(x_pulls) == case.world
+    all_x = p.single.x
+    for r, ((width, pulled), (_, ctx, _)) in enumerate(zip(x_pulls, out)):
+        assert width == fp8.packed_width(case.hidden), f"rank {r}"
+        assert ctx.routed.xs is pulled  # the GEMMs' input rows are the pulled words
+        _packed_rows_of_their_tokens(pulled, ctx.schedule.routed, all_x)
+        bf16_bytes = ctx.schedule.routed.rows * case.hidden * 2
+        assert pulled.numel() * 2 <= 0.65 * bf16_bytes
+    _packed_rows_of_their_tokens(ctx1.routed.xs, ctx1.schedule.routed, all_x)  # W = 1: gathered
+
+
+@pytest.mark.parametrize("case", params(*EP_CASES[1:]))
+def test_expert_parallel_fp8_is_bitwise_single_process(case: Case) -> None:
+    _ep_against_single_process(case)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,8 +12,14 @@ from megamoe.ops import moe_forward
 from support.problems import Case, make_problem
 
 CASE = Case(13, 64, 32, 4, 2, shared=32, block_rows=16)
-# (the fused kernel with a ring of every row, and with a bounded ring: no routed state saved)
-CONFIGS = {"triton": {}, "fused": {}, "fused-ring": dict(minibatch_rows=16, ring_rows=16)}
+# (the fused kernel with a ring of every row, and with a bounded ring: no routed state saved;
+# fp8, whose saved routed rows are packed fp8 rows)
+CONFIGS = {
+    "triton": {},
+    "triton-fp8": dict(precision="fp8", block_rows=128, minibatch_rows=128),
+    "fused": {},
+    "fused-ring": dict(minibatch_rows=16, ring_rows=16),
+}
 
 
 def _config(variant: str):
