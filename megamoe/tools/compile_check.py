@@ -169,8 +169,9 @@ def _comm_extras(tokens: int, hidden: int, top_k: int, world_size: int) -> None:
 
 
 def _fp8_step(cfg, tokens: int) -> None:
-    """Every launch of the fp8 quantizers and block-scaled GEMMs in one training step (not yet
-    called by a backend; docs/fp8.md)."""
+    """Every launch of the fp8 quantizers and block-scaled GEMMs in one training step, called
+    directly on quantize_rows' operands (the backends' steps feed them packed dispatched rows:
+    the "triton fp8" scenarios; docs/fp8.md)."""
     from ..kernels import fp8, fp8_gemm
     from ..kernels.schedule import build_row_schedule
 
