@@ -40,8 +40,9 @@ def main() -> None:
         "MN-major": lambda: fp8_gemm.gate_up(q, s_mn, *w, sched),
         "MN-major copy": lambda: s_rows.t().contiguous(),
     }
+    used = int(sched.num_blocks.item()) * sched.block_rows  # (rows past it are not written)
     ref = calls["row-major (packed)"]()
-    same = all(torch.equal(a, b) for a, b in zip(ref, calls["MN-major"]()))
+    same = all(torch.equal(a[:used], b[:used]) for a, b in zip(ref, calls["MN-major"]()))
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(5):
         for name, fn in calls.items():
