@@ -34,16 +34,21 @@ from ..kernels.schedule import RowSchedule
 from ..shapes import MODEL_SHAPES, PRESETS, get_preset
 from ..types import ExpertWeights
 
-__all__ = ["bench_grouped_gemm", "bench_layer", "gemm_shapes", "kernel_calls", "KERNELS"]
+__all__ = [
+    "bench_grouped_gemm",
+    "bench_layer",
+    "gemm_shapes",
+    "kernel_calls",
+    "event_times_ms",
+    "KERNELS",
+]
 
 KERNELS = ("gate_up", "down", "dgrad_swiglu", "dgrad_pair", "wgrad_down", "wgrad_gate_up")
 _WARMUP = 5
 
 
-def _time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median over ``iters`` of one call's CUDA-event time, after a warm-up."""
-    for _ in range(_WARMUP):
-        fn()
+def event_times_ms(fn: Callable[[], object], iters: int) -> list[float]:
+    """The CUDA-event time of each of ``iters`` calls, back to back (no warm-up)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for s, e in zip(starts, ends):
@@ -51,7 +56,14 @@ def _time_ms(fn: Callable[[], object], iters: int) -> float:
         fn()
         e.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def _time_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median over ``iters`` of one call's CUDA-event time, after a warm-up."""
+    for _ in range(_WARMUP):
+        fn()
+    return statistics.median(event_times_ms(fn, iters))
 
 
 def _balanced_ids(tokens: int, experts: int, top_k: int, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..kernels.gemm import GemmTiles
-from .bench_kernels import KERNELS, _flops, _gpu_name, gemm_shapes, kernel_calls
+from .bench_kernels import KERNELS, _flops, _gpu_name, event_times_ms, gemm_shapes, kernel_calls
 
 __all__ = ["CANDIDATES", "TILE_KIND", "sweep_tiles", "fits_shared_memory"]
 
@@ -125,17 +125,6 @@ def _bits(out, rows: int, used: int) -> list[torch.Tensor]:
     ]
 
 
-def _times_ms(fn: Callable[[], object], iters: int) -> list[float]:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-
-
 def _sweep_kernel(
     module,
     tile_kind: str,
@@ -168,7 +157,7 @@ def _sweep_kernel(
     for _ in range(rounds):
         for t, _rec, times in live:
             with _tiles(module, tile_kind, t):
-                times += _times_ms(fn, iters)
+                times += event_times_ms(fn, iters)
     for _t, rec, times in live:
         rec["ms"] = statistics.median(times)
     return recs
