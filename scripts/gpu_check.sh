@@ -36,7 +36,7 @@
 #            (megamoe.tools.bench_kernels; gemms.json)
 #   tiles    (not part of all) the tile sweep of the grouped GEMMs (megamoe.tools.sweep_tiles):
 #            every candidate tile of each GEMM beside the default, same-bits check, interleaved
-#            timing, on $MEGAMOE_TILE_MODELS (default "deepseek-v3 qwen3-30b-a3b") at
+#            timing, on $MEGAMOE_TILE_MODELS (default "dsv3 qwen3-30b glm-4.5") at
 #            $MEGAMOE_GEMM_TOKENS tokens in $MEGAMOE_GEMM_PRECISIONS (tiles.json); a candidate
 #            that changes bits fails the step
 #   train    (not part of all) megamoe train-bench: the DeepSeek-V3- and Qwen3-30B-A3B-shaped
@@ -289,7 +289,7 @@ fi
 if want tiles; then
     # shellcheck disable=SC2086
     step "tile sweep" "$OUT/tiles.log" "$PY" -m megamoe.tools.sweep_tiles \
-        --model ${MEGAMOE_TILE_MODELS:-deepseek-v3 qwen3-30b-a3b} \
+        --model ${MEGAMOE_TILE_MODELS:-dsv3 qwen3-30b glm-4.5} \
         --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" --precision ${MEGAMOE_GEMM_PRECISIONS:-bf16} \
         --out "$OUT/tiles.json"
 fi

@@ -8,7 +8,7 @@ hits all of them alike). One record per (shape, kernel, candidate): median ms, T
 ratio to the default in the same run, ``same_bits`` and the tiles. A candidate that does not
 compile or does not fit the SM is recorded with its error and left out of the timing.
 
-``python -m megamoe.tools.sweep_tiles --model dsv3 qwen3-30b-a3b --precision bf16 fp8
+``python -m megamoe.tools.sweep_tiles --model dsv3 qwen3-30b glm-4.5 --precision bf16 fp8
 --out tiles.json``. The chosen tiles go into ``gemm.GPU_TILES`` / ``fp8_gemm.GPU_TILES`` (or a
 rule by shape) with the records that chose them (docs/tuning.md).
 """
@@ -328,7 +328,7 @@ def _line(rec: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tile sweep of the grouped GEMMs (one GPU)")
-    parser.add_argument("--model", nargs="+", default=["dsv3", "qwen3-30b-a3b"])
+    parser.add_argument("--model", nargs="+", default=["dsv3", "qwen3-30b", "glm-4.5"])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--precision", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
