@@ -1,6 +1,6 @@
 """Tile sweep of the grouped GEMMs: which tiles, stages, warps and grid are fastest, by shape.
 
-For each shape of the model table and each of the six GEMMs, every candidate of
+For each shape (a model of the table, or a preset) and each of the six GEMMs, every candidate of
 ``CANDIDATES[precision][tile kind]`` (the default first) is compiled, its output compared
 bitwise with the default's (a tile choice must never change a bit), and then the candidates are
 timed round-robin (``rounds`` rounds of ``iters`` iterations each, so a drift of the GPU's clock
