@@ -167,6 +167,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, topk_ids, topk_weights, *weights, *saved)
     ctx.static = (config, group, backend)
     ctx.mark_non_differentiable(*saved)
+    # The saved state gets no gradient: without this autograd would hand the backward a zeroed
+    # tensor the size of every saved activation (a memset of all of them and a host allocation
+    # each, every step).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, grad_saved):

@@ -29,7 +29,7 @@
 #            model that runs past STEP_TIMEOUT_S loses only its own records), no float64 check
 #            (the weights of the whole table's experts on one GPU; the tests check accuracy)
 #   host     (not part of all) where the host time of a call goes (megamoe.tools.profile
-#            --host): triton and fused, forward + backward, on $MEGAMOE_HOST_MODEL
+#            --host): triton and fused, forward and training step, on $MEGAMOE_HOST_MODEL
 #   gemms    (not part of all) our six grouped GEMMs against torch._grouped_mm on every model
 #            of $MEGAMOE_MODELS (default all) at $MEGAMOE_GEMM_TOKENS tokens (default 4096), in
 #            $MEGAMOE_GEMM_PRECISIONS (default bf16; fp8 adds the cuBLAS anchors)
@@ -274,8 +274,12 @@ fi
 
 if want host; then
     for backend in triton fused; do
-        step "host time $backend" "$OUT/host.log" "$PY" -m megamoe.tools.profile --host \
-            --backward --model "${MEGAMOE_HOST_MODEL:-qwen3-30b-a3b}" --backend "$backend"
+        step "host time $backend forward" "$OUT/host.log" "$PY" -m megamoe.tools.profile --host \
+            --model "${MEGAMOE_HOST_MODEL:-qwen3-30b-a3b}" --backend "$backend" \
+            --out "$OUT/host_${backend}_forward"
+        step "host time $backend step" "$OUT/host.log" "$PY" -m megamoe.tools.profile --host \
+            --backward --model "${MEGAMOE_HOST_MODEL:-qwen3-30b-a3b}" --backend "$backend" \
+            --out "$OUT/host_${backend}_step"
     done
 fi
 

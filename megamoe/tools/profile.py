@@ -11,9 +11,11 @@ around it and whether the host issued the launch after the GPU had run dry (host
 before (something on the device side held the launch back). ``--out`` gets every rank's chrome trace
 (``trace_rank{r}.json``, open in https://ui.perfetto.dev) and ``profile_rank{r}.json``.
 
-``--host``: where the host time of a call goes instead: ``cProfile`` over the calls, each after
-a device sync (so no launch waits for a full queue), the functions with the most own time and
-the most time inside them.
+``--host``: where the host time of a call goes instead, each call after a device sync (so no
+launch waits for a full queue): the host time per call inside the layer's functions, inside each
+Triton kernel's launch and inside TMA descriptor construction (timers around them,
+:func:`host_breakdown`), the host-device synchronizations the call makes (torch's sync debug
+mode), the ATen ops' host time (``torch.profiler``, CPU only), then ``cProfile``'s tables.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = [
     "idle_gaps",
     "profile_calls",
     "profile_host",
+    "host_breakdown",
+    "format_breakdown",
     "main",
 ]
 
@@ -217,6 +221,110 @@ def profile_host(run: Callable[[], None], calls: int, top: int = 25) -> tuple[fl
     return total / calls * 1e3, text.getvalue()
 
 
+# What host_breakdown times, by label: (module path, attribute). A Triton kernel's launch is timed
+# per kernel (JITFunction.run, which every ``kernel[grid](...)`` calls).
+HOST_TIMERS = {
+    "functional.forward": ("megamoe.functional", "forward"),
+    "functional.backward": ("megamoe.functional", "backward"),
+    "build_schedule": ("megamoe.functional", "build_schedule"),
+    "descriptors": ("triton.tools.tensor_descriptor", "TensorDescriptor.from_tensor"),
+}
+
+
+def host_breakdown(run: Callable[[], None], calls: int) -> dict[str, Any]:
+    """Host microseconds per call of ``run()`` (each after a device sync): in all, inside the
+    :data:`HOST_TIMERS`, inside each Triton kernel's launch (``launch:<kernel>``, with launches
+    per call), the synchronizations per call (``syncs``: torch's sync debug mode counts every
+    host wait on the device that torch makes) and the ATen ops' own host time (``aten``)."""
+    import importlib
+    import time
+    import warnings
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+    from triton.runtime.jit import JITFunction
+
+    spent: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+
+    def timed(label_of: Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            label = label_of(*args)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t0
+                count[label] += 1
+
+        return wrapper
+
+    patches: list[tuple[Any, str, Any]] = []
+    for label, (module, attr) in HOST_TIMERS.items():
+        owner: Any = importlib.import_module(module)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = owner.__dict__[name]
+        fn = original.__func__ if isinstance(original, (classmethod, staticmethod)) else original
+        wrapped = timed(lambda *a, _label=label: _label, fn)
+        if isinstance(original, (classmethod, staticmethod)):
+            wrapped = type(original)(wrapped)
+        patches.append((owner, name, original))
+        setattr(owner, name, wrapped)
+    patches.append((JITFunction, "run", JITFunction.run))
+    JITFunction.run = timed(lambda self, *a: f"launch:{self.__name__}", JITFunction.run)
+    total = 0.0
+    syncs = 0
+    try:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t0 = time.perf_counter()
+                run()
+                total += time.perf_counter() - t0
+            torch.cuda.set_sync_debug_mode("default")
+            syncs += sum("synchroniz" in str(w.message) for w in caught)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        for owner, name, original in reversed(patches):
+            setattr(owner, name, original)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    aten = sorted(
+        ((e.key, e.self_cpu_time_total / calls, e.count / calls) for e in prof.key_averages()),
+        key=lambda r: -r[1],
+    )
+    return {
+        "calls": calls,
+        "host_us": total / calls * 1e6,
+        "syncs_per_call": syncs / calls,
+        "timers_us": {k: spent[k] / calls * 1e6 for k in sorted(spent, key=lambda k: -spent[k])},
+        "timers_per_call": {k: count[k] / calls for k in count},
+        "aten_self_us": [(k, us, n) for k, us, n in aten[:25]],
+    }
+
+
+def format_breakdown(result: dict[str, Any]) -> str:
+    launches = {k: v for k, v in result["timers_us"].items() if k.startswith("launch:")}
+    lines = [
+        f"host {result['host_us']:.1f} us per call, {result['syncs_per_call']:g} syncs per call;"
+        f" Triton launches {sum(launches.values()):.1f} us in "
+        f"{sum(result['timers_per_call'][k] for k in launches):g} launches"
+    ]
+    for k, us in result["timers_us"].items():
+        lines.append(f"  {us:9.1f} us  x{result['timers_per_call'][k]:g}  {k}")
+    lines.append("ATen ops, own host time per call (torch.profiler, CPU only):")
+    for k, us, n in result["aten_self_us"]:
+        lines.append(f"  {us:9.1f} us  x{n:g}  {k}")
+    return "\n".join(lines)
+
+
 def format_profile(result: dict[str, Any], top_gaps: int = 12) -> str:
     calls = result["calls"]
     lines = [
@@ -279,16 +387,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.warmup):
         call()
     what = "forward + backward" if args.backward else "forward"
-    if args.host:
-        ms, text = profile_host(call, args.iters)
-        if env.is_main:  # (rank 0's host; under cProfile, so slower than unprofiled)
-            print(f"{shape.name}, backend {args.backend}, {what}: host {ms:.3f} ms per call")
-            print(text)
-        harness.finish_distributed(env)
-        return 0
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    if args.host:
+        breakdown = host_breakdown(call, args.iters)
+        ms, text = profile_host(call, args.iters)
+        if env.is_main:  # (rank 0's host; cProfile's tables are slower than unprofiled)
+            print(f"{shape.name}, backend {args.backend}, {what}: {format_breakdown(breakdown)}")
+            print(f"under cProfile: host {ms:.3f} ms per call")
+            print(text)
+        if out is not None:
+            (out / f"host_rank{env.rank}.json").write_text(json.dumps(breakdown) + "\n")
+        harness.finish_distributed(env)
+        return 0
     result = profile_calls(
         call, args.iters, env.device, str(out / f"trace_rank{env.rank}.json") if out else None
     )

@@ -17,7 +17,8 @@ from one initialization:
   over the first WARMUP_STEPS steps, as training runs do (batched_mm, another native order,
   would gather a [2I, H] weight per routed row: tens of GB at this size);
 - "megamoe_fused" for a few steps: bitwise the losses and parameters of "megamoe_triton";
-- "megamoe_triton_fp8" (the fp8 recipe): its final loss within 0.5% of the bf16 run's.
+- "megamoe_triton_fp8" (the fp8 recipe): its final loss within 0.5% of the bf16 run's, on a
+  smooth task (a Markov chain) where two bf16 runs agree within half that (see the test).
 
 Prints the numbers (past pytest's capture, so they reach the log of a passing run too); with
 $MEGAMOE_RESULTS_DIR set, writes them to transformers_training.json there. Run on the device:
@@ -270,29 +271,79 @@ def test_fused_gives_the_bits_of_triton(setup, request):
 
 
 FP8_LOSS_RTOL = 5e-3  # the final loss (mean of the last SMOOTH steps) within 0.5% of bf16's
+# The fp8 bar needs a task on which two bf16 runs that differ only in summation order end far
+# closer than 0.5%: on the copy task above they do not (they learn the copy at different steps,
+# ending 4.46-4.64, a 4% spread), so a 0.5% bar there measures chaos, not the recipe. On a
+# first-order Markov chain the loss falls smoothly; the test first proves that bf16 runs agree
+# there to within BF16_BAND_RTOL (so the bar can tell fp8 loss from noise), then applies it.
+BF16_BAND_RTOL = FP8_LOSS_RTOL / 2  # noise at most half the bar
+MARKOV_SUCCESSORS = 16  # each token's next token: one of 16 (Zipf-weighted)
 
 
-def test_fp8_trains_within_half_a_percent_of_bf16(runs, setup, request):
-    """The same run with megamoe's fp8 experts ("megamoe_triton_fp8": every expert GEMM in the
-    block-scaled E4M3 recipe): its final loss within 0.5% of the bf16 run's."""
-    init, batches, record = setup
-    losses, _, seconds = _train(init, batches, mt.experts_implementation("triton", "fp8"), STEPS)
-    bf16 = runs["megamoe"][0]
-    final = sum(losses[-SMOOTH:]) / SMOOTH
-    final_bf16 = sum(bf16[-SMOOTH:]) / SMOOTH
-    rel = abs(final - final_bf16) / final_bf16
-    record["fp8"] = {
-        "losses": losses,
-        "seconds": seconds,
-        "final_loss": final,
-        "final_loss_bf16": final_bf16,
-        "rel_diff": rel,
-        "mean_abs_diff": _mean_diff(losses, bf16),
+@pytest.fixture(scope="module")
+def markov_batches(setup):
+    """``STEPS`` batches of a seeded first-order Markov chain over the vocabulary: token t is
+    followed by ``succ[t, j]`` with probability ~ (j + 1) ** -ZIPF_S, the successors (and the
+    first tokens) drawn Zipf-distributed from the vocabulary: frequent tokens' successors are
+    learnt early, rare ones' late, so the loss falls smoothly (no one step where a run learns
+    the task: a CPU model of the bigram table ends 3e-5 apart across summation orders)."""
+    vocab = MODEL["vocab_size"]
+    g = torch.Generator(device=DEV).manual_seed(SEED + 2)
+    zipf = torch.arange(1, vocab + 1, device=DEV, dtype=torch.float64) ** -ZIPF_S
+    succ = torch.multinomial(zipf, vocab * MARKOV_SUCCESSORS, replacement=True, generator=g)
+    succ = succ.view(vocab, MARKOV_SUCCESSORS)
+    weights = torch.arange(1, MARKOV_SUCCESSORS + 1, device=DEV, dtype=torch.float64) ** -ZIPF_S
+    rows = STEPS * BATCH
+    picks = torch.multinomial(weights, rows * SEQ, replacement=True, generator=g).view(rows, SEQ)
+    tokens = torch.empty(rows, SEQ, dtype=torch.long, device=DEV)
+    tokens[:, 0] = torch.multinomial(zipf, rows, replacement=True, generator=g)
+    for pos in range(1, SEQ):
+        tokens[:, pos] = succ[tokens[:, pos - 1], picks[:, pos]]
+    return tokens.view(STEPS, BATCH, SEQ)
+
+
+def _final(losses: list[float]) -> float:
+    return sum(losses[-SMOOTH:]) / SMOOTH
+
+
+def test_fp8_trains_within_half_a_percent_of_bf16(setup, markov_batches, request):
+    """megamoe's fp8 experts ("megamoe_triton_fp8": every expert GEMM in the block-scaled E4M3
+    recipe) against its bf16 experts on the Markov task: the final loss within 0.5%, where two
+    bf16 runs (megamoe, and transformers' grouped_mm: another summation order) agree within
+    BF16_BAND_RTOL."""
+    init, _, record = setup
+    runs = {
+        name: _train(init, markov_batches, key, STEPS)
+        for name, key in [
+            ("bf16", mt.experts_implementation("triton")),
+            ("bf16_native", NATIVE),
+            ("fp8", mt.experts_implementation("triton", "fp8")),
+        ]
     }
+    finals = {name: _final(r[0]) for name, r in runs.items()}
+    band = abs(finals["bf16_native"] - finals["bf16"]) / finals["bf16"]
+    rel = abs(finals["fp8"] - finals["bf16"]) / finals["bf16"]
+    record["fp8"] = {
+        "task": f"first-order Markov chain, {MARKOV_SUCCESSORS} successors per token",
+        "losses": {name: r[0] for name, r in runs.items()},
+        "seconds": {name: r[2] for name, r in runs.items()},
+        "final_loss": finals,
+        "bf16_band_rel": band,
+        "rel_diff": rel,
+        "mean_abs_diff": _mean_diff(runs["fp8"][0], runs["bf16"][0]),
+    }
+    losses = runs["fp8"][0]
     _say(
         request,
-        f"fp8: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {seconds:.1f} s; final (mean of "
-        f"{SMOOTH}) {final:.4f} against bf16 {final_bf16:.4f}: {rel:.2e} relative",
+        f"fp8 (Markov task): loss {losses[0]:.4f} -> {losses[-1]:.4f}; final (mean of {SMOOTH}) "
+        f"fp8 {finals['fp8']:.4f}, bf16 {finals['bf16']:.4f}, bf16 native "
+        f"{finals['bf16_native']:.4f}: fp8 {rel:.2e} relative, bf16 band {band:.2e}",
     )
     assert all(x == x for x in losses), "an fp8 step gave a NaN loss"
+    bf16 = runs["bf16"][0]
+    assert bf16[-1] < 0.7 * bf16[0], f"the bf16 run did not train: {bf16[0]} -> {bf16[-1]}"
+    assert band <= BF16_BAND_RTOL, (
+        f"two bf16 runs end {band:.2e} apart (> {BF16_BAND_RTOL}): this task cannot test a "
+        f"{FP8_LOSS_RTOL} bar"
+    )
     assert rel <= FP8_LOSS_RTOL, f"fp8's final loss is {rel:.2e} off bf16's (> {FP8_LOSS_RTOL})"

@@ -1,11 +1,13 @@
 """The custom ops with the Triton backends under the interpreter: a fullgraph compile of router
-and MoE gives eager's bits forward and backward, and opcheck passes (its fake outputs match the
-real ones in shape, dtype and, with PyTorch's deterministic fill, every byte)."""
+and MoE gives eager's bits forward and backward, opcheck passes (its fake outputs match the
+real ones in shape, dtype and, with PyTorch's deterministic fill, every byte), and the backward
+materializes no gradient of the saved state."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import megamoe
 from megamoe.ops import moe_forward
@@ -72,3 +74,32 @@ def test_opcheck(variant: str) -> None:
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_materializes_no_gradient_of_the_saved_state() -> None:
+    """The forward op's saved outputs get no gradient: autograd must not zero-fill a tensor of
+    each of their shapes for the backward (the size of every saved activation, every step)."""
+    cfg = _config("triton")
+    p = make_problem(CASE, seed=4)
+    x, w = p.x.clone().requires_grad_(True), p.topk_weights.clone().requires_grad_(True)
+    weights = type(p.weights)(
+        *(None if t is None else t.clone().requires_grad_(True) for t in p.weights)
+    )
+    y = megamoe.functional.moe(x, p.topk_ids, w, weights, cfg, backend="triton")
+    saved = len(y.grad_fn.saved_tensors)
+    assert saved > 10, saved  # (the schedule and the activations ride along)
+    with _RecordOps() as record:
+        y.backward(torch.ones_like(y))
+    zeros = [op for op in record.ops if op.startswith(("aten.zeros", "aten.zero_", "aten.fill_"))]
+    assert not zeros, f"the backward zero-filled {len(zeros)} tensors: {zeros}"
+    assert x.grad is not None and torch.isfinite(x.grad).all()
