@@ -8,6 +8,8 @@ the backward op in the backward graph, and their fake implementations give every
 and dtype from the inputs and the config alone (``saved_layout`` of the backend). So a model
 with megamoe layers compiles with ``fullgraph=True``, and a compiled training step can be
 captured in a CUDA graph (the Triton backends read nothing from the device on the host).
+Eager calls go through the same ops under a plain ``autograd.Function`` (:class:`_EagerMoE`:
+the same saved tensors and gradients at a fraction of the registered autograd's host time).
 
 The config and the process group travel as strings (``MoEConfig.key``, the group's name). Not
 supported: second-order gradients (the backward raises), ``torch.func`` transforms (``grad``,
@@ -161,11 +163,15 @@ def _backward_fake(
     return [t.new_empty(t.shape) for t in inputs if t is not None]
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _save(ctx, inputs, saved) -> None:
     x, topk_ids, topk_weights, *weights, config, group, backend, _ = inputs
-    _, saved = output
     ctx.save_for_backward(x, topk_ids, topk_weights, *weights, *saved)
     ctx.static = (config, group, backend)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, saved = output
+    _save(ctx, inputs, saved)
     ctx.mark_non_differentiable(*saved)
     # The saved state gets no gradient: without this autograd would hand the backward a zeroed
     # tensor the size of every saved activation (a memset of all of them and a host allocation
@@ -193,6 +199,29 @@ def _backward(ctx, grad_y, grad_saved):
 torch.library.register_autograd("megamoe::moe_forward", _backward, setup_context=_setup_context)
 
 
+class _EagerMoE(torch.autograd.Function):
+    """The eager form of the same two ops: a plain ``autograd.Function`` that calls
+    ``moe_forward`` below autograd and ``moe_backward`` in its backward.
+
+    Why not the op's registered autograd in eager mode too: its generic wrapper (flattening the
+    saved tensor list through pytrees, re-filling the schema's defaults) costs about a
+    millisecond of host time per training step, as much as a small layer's GPU time. The ops
+    are still dispatched, so ``TorchDispatchMode``-based tools (selective activation
+    checkpointing's save list: ``integrations.torchtitan.ac``) see ``megamoe::moe_forward``
+    as before, and the saved tensors, the double-backward refusal and the gradients are the
+    registered formula's."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        y, saved = torch.ops.megamoe.moe_forward(*inputs)
+        _save(ctx, inputs, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return _backward(ctx, grad_y, None)
+
+
 def moe(
     x: Tensor,
     topk_ids: Tensor,
@@ -217,7 +246,7 @@ def moe(
             "torch.autograd.grad) instead."
         )
     require_expert_weights(weights)
-    y, _ = torch.ops.megamoe.moe_forward(
+    inputs = (
         x,
         topk_ids,
         topk_weights,
@@ -227,4 +256,7 @@ def moe(
         backend,
         check_values,
     )
-    return y
+    if torch.compiler.is_compiling():  # the op's registered autograd: AOTAutograd traces it
+        y, _ = torch.ops.megamoe.moe_forward(*inputs)
+        return y
+    return _EagerMoE.apply(*inputs)

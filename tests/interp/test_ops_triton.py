@@ -86,20 +86,42 @@ class _RecordOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_backward_materializes_no_gradient_of_the_saved_state() -> None:
-    """The forward op's saved outputs get no gradient: autograd must not zero-fill a tensor of
-    each of their shapes for the backward (the size of every saved activation, every step)."""
-    cfg = _config("triton")
-    p = make_problem(CASE, seed=4)
+def _leaves(p):
     x, w = p.x.clone().requires_grad_(True), p.topk_weights.clone().requires_grad_(True)
     weights = type(p.weights)(
         *(None if t is None else t.clone().requires_grad_(True) for t in p.weights)
     )
-    y = megamoe.functional.moe(x, p.topk_ids, w, weights, cfg, backend="triton")
-    saved = len(y.grad_fn.saved_tensors)
-    assert saved > 10, saved  # (the schedule and the activations ride along)
-    with _RecordOps() as record:
-        y.backward(torch.ones_like(y))
-    zeros = [op for op in record.ops if op.startswith(("aten.zeros", "aten.zero_", "aten.fill_"))]
-    assert not zeros, f"the backward zero-filled {len(zeros)} tensors: {zeros}"
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+    return x, w, weights
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_backward_materializes_no_gradient_of_the_saved_state(path: str) -> None:
+    """The forward op's saved outputs get no gradient: autograd must not zero-fill a tensor of
+    each of their shapes for the backward (the size of every saved activation, every step),
+    through the eager path (``functional.moe``) or the op's registered autograd (the op called
+    directly, as a compiled graph does). Both paths dispatch ``megamoe::moe_forward`` (what
+    selective activation checkpointing keys on) and give the same bits."""
+    cfg = _config("triton")
+    p = make_problem(CASE, seed=4)
+    grads = {}
+    for run in ("eager", "op"):
+        x, w, weights = _leaves(p)
+        with _RecordOps() as forward_ops:
+            if run == "eager":
+                y = megamoe.functional.moe(x, p.topk_ids, w, weights, cfg, backend="triton")
+            else:
+                args = (x, p.topk_ids, w, *weights, cfg.key, "", "triton", True)
+                y = torch.ops.megamoe.moe_forward(*args)[0]
+        assert "megamoe.moe_forward.default" in forward_ops.ops, run
+        assert len(y.grad_fn.saved_tensors) > 10  # (the schedule and the activations ride along)
+        with _RecordOps() as record:
+            y.backward(torch.ones_like(y))
+        if run == path:
+            zeros = [
+                o for o in record.ops if o.startswith(("aten.zeros", "aten.zero_", "aten.fill_"))
+            ]
+            assert not zeros, f"the backward zero-filled {len(zeros)} tensors: {zeros}"
+        grads[run] = [x.grad, w.grad, *(t.grad for t in weights if t is not None)]
+    for i, (a, b) in enumerate(zip(grads["eager"], grads["op"])):
+        assert a is not None and torch.isfinite(a).all(), i
+        assert torch.equal(a, b), f"gradient {i}"
