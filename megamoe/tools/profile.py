@@ -274,28 +274,38 @@ def host_breakdown(run: Callable[[], None], calls: int) -> dict[str, Any]:
         setattr(owner, name, wrapped)
     patches.append((JITFunction, "run", JITFunction.run))
     JITFunction.run = timed(lambda self, *a: f"launch:{self.__name__}", JITFunction.run)
+    cuda = torch.cuda.is_available()  # (without CUDA: the timers only, for the tests)
+
+    def sync_debug(mode: str) -> None:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     total = 0.0
     syncs = 0
     try:
         for _ in range(calls):
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
+            sync()
+            sync_debug("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 t0 = time.perf_counter()
                 run()
                 total += time.perf_counter() - t0
-            torch.cuda.set_sync_debug_mode("default")
+            sync_debug("default")
             syncs += sum("synchroniz" in str(w.message) for w in caught)
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        sync_debug("default")
         for owner, name, original in reversed(patches):
             setattr(owner, name, original)
-    torch.cuda.synchronize()
+    sync()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             run()
-        torch.cuda.synchronize()
+        sync()
     aten = sorted(
         ((e.key, e.self_cpu_time_total / calls, e.count / calls) for e in prof.key_averages()),
         key=lambda r: -r[1],

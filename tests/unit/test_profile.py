@@ -94,3 +94,37 @@ def test_gpu_tools_say_they_need_a_gpu(tool: str):
         timeout=120,
     )
     assert run.returncode == 2 and f"{tool}: needs a CUDA GPU" in run.stderr
+
+
+def test_host_breakdown_times_the_layer_and_restores_what_it_wraps():
+    """The timers count each wrapped call once per call and leave every wrapped function as it
+    was (a CPU run of the reference backend: no Triton launch, no CUDA)."""
+    from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from megamoe import functional
+    from megamoe.tools.profile import HOST_TIMERS, format_breakdown, host_breakdown
+    from support.problems import Case, make_problem
+
+    case = Case(8, 32, 16, 4, 2)
+    p = make_problem(case, seed=0)
+    before = (functional.forward, functional.backward, JITFunction.run)
+    before_desc = TensorDescriptor.__dict__["from_tensor"]
+
+    def call():
+        y, ctx = functional.forward(
+            p.x, p.topk_ids, p.topk_weights, p.weights, case.config(), backend="reference"
+        )
+        functional.backward(ctx, torch.ones_like(y))
+
+    result = host_breakdown(call, calls=3)
+    assert (functional.forward, functional.backward, JITFunction.run) == before
+    assert TensorDescriptor.__dict__["from_tensor"] is before_desc
+    assert set(result["timers_per_call"]) == {"functional.forward", "functional.backward"}
+    assert all(n == 1 for n in result["timers_per_call"].values())
+    assert 0 < result["timers_us"]["functional.forward"] < result["host_us"]
+    assert result["syncs_per_call"] == 0
+    assert "functional.forward" in format_breakdown(result) and set(HOST_TIMERS) >= {
+        "functional.forward",
+        "descriptors",
+    }
