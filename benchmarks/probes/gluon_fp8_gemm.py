@@ -19,7 +19,19 @@ promotion overlaps another's MMAs:
   * with ``pipe`` (experimental, not a default) a consumer also issues step k+1's wgmma before
     promoting step k, two partial accumulators in flight. ptxas 12.x serializes those wgmmas
     (C7515: the compiler writes an in-flight accumulator's registers) and spills at 230
-    registers, so today it cannot beat the plain variant; the compile check says so.
+    registers, so today it cannot beat the plain variant; the compile check says so;
+  * with ``pingpong`` the two consumers take turns at the tensor cores. On the first H200 run
+    the plain variant reached only 1.02x grouped_mm at K 7168: both consumers wait on the same
+    "ready" barrier, issue together and promote together, so the tensor cores idle during
+    every promotion. Two more mbarriers (``turn``) hand the right to issue the next wgmma from
+    consumer 0 to consumer 1 and back, right after each issue: consumer 1 issues step k after
+    consumer 0 issued step k, consumer 0 step k+1 after consumer 1 issued step k. The
+    tensor cores then run 0:k, 1:k, 0:k+1, ... back to back, each consumer promoting (and
+    storing a finished tile) while the other's wgmma runs. Per element nothing changes.
+    (A "true" ping-pong, each consumer on its own 128x128 tile, does not fit: a 128x128 fp32
+    accumulator plus its partial product is 256 registers a thread, over the 232 a consumer
+    warpgroup gets, and issuing the two m64 halves one after the other would serialize the
+    consumer again.)
 
 The grid is persistent (one CTA per SM) over the tiles of the used row blocks, exactly the
 row layout of ``megamoe.kernels.schedule.RowSchedule``: row block ``mb`` holds rows of expert
@@ -37,7 +49,7 @@ K steps run in order. So the output is meant to be bitwise that of ``fp8_gemm.gr
     PYTHONPATH=. python benchmarks/probes/gluon_fp8_gemm.py --compile-only
     # on one H200: correctness against grouped_mm and float64, timing, JSON record
     PYTHONPATH=. python benchmarks/probes/gluon_fp8_gemm.py --out gluon_fp8.json
-    # fewer variants or shapes: --variants 128x128:4,64x256:4 --shapes down
+    # fewer variants or shapes: --variants 128x128:4,128x128:4:pingpong --shapes down
 
 Compiling without a GPU: the launch is recorded on meta tensors (``compile_check``'s
 ``record_launches``, which binds the arguments as an sm_90a launch would) and compiled with
@@ -207,6 +219,7 @@ def _consumer(
     c_bufs,
     ready,
     free,
+    turn,
     a_s_ptr,
     b_s_ptr,
     block_expert_ptr,
@@ -223,10 +236,25 @@ def _consumer(
     SPLIT_N: gl.constexpr,
     STAGES: gl.constexpr,
     PIPE: gl.constexpr,
+    PINGPONG: gl.constexpr,
     BLOCK_TILES: gl.constexpr,
     NUM_PROGS: gl.constexpr,
 ):
-    """One warpgroup: the [64, 128] part ``WG`` (0 or 1) of every tile of this CTA."""
+    """One warpgroup: the [64, 128] part ``WG`` (0 or 1) of every tile of this CTA.
+
+    (pingpong) ``turn``: two mbarriers of one arrival each; ``turn[w]`` completes a phase when
+    warpgroup w may issue its next wgmma. Warpgroup 0 issues its ring step j after warpgroup 1
+    issued step j - 1, warpgroup 1 its step j after warpgroup 0 issued step j, so the tensor
+    cores take the steps' wgmmas in the order 0:j, 1:j, 0:j+1, 1:j+1, ... and each warpgroup's
+    promotion of step j runs while the other's wgmma runs. No deadlock: both warpgroups walk
+    the same tiles with the same K steps, so each makes as many turn waits as the other makes
+    arrivals (none in a CTA without tiles; the count runs across tiles, so an odd tile count
+    changes nothing); warpgroup 0's wait j needs only warpgroup 1's step j - 1 issued,
+    warpgroup 1's wait j only warpgroup 0's step j issued, and a step's issue needs only its
+    ring slot, which the producer fills once both released step j - STAGES: every wait
+    depends only on events earlier in the order 0:0, 1:0, 0:1, 1:1, ... (no cycle). Neither
+    barrier gets more than one phase ahead of its waiter (its next phase needs an arrival the
+    waiter makes only after passing its current wait), so no parity wait misses a phase."""
     NA: gl.constexpr = 1 if SPLIT_N else 2
     NB: gl.constexpr = 2 if SPLIT_N else 1
     BM: gl.constexpr = WG_ROWS * NA
@@ -291,6 +319,26 @@ def _consumer(
                 ra = warpgroup_mma_wait(num_outstanding=0, deps=(pa,))
                 acc = _promote(acc, ra, scale, free, it, STAGES)
                 it += 1
+        elif PINGPONG:
+            for kb in range(k_steps):
+                next_scale = _step_scales(
+                    scales, expert, rows, col, gl.minimum(kb + 1, k_steps - 1)
+                )
+                # Our turn: the other warpgroup's previous wgmma (warpgroup 0: its step it - 1,
+                # warpgroup 1: step it) has been issued. ``it`` counts the same ring steps in
+                # both warpgroups, so the j-th wait of turn[0] (parity (j & 1) ^ 1; the first
+                # passes on a fresh barrier) meets warpgroup 1's arrival j - 1, the j-th wait
+                # of turn[1] (parity j & 1) warpgroup 0's arrival j.
+                mbarrier.wait(turn.index(WG), (it & 1) ^ (1 - WG))
+                pa = _issue(a_bufs, b_bufs, ready, it, ra, STAGES, NA, NB, A_SUB, B_SUB)
+                # Hand the turn over as soon as the wgmma is issued (not completed): the other
+                # warpgroup's wgmma queues behind it and runs while this one is promoted.
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+                ra = warpgroup_mma_wait(num_outstanding=0, deps=(pa,))
+                mbarrier.arrive(free.index(it % STAGES), count=1)
+                acc = acc + ra * scale[:, None]  # the same promotion as below
+                scale = next_scale
+                it += 1
         else:
             for kb in range(k_steps):
                 next_scale = _step_scales(
@@ -337,6 +385,7 @@ def _gluon_fp8_grouped_mm_kernel(
     SPLIT_N: gl.constexpr,
     STAGES: gl.constexpr,
     PIPE: gl.constexpr,
+    PINGPONG: gl.constexpr,
     BLOCK_TILES: gl.constexpr,
     NUM_PROGS: gl.constexpr,
 ):
@@ -354,6 +403,13 @@ def _gluon_fp8_grouped_mm_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA adds the bytes
         mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
+    if PINGPONG:
+        # turn[w]: warpgroup w may issue its next wgmma (one arrival: the other warpgroup's)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+    else:
+        turn = free  # (not used)
     fence_async_shared()
 
     # (The argument tuples are written out: concatenating tuples would unwrap the constexprs,
@@ -369,6 +425,7 @@ def _gluon_fp8_grouped_mm_kernel(
                     c_bufs,
                     ready,
                     free,
+                    turn,
                     a_s_ptr,
                     b_s_ptr,
                     block_expert_ptr,
@@ -385,6 +442,7 @@ def _gluon_fp8_grouped_mm_kernel(
                     SPLIT_N,
                     STAGES,
                     PIPE,
+                    PINGPONG,
                     BLOCK_TILES,
                     NUM_PROGS,
                 ),
@@ -398,6 +456,7 @@ def _gluon_fp8_grouped_mm_kernel(
                     c_bufs,
                     ready,
                     free,
+                    turn,
                     a_s_ptr,
                     b_s_ptr,
                     block_expert_ptr,
@@ -414,6 +473,7 @@ def _gluon_fp8_grouped_mm_kernel(
                     SPLIT_N,
                     STAGES,
                     PIPE,
+                    PINGPONG,
                     BLOCK_TILES,
                     NUM_PROGS,
                 ),
@@ -451,11 +511,14 @@ def _gluon_fp8_grouped_mm_kernel(
 class Variant:
     """A tile choice: ``split_n`` puts the two consumers side by side along N (a 64x256 CTA
     tile, A shared) instead of stacked along M (128x128, B shared); ``stages`` ring slots;
-    ``pipe`` keeps two partial accumulators in flight per consumer."""
+    ``pipe`` keeps two partial accumulators in flight per consumer; ``pingpong`` orders the
+    two consumers' wgmmas (each K step: consumer 0's, then consumer 1's, then consumer 0's next)
+    so that one's promotion overlaps the other's wgmma."""
 
     split_n: bool = False
     stages: int = 4
     pipe: bool = False
+    pingpong: bool = False
 
     @property
     def bm(self) -> int:
@@ -467,31 +530,41 @@ class Variant:
 
     @property
     def name(self) -> str:
-        return f"{self.bm}x{self.bn}:{self.stages}" + (":pipe" if self.pipe else "")
+        option = ":pipe" if self.pipe else ":pingpong" if self.pingpong else ""
+        return f"{self.bm}x{self.bn}:{self.stages}{option}"
 
     def smem_bytes(self) -> int:
         """The ring (fp8 A and B tiles), the two bf16 staging tiles and the barriers."""
         step = (self.bm + self.bn) * BK.value
-        return self.stages * step + 2 * WG_ROWS.value * WG_COLS.value * 2 + 16 * self.stages
+        barriers = 16 * self.stages + (16 if self.pingpong else 0)
+        return self.stages * step + 2 * WG_ROWS.value * WG_COLS.value * 2 + barriers
 
     @staticmethod
     def parse(text: str) -> Variant:
-        """``128x128:4``, ``64x256:3``, ``128x128:5:pipe`` (tile, stages, options)."""
+        """``128x128:4``, ``64x256:3``, ``128x128:5:pipe``, ``128x128:4:pingpong`` (tile,
+        stages, option)."""
         parts = text.split(":")
         if parts[0] not in ("128x128", "64x256") or len(parts) > 3:
-            raise ValueError(f"variant {text!r}: want 128x128|64x256[:stages][:pipe]")
+            raise ValueError(f"variant {text!r}: want 128x128|64x256[:stages][:pipe|:pingpong]")
         stages = int(parts[1]) if len(parts) > 1 else 4
-        pipe = len(parts) > 2 and parts[2] == "pipe"
-        if len(parts) > 2 and not pipe:
-            raise ValueError(f"variant {text!r}: the third field can only be 'pipe'")
-        v = Variant(split_n=parts[0] == "64x256", stages=stages, pipe=pipe)
+        option = parts[2] if len(parts) > 2 else ""
+        if option not in ("", "pipe", "pingpong"):
+            raise ValueError(f"variant {text!r}: the third field can be 'pipe' or 'pingpong'")
+        v = Variant(
+            split_n=parts[0] == "64x256",
+            stages=stages,
+            pipe=option == "pipe",
+            pingpong=option == "pingpong",
+        )
         if v.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"variant {text!r} needs {v.smem_bytes()} B of shared memory")
         return v
 
 
-# ("128x128:4:pipe" is left out: ptxas serializes its wgmmas, see the kernel's comment.)
-DEFAULT_VARIANTS = ("128x128:4", "128x128:6", "64x256:4")
+# ("128x128:4:pipe" is left out: ptxas serializes its wgmmas, see the kernel's comment. The
+# first GPU run's 128x128:6 and 64x256:4 are left out too: 128x128:6 was no faster than
+# 128x128:4, 64x256:4 slower; three variants keep the run under ~90 s.)
+DEFAULT_VARIANTS = ("128x128:4", "128x128:4:pingpong", "128x128:6:pingpong")
 
 
 def _nvmma(block: list[int], dtype) -> gl.NVMMASharedLayout:
@@ -548,6 +621,7 @@ def gluon_grouped_mm(
         SPLIT_N=variant.split_n,
         STAGES=variant.stages,
         PIPE=variant.pipe,
+        PINGPONG=variant.pingpong,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         num_warps=4,
@@ -894,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
-        help="comma-separated tile variants: 128x128|64x256[:stages][:pipe]",
+        help="comma-separated tile variants: 128x128|64x256[:stages][:pipe|:pingpong]",
     )
     parser.add_argument("--out", help="(GPU) write the JSON record here")
     parser.add_argument("--rounds", type=int, default=25, help="(GPU) timed rounds, >= 20")
