@@ -28,7 +28,6 @@ find their counters already complete).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -426,25 +425,29 @@ def _launch_with_comm_kernel(
         )
         return
     on_gpu = device.type == "cuda"  # (else a launch recorded for the compile check)
-    if on_gpu:
-        # Both kernels compiled, loaded and given the largest carveout before either starts:
-        # loading a module waits for running kernels (the first forward stalled at the start-up
-        # count while the comm kernel loaded), and an SM set up for a small carveout takes no
-        # program of the other kernel (probe on an H200: the two ran side by side only so).
-        check_side_by_side(
-            prefer_shared(fused_forward_kernel.warmup(*compute_args, grid=grid, **compute_options)),
-            prefer_shared(
-                fused_comm_kernel.warmup(
-                    *comm_args, grid=comm_grid, C=plan.comm_meta.as_constexprs(), **comm_options
-                )
-            ),
-        )
-        # the side stream waits for this stream's work so far (the inputs), not for the
-        # compute kernel launched next
-        main, side = torch.cuda.current_stream(device), side_stream(device)
-        side.wait_stream(main)
-    fused_forward_kernel[grid](*compute_args, **compute_options)
-    with torch.cuda.stream(side) if on_gpu else contextlib.nullcontext():
-        fused_comm_kernel[comm_grid](*comm_args, C=plan.comm_meta.as_constexprs(), **comm_options)
-    if on_gpu:
-        main.wait_stream(side)
+    comm_c = plan.comm_meta.as_constexprs()
+    if not on_gpu:
+        fused_forward_kernel[grid](*compute_args, **compute_options)
+        fused_comm_kernel[comm_grid](*comm_args, C=comm_c, **comm_options)
+        return
+    # Both kernels compiled, loaded and given the largest carveout before either starts:
+    # loading a module waits for running kernels (the first forward stalled at the start-up
+    # count while the comm kernel loaded), and an SM set up for a small carveout takes no
+    # program of the other kernel (probe on an H200: the two ran side by side only so). The
+    # warm-up binds the arguments and finds the compiled kernels; they are then launched as
+    # they are, not bound a second time through ``kernel[grid]``.
+    compute = prefer_shared(
+        fused_forward_kernel.warmup(*compute_args, grid=grid, **compute_options)
+    )
+    comm_k = prefer_shared(
+        fused_comm_kernel.warmup(*comm_args, grid=comm_grid, C=comm_c, **comm_options)
+    )
+    check_side_by_side(compute, comm_k)
+    # the side stream waits for this stream's work so far (the inputs), not for the
+    # compute kernel launched next
+    main, side = torch.cuda.current_stream(device), side_stream(device)
+    side.wait_stream(main)
+    compute[(plan.grid, 1, 1)](*compute_args, compute_options["C"])
+    with torch.cuda.stream(side):
+        comm_k[(plan.num_comm, 1, 1)](*comm_args, comm_c)
+    main.wait_stream(side)
