@@ -3,6 +3,9 @@
 ``megamoe.tools.compile_check`` runs the backends' host code on meta tensors, records each
 launch and compiles it (subprocess with the interpreter off: ``@triton.jit`` functions defined
 under ``TRITON_INTERPRET=1`` cannot be compiled). No GPU is needed: Triton ships ptxas.
+
+The compiles run in the background (``support.background``) from the end of collection on,
+while the other tests run; ``tests/conftest.py`` runs these tests last.
 """
 
 from __future__ import annotations
@@ -13,13 +16,27 @@ import pytest
 
 pytest.importorskip("triton")
 
-from support.procs import run_without_interpreter  # noqa: E402
+from support import background  # noqa: E402
+
+background.define(
+    "compiled", ["-m", "megamoe.tools.compile_check", "--json", "--ptx"], timeout=1200
+)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the compile jobs that the selected tests need (their fixtures' names)."""
+    if session.config.option.collectonly:
+        return
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    background.start([name for name in background.JOBS if name in needed])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background.stop_all()
 
 
 @pytest.fixture(scope="session")
 def compiled() -> list[dict]:
     """One report per compiled launch (``compile_check.compile_launch``, with its PTX)."""
-    out = run_without_interpreter(
-        ["-m", "megamoe.tools.compile_check", "--json", "--ptx"], timeout=1200
-    )
+    out = background.stdout("compiled")
     return json.loads(out.strip().splitlines()[-1])

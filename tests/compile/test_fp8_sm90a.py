@@ -17,13 +17,13 @@ import pytest
 
 pytest.importorskip("triton")
 
+from support import background  # noqa: E402
 from support.compiled import (  # noqa: E402
     MAX_REGISTERS_PER_THREAD,
     REGISTERS_PER_SM,
     SM_SHARED,
     SMEM_LIMIT,
 )
-from support.procs import run_without_interpreter  # noqa: E402
 
 # Run in a subprocess with the interpreter off; prints one JSON list of compile reports.
 SCRIPT = """
@@ -81,9 +81,12 @@ QUANTIZERS = ("_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_weigh
 GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel")
 
 
+background.define("reports", ["-c", SCRIPT], timeout=1200)  # (started at collection's end)
+
+
 @pytest.fixture(scope="module")
 def reports() -> list[dict]:
-    out = run_without_interpreter(["-c", SCRIPT], timeout=1200)
+    out = background.stdout("reports")
     return json.loads(out.strip().splitlines()[-1])
 
 

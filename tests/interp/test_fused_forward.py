@@ -199,7 +199,10 @@ def test_comm_programs_follow_the_pull_rate() -> None:
 
 
 def _ep_case(world: int, routing: str, i_s: int, top_k: int = 2) -> Case:
-    return Case(13, 64, 32, 2 * world, top_k, shared=i_s, routing=routing, world=world)
+    # Eight ranks of top-8 routing: 6 tokens a rank already send rows between every pair of
+    # ranks (asserted where it matters) and give experts of one and of several row blocks.
+    tokens = 6 if world == 8 else 13
+    return Case(tokens, 64, 32, 2 * world, top_k, shared=i_s, routing=routing, world=world)
 
 
 # (world, routing, num_comm, ring in row blocks (None: every row), shared I); three and eight
@@ -214,6 +217,26 @@ EP_CASES = [
     (8, "zipf", 2, None, 16),
 ]
 
+_TRITON_STEPS: dict = {}
+
+
+def _triton_step(p, seed: int) -> list:
+    """Backend "triton"'s training step of every rank (poisoned buffers), computed once per drawn
+    problem (case and seed) and shared by the tests that compare "fused" against it: "triton"
+    reads none of the fused kernel's tunables (comm_programs, minibatch_rows, ring_rows,
+    comm_kernel), the only config fields those tests vary on one problem."""
+    key = (p.case, seed)
+    if key not in _TRITON_STEPS:
+        with poisoned_buffers():
+            _TRITON_STEPS[key] = ep_step(p)[0]
+    return _TRITON_STEPS[key]
+
+
+def _every_pair_exchanges_rows(p) -> None:
+    e_local = p.case.local_experts
+    pairs = {(s, int(d)) for s, r in enumerate(p.ranks) for d in (r.topk_ids // e_local).unique()}
+    assert len(pairs) == p.case.world**2, "meant to send rows between every pair of ranks"
+
 
 @pytest.mark.parametrize("world,routing,num_comm,ring_blocks,i_s", EP_CASES)
 def test_ep_forward_is_bitwise_unfused(
@@ -223,8 +246,10 @@ def test_ep_forward_is_bitwise_unfused(
         _ep_case(world, routing, i_s, top_k=world), num_comm, **_tunables(num_comm, 1, ring_blocks)
     )
     cfg = p.config
+    if world == 8:
+        _every_pair_exchanges_rows(p)
+    ref = _triton_step(p, num_comm)
     with poisoned_buffers():
-        ref, _, _ = ep_step(p)
         out, scheds, _ = ep_step(p, backend="fused")
     several = False
     for r in range(world):
@@ -264,12 +289,22 @@ def test_capacity_overflow_gives_nan_like_triton() -> None:
         assert_same_grads(out[r][2], ref[r][2], f"rank {r}")
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 8])
+# world: (case, seed); W > 1 draws the problems of EP_CASES rows with num_comm 2 and a ring of
+# every row (the "triton" step is shared with test_ep_forward_is_bitwise_unfused).
+COMM_KERNEL_CASES = {
+    1: (_ep_case(1, "zipf", 24), 12),
+    2: (_ep_case(2, "one-rank", 32, top_k=2), 2),
+    3: (_ep_case(3, "zipf", 24, top_k=3), 2),
+    8: (_ep_case(8, "zipf", 16, top_k=8), 2),
+}
+
+
+@pytest.mark.parametrize("world", sorted(COMM_KERNEL_CASES))
 def test_comm_kernel_is_bitwise_unfused(world: int) -> None:
     """config.comm_kernel: the pulls and pushes in the second kernel (the interpreter runs its
     pulls, the compute kernel, then its pushes) give "triton"'s bits too."""
-    case = _ep_case(world, "zipf", 24)
-    p = make_problem(case, 11 + world, **_tunables(2, 1), comm_kernel=True)
+    case, seed = COMM_KERNEL_CASES[world]
+    p = make_problem(case, seed, **_tunables(2, 1), comm_kernel=True)
     cfg = p.config
     if world == 1:
         x, ids, w, dy = p.single
@@ -285,8 +320,10 @@ def test_comm_kernel_is_bitwise_unfused(world: int) -> None:
             assert_same_routed(ctx, ctx_ref, used_rows(sched.routed), "W=1")
             assert_same_grads(fused_backend.backward(ctx, dy), backend.backward(ctx_ref, dy), "W=1")
         return
+    if world == 8:
+        _every_pair_exchanges_rows(p)
+    ref = _triton_step(p, seed)
     with poisoned_buffers():
-        ref, _, _ = ep_step(p)
         out, scheds, _ = ep_step(p, backend="fused")
     for r in range(world):
         assert torch.equal(out[r][0], ref[r][0]), f"rank {r}: y"

@@ -57,12 +57,25 @@ def _run_single(p, config=None):
     return y, backend.backward(ctx, dy)
 
 
+_EP_STEPS: dict = {}
+
+
+def _ep_of(case: Case):
+    """(problem, ys, grads, workspaces) of one EP step of ``case`` (poisoned buffers), computed
+    once: the bitwise test and the capacity test start from it."""
+    if case not in _EP_STEPS:
+        p = _problem(case)
+        with poisoned_buffers():
+            ys, grads, _, wss = _run_ep(p)
+        _EP_STEPS[case] = p, ys, grads, wss
+    return _EP_STEPS[case]
+
+
 @pytest.mark.parametrize("case", params(*CASES))
 def test_expert_parallel_is_bitwise_single_process(case: Case) -> None:
-    p = _problem(case)
+    p, ys, grads, _ = _ep_of(case)
     world, e_local, t = case.world, case.local_experts, case.tokens
     with poisoned_buffers():
-        ys, grads, _, _ = _run_ep(p)
         y1, g1 = _run_single(p)
     for r in range(world):
         tok, ex = slice(r * t, (r + 1) * t), slice(r * e_local, (r + 1) * e_local)
@@ -179,13 +192,12 @@ def test_workspace_layouts_must_agree() -> None:
 
 def test_capacity_that_fits_changes_nothing() -> None:
     case = CASES[2]
-    p = _problem(case)
+    p, ys, grads, wss = _ep_of(case)  # unchecked (capacity_factor None)
     world, e_local, t, k = case.world, case.local_experts, case.tokens, case.top_k
-    ys, grads, _, wss = _run_ep(p)
     ids = p.single.topk_ids
     worst = max(int(((ids // e_local) == r).sum()) for r in range(world))
     cap_cfg = p.config.replace(capacity_factor=worst / (t * k))
-    ys2, grads2, scheds, _ = _run_ep(p, cap_cfg, wss)
+    ys2, grads2, scheds, _ = _run_ep(p, cap_cfg, wss)  # the same workspaces
     for r in range(world):
         backend.check(scheds[r])
         assert scheds[r].invalid.tolist() == [0]  # checked, fits: the same bits as unchecked
