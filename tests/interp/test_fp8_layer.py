@@ -251,6 +251,7 @@ def test_weight_cache_quantizes_once_per_weight_version() -> None:
 EP_CASES = [
     Case(20, 128, 64, 4, 2, shared=32, world=2, block_rows=128),
     Case(12, 128, 48, 6, 2, world=3, block_rows=128),
+    Case(4, 128, 32, 8, 2, routing="zipf", world=8, block_rows=128),  # one expert per rank
 ]
 
 
