@@ -1,4 +1,5 @@
-"""Processes for tests: gloo ranks spawned on the CPU, and Python without the interpreter."""
+"""Processes for tests: gloo ranks spawned on the CPU, and the CLI as a user runs it (the
+sm_90a compile subprocesses: ``support.background``)."""
 
 from __future__ import annotations
 
@@ -41,17 +42,6 @@ def run_gloo(world_size: int, fn: Callable, *args) -> None:
     os.close(fd)
     os.unlink(init_file)
     mp.spawn(_worker, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
-
-
-def run_without_interpreter(args: list[str], timeout: int = 300) -> str:
-    """Run ``python <args>`` with TRITON_INTERPRET=0 (the interpreter replaces ``triton.jit``,
-    so kernels defined under it cannot be compiled for sm_90a); return its stdout."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
 
 
 def run_python(*args: str, timeout: int = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
