@@ -72,6 +72,12 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             T(bm=128, bn=128, bk=64, stages=3, warps=8),
             T(bm=128, bn=128, bk=64, stages=2, warps=8, programs_per_sm=2),
             T(bm=128, bn=256, bk=32, stages=4, warps=8),
+            # few rows per expert (K of 80-256): one K step of 128, or two or three programs
+            # per SM whose loads run while another's tile is stored
+            T(bm=128, bn=128, bk=128, stages=2, warps=8),
+            T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2),
+            T(bm=64, bn=128, bk=64, stages=2, warps=4, programs_per_sm=3),
+            T(bm=64, bn=256, bk=64, stages=2, warps=4, programs_per_sm=2),
         ],
     },
     "fp8": {
