@@ -113,7 +113,9 @@ def schedule_steps(
     all_ids, _ = comm.gather_routing(ws)
     rec.routing_in_use = True
     e_local = config.local_experts(ws.world_size)
-    full = build_row_schedule(all_ids, e_local, config.block_rows, expert_lo=ws.rank * e_local)
+    full = build_row_schedule(
+        all_ids, e_local, config.block_rows, ws.rank * e_local, world_size=ws.world_size
+    )
     invalid = check_ids(all_ids, config.num_experts, ws.num_tokens, full, rec.ids)
     capacity = config.capacity_rows(ws.num_tokens, ws.world_size)
     routed = limit_capacity(full, all_ids, capacity, ws.rank, ws.world_size, rec.capacity, invalid)

@@ -54,10 +54,18 @@ class RowSchedule:
     num_experts: int
     block_rows: int
     rows: int  # worst-case rows of the layout (buffers are sized for it)
+    world_size: int = 1  # ranks whose tokens ``num_tokens`` counts (expert parallel)
 
     @property
     def max_blocks(self) -> int:
         return self.rows // self.block_rows
+
+    @property
+    def balanced_rows(self) -> float:
+        """Rows each expert gets when the routing is balanced: a host-side size that picks
+        tiles (``gemm.wgrad_kind``), never a result. The layout holds ``num_tokens`` tokens of
+        ``world_size`` ranks routed over ``num_experts * world_size`` experts in all."""
+        return self.num_tokens * self.top_k / (self.num_experts * self.world_size)
 
 
 def max_rows(entries: int, num_experts: int, block_rows: int) -> int:
@@ -181,12 +189,18 @@ def _chunk(e_pad: int) -> int:
 
 
 def build_row_schedule(
-    topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert_lo: int = 0, rank: int = 0
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_rows: int,
+    expert_lo: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> RowSchedule:
     """Schedule the rows of local experts ``[expert_lo, expert_lo + num_experts)``.
 
     ``topk_ids`` is [T, K] (int32/int64, global ids). ``rank`` is the source rank of these ids;
-    with one rank every entry is local.
+    with one rank every entry is local. ``world_size``: the ranks whose ids ``topk_ids`` holds
+    (all of them, stacked, in expert parallelism), for :attr:`RowSchedule.balanced_rows`.
     """
     t, k = topk_ids.shape
     entries = t * k
@@ -249,6 +263,7 @@ def build_row_schedule(
         num_experts=num_experts,
         block_rows=block_rows,
         rows=rows,
+        world_size=world_size,
     )
 
 
