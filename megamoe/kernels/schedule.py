@@ -267,11 +267,37 @@ def build_row_schedule(
     )
 
 
+# uniform_schedule's tables by (rows, block rows, device): constants that no kernel writes.
+_UNIFORM: dict[tuple[int, int, torch.device], RowSchedule] = {}
+_UNIFORM_MAX = 64
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def uniform_schedule(num_rows: int, block_rows: int, device: torch.device) -> RowSchedule:
     """The layout of one expert that takes all ``num_rows`` rows in order (the shared expert).
 
-    Rows are not padded: the GEMM descriptors clip at ``num_rows``.
+    Rows are not padded: the GEMM descriptors clip at ``num_rows``. Built once per size and
+    device and then reused (six small launches and allocations per call saved on the host),
+    except while a CUDA graph is captured: tensors made during a capture hold their values only
+    after a replay, so they are never kept.
     """
+    device = torch.device(device)
+    key = (num_rows, block_rows, device)
+    cached = _UNIFORM.get(key)
+    if cached is not None:
+        return cached
+    sched = _uniform(num_rows, block_rows, device)
+    if not _capturing(device):
+        if len(_UNIFORM) >= _UNIFORM_MAX:
+            _UNIFORM.clear()
+        _UNIFORM[key] = sched
+    return sched
+
+
+def _uniform(num_rows: int, block_rows: int, device: torch.device) -> RowSchedule:
     blocks = triton.cdiv(num_rows, block_rows)
     i32 = dict(dtype=torch.int32, device=device)
     row_start = torch.arange(2, **i32) * num_rows  # [0, num_rows], built on the device
