@@ -10,6 +10,7 @@ forward), :func:`comm_kernel_programs` (programs of the comm kernel), :func:`dow
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gemm import tiles_for
+from ..gemm import GemmTiles, tiles_for
 from ..runtime import interpreting, persistent_programs
 
 __all__ = [
@@ -104,6 +105,7 @@ class FusedMeta(NamedTuple):
     GPU: bool  # inline PTX (fences, timer) allowed
     UPCAST: bool  # fp32 tiles (the interpreter)
 
+    @functools.lru_cache(maxsize=256)  # (a launch's host time: built once per plan)
     def as_constexprs(self) -> "FusedMeta":
         """The same with every field a ``tl.constexpr``: device code then reads ``C.BM`` as a
         compile-time value (block shapes, static loops); a plain int field would be a
@@ -215,9 +217,60 @@ def plan_launch(
     """The plan of one launch; a bad value is a ValueError naming it.
 
     ``rows``: the schedule's (worst-case) rows; ``shared_intermediate`` 0: no shared expert;
-    ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``).
+    ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``). A pure
+    function of its arguments and of what it reads (the tiles, the SM count, the interpreter):
+    computed once per distinct set of them.
     """
+    return _plan_launch(
+        device,
+        rows=rows,
+        block_rows=block_rows,
+        tokens=tokens,
+        hidden=hidden,
+        intermediate=intermediate,
+        shared_intermediate=shared_intermediate,
+        top_k=top_k,
+        itemsize=itemsize,
+        world_size=world_size,
+        num_comm=num_comm,
+        minibatch_rows=minibatch_rows,
+        ring_rows=ring_rows,
+        down_lag=down_lag,
+        comm_kernel=comm_kernel,
+        traced=traced,
+        tiles=(tiles_for("gate_up"), tiles_for("mm")),
+        programs=persistent_programs(device),
+        interpret=interpreting(),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_launch(
+    device: torch.device,
+    *,
+    rows: int,
+    block_rows: int,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    shared_intermediate: int,
+    top_k: int,
+    itemsize: int,
+    world_size: int,
+    num_comm: int | None,
+    minibatch_rows: int,
+    ring_rows: int | None,
+    down_lag: int | None,
+    comm_kernel: bool,
+    traced: bool,
+    tiles: tuple[GemmTiles, GemmTiles],
+    programs: int,
+    interpret: bool,
+) -> FusedPlan:
+    """:func:`plan_launch`, with what it reads passed in (the cache's key)."""
     from .. import comm
+
+    del programs, interpret  # (only in the key: read below through the functions)
 
     if num_comm is None:
         num_comm = (
@@ -250,7 +303,7 @@ def plan_launch(
         )
     slots = ring_rows // minibatch_rows
     grid = fused_grid(num_comm, device, comm_kernel)
-    gate_up, down = tiles_for("gate_up"), tiles_for("mm")
+    gate_up, down = tiles
     group = minibatch_rows // bm  # row blocks per task-list group
     computing = grid if comm_kernel else max(1, grid - num_comm)
     lag = routed_lag(
