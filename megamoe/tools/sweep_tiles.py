@@ -77,6 +77,10 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         "gate_up": [
             T(bn=128, bk=64, stages=3, warps=8),
             T(bn=64, bk=64, stages=4, warps=4, bm=64, programs_per_sm=2),
+            # long K (H of 4096-7168) and wide I: deeper K steps, more stages
+            T(bn=128, bk=128, stages=2, warps=8),
+            T(bn=64, bk=64, stages=6, warps=8),
+            T(bn=128, bk=32, stages=6, warps=8),
         ],
         "mm": _BF16_ROW,
         "swiglu_bwd": _BF16_ROW,
