@@ -145,6 +145,35 @@ def test_gemm_grid_size_never_changes_bits() -> None:
         gemm.grouped_mm(xs, w.w_down, sched, 0)
 
 
+def test_weight_gradient_skips_the_padding_past_the_last_k_step() -> None:
+    """The weight gradient sums an expert's rows up to its last real row rounded up to the K
+    step, not to the end of its padded block: the same bits as summing every padding row
+    (zeros), and the float64 product of the real rows."""
+    import dataclasses
+
+    from megamoe.kernels import gemm
+
+    p = make_problem(Case(50, 64, 96, 4, 2, routing="zipf"), seed=23)
+    sched = build_row_schedule(p.topk_ids, 4, 64)  # K step 32 in 64-row blocks
+    gen = torch.Generator().manual_seed(6)
+    a = torch.randn(sched.rows, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+    real = sched.row_src >= 0
+    a[~real], b[~real] = 0, 0  # (the layout's padding rows hold zeros)
+    padded = (sched.row_start[1:] - sched.row_start[:-1]).to(torch.int32)
+    skips = ((padded - sched.counts) >= 32).any()
+    assert skips, "the case must have an expert whose padding spans a whole K step"
+    with poisoned_buffers():
+        got = gemm.wgrad(a, b, sched)
+        every_row = gemm.wgrad(a, b, dataclasses.replace(sched, counts=padded))
+    assert not got.isnan().any()
+    assert torch.equal(got, every_row)
+    for e in range(4):
+        lo, hi = int(sched.row_start[e]), int(sched.row_start[e + 1])
+        want = a[lo:hi].double().T @ b[lo:hi].double()
+        torch.testing.assert_close(got[e].double(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_weight_gradient_rule_by_rows_per_expert_keeps_the_bits(monkeypatch) -> None:
     """The weight gradient's tiles are chosen by the balanced rows per expert
     (``gemm.wgrad_kind``); both choices give the same bits, every element written."""
