@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..gemm import GemmTiles, tiles_for
+from ..gemm import tiles_for
 from ..runtime import interpreting, persistent_programs
 
 __all__ = [
@@ -195,6 +195,25 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _once_per_launch(plan: Callable[..., FusedPlan]) -> Callable[..., FusedPlan]:
+    """``plan`` computed once per distinct arguments and distinct state it reads (the tiles,
+    the SM count, the interpreter): a launch's plan is a pure function of them, and building
+    it (sizes, grid, lags, two constexpr tuples) on every call was host time."""
+
+    @functools.lru_cache(maxsize=256)
+    def cached(reads: tuple, device: torch.device, **kwargs: Any) -> FusedPlan:
+        del reads  # (the key only)
+        return plan(device, **kwargs)
+
+    @functools.wraps(plan)
+    def once(device: torch.device, **kwargs: Any) -> FusedPlan:
+        reads = (tiles_for("gate_up"), tiles_for("mm"), persistent_programs(device), interpreting())
+        return cached(reads, device, **kwargs)
+
+    return once
+
+
+@_once_per_launch
 def plan_launch(
     device: torch.device,
     *,
@@ -217,60 +236,10 @@ def plan_launch(
     """The plan of one launch; a bad value is a ValueError naming it.
 
     ``rows``: the schedule's (worst-case) rows; ``shared_intermediate`` 0: no shared expert;
-    ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``). A pure
-    function of its arguments and of what it reads (the tiles, the SM count, the interpreter):
-    computed once per distinct set of them.
+    ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``).
+    Computed once per distinct launch (:func:`_once_per_launch`).
     """
-    return _plan_launch(
-        device,
-        rows=rows,
-        block_rows=block_rows,
-        tokens=tokens,
-        hidden=hidden,
-        intermediate=intermediate,
-        shared_intermediate=shared_intermediate,
-        top_k=top_k,
-        itemsize=itemsize,
-        world_size=world_size,
-        num_comm=num_comm,
-        minibatch_rows=minibatch_rows,
-        ring_rows=ring_rows,
-        down_lag=down_lag,
-        comm_kernel=comm_kernel,
-        traced=traced,
-        tiles=(tiles_for("gate_up"), tiles_for("mm")),
-        programs=persistent_programs(device),
-        interpret=interpreting(),
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_launch(
-    device: torch.device,
-    *,
-    rows: int,
-    block_rows: int,
-    tokens: int,
-    hidden: int,
-    intermediate: int,
-    shared_intermediate: int,
-    top_k: int,
-    itemsize: int,
-    world_size: int,
-    num_comm: int | None,
-    minibatch_rows: int,
-    ring_rows: int | None,
-    down_lag: int | None,
-    comm_kernel: bool,
-    traced: bool,
-    tiles: tuple[GemmTiles, GemmTiles],
-    programs: int,
-    interpret: bool,
-) -> FusedPlan:
-    """:func:`plan_launch`, with what it reads passed in (the cache's key)."""
     from .. import comm
-
-    del programs, interpret  # (only in the key: read below through the functions)
 
     if num_comm is None:
         num_comm = (
@@ -303,7 +272,7 @@ def _plan_launch(
         )
     slots = ring_rows // minibatch_rows
     grid = fused_grid(num_comm, device, comm_kernel)
-    gate_up, down = tiles
+    gate_up, down = tiles_for("gate_up"), tiles_for("mm")
     group = minibatch_rows // bm  # row blocks per task-list group
     computing = grid if comm_kernel else max(1, grid - num_comm)
     lag = routed_lag(
