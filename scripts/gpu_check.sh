@@ -2,7 +2,7 @@
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
 #   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [fingerprint] [comm] [bench] [kernels]
-#                        [sustained] [sweep] [shapes] [host] [gemms] [tiles] [train] [all]
+#                        [sustained] [sweep] [shapes] [profile] [host] [gemms] [tiles] [train] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -28,6 +28,9 @@
 #            throughput and the latency mode, one bench per model (shapes_<model>.json; a
 #            model that runs past STEP_TIMEOUT_S loses only its own records), no float64 check
 #            (the weights of the whole table's experts on one GPU; the tests check accuracy)
+#   profile  (not part of all) the GPU time of a training step per kernel (megamoe.tools.profile
+#            --backward): backend triton on $MEGAMOE_PROFILE_MODELS (default "deepseek-v3
+#            qwen3-30b-a3b") in each of $MEGAMOE_PROFILE_PRECISIONS (default "bf16 fp8")
 #   host     (not part of all) where the host time of a call goes (megamoe.tools.profile
 #            --host): triton and fused, forward and training step, on $MEGAMOE_HOST_MODEL
 #   gemms    (not part of all) our six grouped GEMMs against torch._grouped_mm on every model
@@ -107,8 +110,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | host | gemms | tiles | train) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, host, gemms, tiles, train or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | profile | host | gemms | tiles | train) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, profile, host, gemms, tiles, train or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -116,7 +119,7 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     for p in "${parts[@]}"; do
         case "$p" in
             "$1") return 0 ;;
-            all) case "$1" in sweep | shapes | host | gemms | tiles | train) ;; *) return 0 ;; esac ;;
+            all) case "$1" in sweep | shapes | profile | host | gemms | tiles | train) ;; *) return 0 ;; esac ;;
             tests) [ "$1" = tests-1gpu ] || [ "$1" = tests-ep ] && return 0 ;;
         esac
     done
@@ -269,6 +272,15 @@ if want shapes; then
             --backend ${MEGAMOE_SHAPES_BACKENDS:-triton fused auto torch-a2a} \
             --mode throughput latency --iters "$ITERS" --warmup "$WARMUP" --no-check \
             --out "$OUT/shapes_$name.json"
+    done
+fi
+
+if want profile; then
+    for model in ${MEGAMOE_PROFILE_MODELS:-deepseek-v3 qwen3-30b-a3b}; do
+        for precision in ${MEGAMOE_PROFILE_PRECISIONS:-bf16 fp8}; do
+            step "profile $model $precision step" "$OUT/profile.log" "$PY" -m megamoe.tools.profile \
+                --backward --model "$model" --backend triton --precision "$precision"
+        done
     done
 fi
 
