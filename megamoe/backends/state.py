@@ -192,6 +192,7 @@ def restore(
         num_experts=config.local_experts(world),
         block_rows=config.block_rows,
         rows=rows,
+        world_size=world,
     )
     ep, slot_weights = None, topk_weights.view(-1)
     if world > 1:

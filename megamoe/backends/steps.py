@@ -113,7 +113,9 @@ def schedule_steps(
     all_ids, _ = comm.gather_routing(ws)
     rec.routing_in_use = True
     e_local = config.local_experts(ws.world_size)
-    full = build_row_schedule(all_ids, e_local, config.block_rows, expert_lo=ws.rank * e_local)
+    full = build_row_schedule(
+        all_ids, e_local, config.block_rows, ws.rank * e_local, world_size=ws.world_size
+    )
     invalid = check_ids(all_ids, config.num_experts, ws.num_tokens, full, rec.ids)
     capacity = config.capacity_rows(ws.num_tokens, ws.world_size)
     routed = limit_capacity(full, all_ids, capacity, ws.rank, ws.world_size, rec.capacity, invalid)
@@ -323,18 +325,42 @@ def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
 # Backward
 
 
+def publish_grads(ws: Workspace, dy: torch.Tensor, config: MoEConfig) -> None:
+    """Publish the output gradient for the dy pull: dy, or in fp8 its packed 1x128 quantization
+    (quantized here, on the source rank, once), as :func:`publish_tokens` does for x."""
+    if _packed_width(config) is None:
+        publish(ws, dy=dy.detach())
+    else:
+        publish_packed(ws, dy=dy.detach())
+
+
+def routed_grads(dy: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """What the one-process route grad reads of the local dy: dy, or in fp8 its packed 1x128
+    quantization (:func:`publish_grads`' rows: the route grad then sees the values a pull of
+    them gives)."""
+    return dy if _packed_width(config) is None else fp8.quantize_packed(dy)
+
+
 def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
-    """Pull dy rows, route grad by row, dgrad/wgrad GEMMs, push d_x rows and d_w values back."""
+    """Pull dy rows, route grad by row, dgrad/wgrad GEMMs, push d_x rows and d_w values back.
+    In fp8 the pull moves dy's packed 1x128 rows, which the route grad reads dequantized."""
     schedule = ctx.schedule
     ws, sched, programs = schedule.ep.workspace, schedule.routed, schedule.config.copy_programs
-    publish(ws, dy=dy.detach())
+    publish_grads(ws, dy, schedule.config)
     # The shared expert needs only the local dy: its d_x runs beside the dy pull, its weight
     # gradients beside the d_x push (config.overlap_shared; each about as long as the copy).
     beside = BesideCopies(ws.device, schedule.config)
     try:
         shared_dgrad = beside.run(experts.shared_dgrad, dy, ctx)
         yield from barrier_point(ws)
-        dy_rows = comm.dispatch_pull(ws, sched, "dy", programs=programs, scale=False)
+        dy_rows = comm.dispatch_pull(
+            ws,
+            sched,
+            "dy",
+            programs=programs,
+            scale=False,
+            packed_width=_packed_width(schedule.config),
+        )
         dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.routed.z, ctx.slot_weights, sched)
         dxs, dg, du = experts.routed_dgrad(dz, ctx)
         shared_grads = beside.run(experts.shared_wgrad, dy, shared_dgrad, ctx)
@@ -357,9 +383,11 @@ def _nan_if(invalid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def local_backward(ctx: TritonContext, dy: torch.Tensor) -> MoEGrads:
-    """One process: route grad, dgrad and wgrad GEMMs, combine d_x in k order (+ shared)."""
+    """One process: route grad, dgrad and wgrad GEMMs, combine d_x in k order (+ shared). In
+    fp8 the route grad reads dy's packed 1x128 rows by token (the values W > 1 pulls)."""
     sched = ctx.schedule.routed
-    dz, d_topk = rows.route_grad(dy, ctx.routed.z, ctx.slot_weights, sched)
+    dy_routed = routed_grads(dy, ctx.schedule.config)
+    dz, d_topk = rows.route_grad(dy_routed, ctx.routed.z, ctx.slot_weights, sched)
     dxs, dg, du = experts.routed_dgrad(dz, ctx)
     d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dz, dg, du, ctx)
     shared_dgrad = experts.shared_dgrad(dy, ctx)

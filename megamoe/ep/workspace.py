@@ -16,6 +16,7 @@ Layout of a rank's allocation (each region starts at a multiple of ``REGION_ALIG
                                    rows at the region's start (P = fp8.packed_width(H) <= H)
   combine_buffer  [T*K, H]  dtype  slot t*K+k, written (pushed) by the rank owning expert id[t,k]
   dy_buffer       [T, H]    dtype  backward: this rank's output gradient, pulled like x_buffer
+                                   (in fp8 its packed 1x128 quantization, as x_buffer's)
   dx_slots        [T*K, H]  dtype  backward: d_x of slot t*K+k, pushed like combine_buffer
   dw_slots        [T*K]     fp32   backward: d topk_weights of slot t*K+k, pushed
   routing_ids     [T, K]    int32  this rank's topk_ids, read by every rank
@@ -48,6 +49,7 @@ __all__ = [
     "check_errors",
     "publish",
     "publish_packed",
+    "packed_buffer",
     "packed_x_buffer",
     "BARRIER_CHANNELS",
     "REGION_ALIGN",
@@ -421,27 +423,45 @@ def publish(
         dst.copy_(value)
 
 
-def packed_x_buffer(ws: Workspace, width: int) -> torch.Tensor:
-    """The x_buffer region as ``[T, width]`` int16 rows (packed fp8 rows, at its start)."""
+def packed_buffer(ws: Workspace, width: int, source: str = "x") -> torch.Tensor:
+    """The ``x_buffer`` (``source="x"``) or ``dy_buffer`` (``"dy"``) region as ``[T, width]``
+    int16 rows (packed fp8 rows, at its start)."""
+    if source not in ("x", "dy"):
+        raise ValueError(f"source must be 'x' or 'dy', got {source!r}")
+    region = ws.x_buffer if source == "x" else ws.dy_buffer
+    if region is None:
+        raise ValueError(f"{source}: this workspace was built with backward=False")
     t, words = ws.num_tokens, ws.hidden * ws.dtype.itemsize // 2
     if isinstance(width, bool) or not isinstance(width, int) or not 0 < width <= words:
         raise ValueError(
-            f"width must be an int in [1, {words}] (int16 words of one x_buffer row), got {width!r}"
+            f"width must be an int in [1, {words}] (int16 words of one {source}_buffer row), "
+            f"got {width!r}"
         )
-    return ws.x_buffer.view(torch.int16).view(-1)[: t * width].view(t, width)
+    return region.view(torch.int16).view(-1)[: t * width].view(t, width)
 
 
-def publish_packed(ws: Workspace, x: torch.Tensor) -> None:
-    """Quantize this rank's tokens ``x [T, H]`` 1x128 straight into its x_buffer as packed fp8
-    rows (``fp8.quantize_packed``; stream-ordered, no host sync), so that the dispatch pulls
-    fp8 bytes and scales (``dispatch_pull(..., packed_width=fp8.packed_width(H))``): about half
-    the bytes of bf16 rows. Peers may read them only after the next barrier."""
+def packed_x_buffer(ws: Workspace, width: int) -> torch.Tensor:
+    """The x_buffer region as ``[T, width]`` int16 rows (packed fp8 rows, at its start)."""
+    return packed_buffer(ws, width, "x")
+
+
+def publish_packed(
+    ws: Workspace, x: torch.Tensor | None = None, dy: torch.Tensor | None = None
+) -> None:
+    """Quantize this rank's tokens ``x [T, H]`` (or its output gradient ``dy [T, H]``) 1x128
+    straight into its x_buffer (dy_buffer) as packed fp8 rows (``fp8.quantize_packed``;
+    stream-ordered, no host sync), so that the pull moves fp8 bytes and scales
+    (``dispatch_pull(..., source, packed_width=fp8.packed_width(H))``): about half the bytes of
+    bf16 rows. Peers may read them only after the next barrier."""
     from ..kernels import fp8  # (here: the workspace itself needs no Triton)
 
     t, h = ws.num_tokens, ws.hidden
-    if tuple(x.shape) != (t, h):
-        raise ValueError(f"x must have shape {[t, h]}, got {list(x.shape)}")
-    fp8.quantize_packed(x, out=packed_x_buffer(ws, fp8.packed_width(h)))
+    for name, value in (("x", x), ("dy", dy)):
+        if value is None:
+            continue
+        if tuple(value.shape) != (t, h):
+            raise ValueError(f"{name} must have shape {[t, h]}, got {list(value.shape)}")
+        fp8.quantize_packed(value, out=packed_buffer(ws, fp8.packed_width(h), name))
 
 
 def take_stall(

@@ -50,6 +50,7 @@ __all__ = [
     "source_f32",
     "pow2_scale",
     "block_amax",
+    "load_quantized_rows",
     "quantize_rows",
     "quantize_cols",
     "quantize_weight",
@@ -167,6 +168,22 @@ def block_amax(x, axis: tl.constexpr):
     """Absolute maximum along ``axis`` of an fp32 tile, NaN ignored (0 for an all-NaN block)."""
     a = tl.abs(x)
     return tl.max(tl.where(a == a, a, 0.0), axis=axis)
+
+
+@triton.jit
+def load_quantized_rows(
+    q_ptr, s_ptr, rows, cols, stride_q, stride_s, row_mask, col_mask, UPCAST: tl.constexpr
+):
+    """A [len(rows), len(cols)] fp32 tile of 1x128-quantized rows, dequantized (``q * scale``,
+    exact): fp8 ``q`` rows ``stride_q`` apart, their scales ``[rows, ceil(K/128)]`` ``stride_s``
+    apart (e.g. :func:`unpack_rows`' views of packed rows); masked entries are 0."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    q = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
+    scale = tl.load(
+        s_ptr + rows64[:, None] * stride_s + (cols // 128)[None, :], mask=mask, other=0.0
+    )
+    return from_e4m3(q, UPCAST) * scale
 
 
 @triton.jit

@@ -9,6 +9,10 @@ Expert-parallel variants (same kernels, a constexpr switch, so W > 1 gives the b
                    NaN everywhere when the step's invalid flag is set)
   route_grad_rows  dz[r] = w[s] * dy_rows[r];  dw_rows[r] = <dy_rows[r], z[r]>  (dy pulled by row)
 
+dy may be packed fp8 rows (``fp8.quantize_packed``, int16): the route grad then reads them
+dequantized (exact in fp32) through the same kernel (a constexpr switch) and the same fp32
+reduction, so dz and dw are those of the dequantized dy given as fp32.
+
 Only rows of used row blocks are touched; grids are sized for the worst case so the host
 never reads the schedule.
 """
@@ -19,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8
 from .runtime import empty, interpreting
 from .schedule import RowSchedule
 from .tiles import load_rows, store_rows
@@ -102,6 +107,7 @@ def _combine_kernel(
 @triton.jit
 def _route_grad_kernel(
     dy_ptr,
+    dy_scale_ptr,
     z_ptr,
     w_ptr,
     row_src_ptr,
@@ -109,9 +115,12 @@ def _route_grad_kernel(
     dz_ptr,
     dw_ptr,
     H,
+    stride_dy,
+    stride_dy_scale,
     TOP_K: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BY_ROW: tl.constexpr,
+    PACKED: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -131,7 +140,20 @@ def _route_grad_kernel(
     for c0 in range(0, H, COLS):
         cols = c0 + tl.arange(0, COLS)
         col_mask = cols < H
-        dy = load_rows(dy_ptr, dy_row, cols, H, real, col_mask)
+        if PACKED:  # fp8 rows with 1x128 scales (packed rows' views): dequantized, exact
+            dy = fp8.load_quantized_rows(
+                dy_ptr,
+                dy_scale_ptr,
+                dy_row,
+                cols,
+                stride_dy,
+                stride_dy_scale,
+                real,
+                col_mask,
+                UPCAST,
+            )
+        else:
+            dy = load_rows(dy_ptr, dy_row, cols, stride_dy, real, col_mask)
         dot += tl.sum(dy * load_rows(z_ptr, rows, cols, H, real, col_mask), axis=1)
         store_rows(dz_ptr, rows, cols, H, w[:, None] * dy, used, col_mask, UPCAST)
     tl.store(dw_ptr + dw_at, dot, mask=real)
@@ -248,7 +270,9 @@ def combine_slots(
 def route_grad(
     dy: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dz [rows, H] in the layout, zeros on padding rows; dw [T, K] fp32)."""
+    """(dz [rows, H] in the layout, zeros on padding rows; dw [T, K] fp32) of the tokens' output
+    gradient ``dy``: ``[T, H]``, or its packed fp8 rows ``[T, fp8.packed_width(H)]`` int16
+    (``fp8.quantize_packed``), read dequantized (exact in fp32)."""
     dw = empty((sched.num_tokens, sched.top_k), torch.float32, z.device)
     return _launch_route_grad(dy, z, weights, sched, dw, by_row=False)
 
@@ -256,7 +280,8 @@ def route_grad(
 def route_grad_rows(
     dy_rows: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`route_grad` with ``dy`` already in the row layout (pulled unscaled from the peers).
+    """:func:`route_grad` with ``dy`` already in the row layout (pulled unscaled from the peers):
+    ``[>= rows, H]``, or packed fp8 rows ``[>= rows, fp8.packed_width(H)]`` int16.
 
     ``weights`` is indexed by the global slot of each row (every rank's weights, concatenated).
     Returns (dz [rows, H], zeros on padding rows; dw [rows] fp32, set on real rows only), with
@@ -276,20 +301,33 @@ def _launch_route_grad(
     dw: torch.Tensor,
     by_row: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_route_grad_kernel`` over every row block: dy by token (``by_row`` False) or by row."""
-    dz = empty((sched.rows, dy.shape[1]), z.dtype, z.device)
+    """``_route_grad_kernel`` over every row block: dy by token (``by_row`` False) or by row;
+    int16 ``dy`` is packed fp8 rows (read through ``fp8.unpack_rows``' views)."""
+    h = z.shape[1]
+    packed = dy.dtype == torch.int16
+    if packed:
+        dy, dy_scale = fp8.unpack_rows(dy, h)
+    elif dy.shape[1] != h or dy.stride(1) != 1:
+        raise ValueError(f"dy must have {h} contiguous columns (z's), got {list(dy.shape)}")
+    else:
+        dy_scale = dy
+    dz = empty((sched.rows, h), z.dtype, z.device)
     _route_grad_kernel[(sched.rows // _ROWS,)](
         dy,
+        dy_scale,
         z,
         weights,
         sched.row_src,
         sched.num_blocks,
         dz,
         dw,
-        dy.shape[1],
+        h,
+        dy.stride(0),
+        dy_scale.stride(0),
         TOP_K=sched.top_k,
         BLOCK_ROWS=sched.block_rows,
         BY_ROW=by_row,
+        PACKED=packed,
         ROWS=_ROWS,
         COLS=_COLS,
         UPCAST=interpreting(),

@@ -54,10 +54,18 @@ class RowSchedule:
     num_experts: int
     block_rows: int
     rows: int  # worst-case rows of the layout (buffers are sized for it)
+    world_size: int = 1  # ranks whose tokens ``num_tokens`` counts (expert parallel)
 
     @property
     def max_blocks(self) -> int:
         return self.rows // self.block_rows
+
+    @property
+    def balanced_rows(self) -> float:
+        """Rows each expert gets when the routing is balanced: a host-side size that picks
+        tiles (``gemm.wgrad_kind``), never a result. The layout holds ``num_tokens`` tokens of
+        ``world_size`` ranks routed over ``num_experts * world_size`` experts in all."""
+        return self.num_tokens * self.top_k / (self.num_experts * self.world_size)
 
 
 def max_rows(entries: int, num_experts: int, block_rows: int) -> int:
@@ -181,12 +189,18 @@ def _chunk(e_pad: int) -> int:
 
 
 def build_row_schedule(
-    topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert_lo: int = 0, rank: int = 0
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_rows: int,
+    expert_lo: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> RowSchedule:
     """Schedule the rows of local experts ``[expert_lo, expert_lo + num_experts)``.
 
     ``topk_ids`` is [T, K] (int32/int64, global ids). ``rank`` is the source rank of these ids;
-    with one rank every entry is local.
+    with one rank every entry is local. ``world_size``: the ranks whose ids ``topk_ids`` holds
+    (all of them, stacked, in expert parallelism), for :attr:`RowSchedule.balanced_rows`.
     """
     t, k = topk_ids.shape
     entries = t * k
@@ -249,14 +263,41 @@ def build_row_schedule(
         num_experts=num_experts,
         block_rows=block_rows,
         rows=rows,
+        world_size=world_size,
     )
+
+
+# uniform_schedule's tables by (rows, block rows, device): constants that no kernel writes.
+_UNIFORM: dict[tuple[int, int, torch.device], RowSchedule] = {}
+_UNIFORM_MAX = 64
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def uniform_schedule(num_rows: int, block_rows: int, device: torch.device) -> RowSchedule:
     """The layout of one expert that takes all ``num_rows`` rows in order (the shared expert).
 
-    Rows are not padded: the GEMM descriptors clip at ``num_rows``.
+    Rows are not padded: the GEMM descriptors clip at ``num_rows``. Built once per size and
+    device and then reused (six small launches and allocations per call saved on the host),
+    except while a CUDA graph is captured: tensors made during a capture hold their values only
+    after a replay, so they are never kept.
     """
+    device = torch.device(device)
+    key = (num_rows, block_rows, device)
+    cached = _UNIFORM.get(key)
+    if cached is not None:
+        return cached
+    sched = _uniform(num_rows, block_rows, device)
+    if not _capturing(device):
+        if len(_UNIFORM) >= _UNIFORM_MAX:
+            _UNIFORM.clear()
+        _UNIFORM[key] = sched
+    return sched
+
+
+def _uniform(num_rows: int, block_rows: int, device: torch.device) -> RowSchedule:
     blocks = triton.cdiv(num_rows, block_rows)
     i32 = dict(dtype=torch.int32, device=device)
     row_start = torch.arange(2, **i32) * num_rows  # [0, num_rows], built on the device

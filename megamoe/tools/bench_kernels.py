@@ -6,8 +6,14 @@ model of the shape table (``megamoe.shapes.MODEL_SHAPES``, W = 1) or of the pres
 tokens routed top-k, every expert the same whole number of rows (a multiple of 16, as
 ``torch._grouped_mm``'s offsets want; ours pads each expert to its 128-row blocks, and that
 cost is in its time). Gate and up are one stacked ``[E, 2I, H]`` weight, read in place by both.
-Median of per-iteration CUDA-event times; one record per (shape, kernel, implementation) with
-the ratio to torch from the same run.
+The implementations of a kernel are timed in turn, ``ROUNDS`` rounds of ``iters`` iterations
+each (so a drift of the GPU's clock hits them alike); the median of the per-iteration CUDA-event
+times, one record per (shape, kernel, implementation) with the ratio to torch from the same run
+(``vs_torch``). Our dgrad of down also runs the SwiGLU backward in its epilogue (it reads g and
+u and writes d_g and d_u): beside torch's GEMM alone, ``torch._grouped_mm+swiglu`` times the
+GEMM followed by the SwiGLU backward as eager torch ops (``aten.silu_backward`` and two
+products, what autograd of ``silu(g) * u`` runs), and our record's ``vs_torch_swiglu`` is the
+ratio to that.
 
 With ``precision="fp8"`` (``--precision fp8``) the block-scaled fp8 kernels (``triton-fp8``)
 join them, on operands quantized before the timing (1x128 rows, 128x1 columns for the weight
@@ -45,6 +51,8 @@ __all__ = [
 
 KERNELS = ("gate_up", "down", "dgrad_swiglu", "dgrad_pair", "wgrad_down", "wgrad_gate_up")
 _WARMUP = 5
+ROUNDS = 3
+TORCH, TORCH_SWIGLU = "torch._grouped_mm", "torch._grouped_mm+swiglu"
 
 
 def event_times_ms(fn: Callable[[], object], iters: int) -> list[float]:
@@ -59,11 +67,23 @@ def event_times_ms(fn: Callable[[], object], iters: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def _time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median over ``iters`` of one call's CUDA-event time, after a warm-up."""
-    for _ in range(_WARMUP):
-        fn()
-    return statistics.median(event_times_ms(fn, iters))
+def _interleaved_ms(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, float | str]:
+    """Each function's median CUDA-event time over ``ROUNDS`` rounds of ``iters`` calls, the
+    functions in turn within a round, after a warm-up; a function that raises gets its error
+    (one failing variant hides no other)."""
+    times: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(_WARMUP):
+                fn()
+            times[name] = []
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+    for _ in range(ROUNDS):
+        for name in times:
+            times[name] += event_times_ms(fns[name], iters)
+    return {**{n: statistics.median(t) for n, t in times.items()}, **errors}
 
 
 def _balanced_ids(tokens: int, experts: int, top_k: int, device: torch.device) -> torch.Tensor:
@@ -155,9 +175,8 @@ def kernel_calls(
     if "fp8" in precisions:
         calls["triton-fp8"] = _fp8_kernels(xp, hp, dzp, gp, up, w, w_down, sched)
     if hasattr(torch, "_grouped_mm"):
-        # the same products on packed rows (the SwiGLU backward that our dgrad of down does in
-        # its epilogue is not timed for torch, which favours torch)
-        calls["torch._grouped_mm"] = {
+        # the same products on packed rows
+        calls[TORCH] = {
             "gate_up": lambda: torch._grouped_mm(x, stacked.transpose(1, 2), offs=offs),
             "down": lambda: torch._grouped_mm(hh, w_down.transpose(1, 2), offs=offs),
             "dgrad_swiglu": lambda: torch._grouped_mm(dz, w_down, offs=offs),
@@ -165,6 +184,12 @@ def kernel_calls(
             "wgrad_down": lambda: torch._grouped_mm(dz.t(), hh, offs=offs),
             "wgrad_gate_up": lambda: torch._grouped_mm(gu.t(), x, offs=offs),
         }
+
+        def dgrad_swiglu_eager() -> tuple[torch.Tensor, torch.Tensor]:
+            dh = torch._grouped_mm(dz, w_down, offs=offs)
+            return torch.ops.aten.silu_backward(dh * u, g), dh * torch.nn.functional.silu(g)
+
+        calls[TORCH_SWIGLU] = {"dgrad_swiglu": dgrad_swiglu_eager}
     if "fp8" in precisions:
         for kind, anchors in _dense_anchors(x, hh, stacked, w_down).items():
             for impl, fn in anchors.items():
@@ -179,23 +204,23 @@ def _bench_shape(
     calls, _ = kernel_calls(e, rows, h, i, precisions)
     records = []
     for kind in KERNELS:
-        recs = []
-        for impl, fns in calls.items():
-            if kind not in fns:
-                continue
+        fns = {impl: kernel_fns[kind] for impl, kernel_fns in calls.items() if kind in kernel_fns}
+        recs = {}
+        for impl, got in _interleaved_ms(fns, iters).items():
             rec = dict(base, kernel=kind, impl=impl, experts=e, rows_per_expert=rows)
             rec.update(hidden=h, intermediate=i, precision="fp8" if "fp8" in impl else "bf16")
-            try:
-                ms = _time_ms(fns[kind], iters)
-                rec.update(ms=ms, tflops=_flops(kind, m, h, i) / ms / 1e9)
-            except Exception as exc:  # record and go on: one failing variant hides no other
-                rec.update(error=f"{type(exc).__name__}: {exc}"[:500])
-            recs.append(rec)
-        torch_rec = next((r for r in recs if r["impl"] == "torch._grouped_mm" and "ms" in r), None)
-        for r in recs:
-            if torch_rec is not None and r is not torch_rec and "ms" in r:
-                r["vs_torch"] = torch_rec["ms"] / r["ms"]
-        records += recs
+            if isinstance(got, str):
+                rec.update(error=got)
+            else:
+                rec.update(ms=got, tflops=_flops(kind, m, h, i) / got / 1e9)
+            recs[impl] = rec
+        for r in recs.values():
+            if "ms" not in r or r["impl"].startswith(TORCH):
+                continue
+            for impl, key in ((TORCH, "vs_torch"), (TORCH_SWIGLU, "vs_torch_swiglu")):
+                if "ms" in recs.get(impl, {}):
+                    r[key] = recs[impl]["ms"] / r["ms"]
+        records += recs.values()
     return records
 
 
@@ -279,7 +304,8 @@ def bench_layer(preset: str = "dsv3", iters: int = 20) -> dict:
         _, ctx = fwd()
         return backend.backward(ctx, dy)
 
-    fwd_ms, fwdbwd_ms = _time_ms(fwd, iters), _time_ms(fwd_bwd, iters)
+    times = _interleaved_ms({"fwd": fwd, "fwd_bwd": fwd_bwd}, iters)
+    fwd_ms, fwdbwd_ms = times["fwd"], times["fwd_bwd"]
     flops = cfg.flops_per_token() * t
     return dict(
         preset=preset,
@@ -328,14 +354,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"nor a preset ({', '.join(PRESETS)}), nor 'all'"
             )
     records = bench_grouped_gemm(args.model, args.tokens, args.iters, tuple(args.precision))
-    print(f"{'shape':22s} {'kernel':14s} {'impl':18s} {'ms':>8s} {'TFLOP/s':>8s} {'vs torch':>8s}")
+    print(
+        f"{'shape':22s} {'kernel':14s} {'impl':24s} {'ms':>8s} {'TFLOP/s':>8s} {'vs torch':>8s}"
+        f" {'vs torch+swiglu':>15s}"
+    )
     for r in records:
-        head = f"{r['shape']:22s} {r['kernel']:14s} {r['impl']:18s}"
+        head = f"{r['shape']:22s} {r['kernel']:14s} {r['impl']:24s}"
         if "error" in r:
             print(f"{head} ERROR {r['error'][:80]}")
         else:
-            ratio = f"{r['vs_torch']:7.2f}x" if "vs_torch" in r else ""
-            print(f"{head} {r['ms']:8.3f} {r['tflops']:8.1f} {ratio:>8s}", flush=True)
+            ratios = [f"{r[k]:7.2f}x" if k in r else "" for k in ("vs_torch", "vs_torch_swiglu")]
+            print(f"{head} {r['ms']:8.3f} {r['tflops']:8.1f} {ratios[0]:>8s} {ratios[1]:>15s}")
     for preset in args.layer:
         rec = bench_layer(preset)
         records.append(rec)

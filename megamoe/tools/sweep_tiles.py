@@ -58,21 +58,35 @@ _FP8_ROW = [
     T(bn=128, bk=128, stages=2, warps=4, bm=64, programs_per_sm=3),
     T(bn=64, bk=128, stages=4, warps=4, bm=64, programs_per_sm=3),
 ]
+_BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
+    T(bm=128, bn=256, bk=64, stages=3, warps=8),
+    T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2),
+    T(bm=128, bn=128, bk=64, stages=4, warps=8),
+    T(bm=256, bn=128, bk=64, stages=3, warps=8),
+    T(bm=128, bn=128, bk=64, stages=3, warps=8),
+    T(bm=128, bn=128, bk=64, stages=2, warps=8, programs_per_sm=2),
+    T(bm=128, bn=256, bk=32, stages=4, warps=8),
+    # few rows per expert (K of 80-256): one K step of 128, or two or three programs
+    # per SM whose loads run while another's tile is stored
+    T(bm=128, bn=128, bk=128, stages=2, warps=8),
+    T(bm=64, bn=128, bk=64, stages=2, warps=4, programs_per_sm=3),
+    T(bm=64, bn=256, bk=64, stages=2, warps=4, programs_per_sm=2),
+]
 CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
     "bf16": {
         "gate_up": [
             T(bn=128, bk=64, stages=3, warps=8),
             T(bn=64, bk=64, stages=4, warps=4, bm=64, programs_per_sm=2),
+            # long K (H of 4096-7168) and wide I: deeper K steps, more stages (0.49-0.93x the
+            # default on Llama-4-Scout, Mixtral, Qwen2-57B and Qwen3-30B, 2026-12-02)
+            T(bn=128, bk=128, stages=2, warps=8),
+            T(bn=64, bk=64, stages=6, warps=8),
+            T(bn=128, bk=32, stages=6, warps=8),
         ],
         "mm": _BF16_ROW,
         "swiglu_bwd": _BF16_ROW,
-        "wgrad": [
-            T(bm=128, bn=128, bk=64, stages=4, warps=8),
-            T(bm=256, bn=128, bk=64, stages=3, warps=8),
-            T(bm=128, bn=128, bk=64, stages=3, warps=8),
-            T(bm=128, bn=128, bk=64, stages=2, warps=8, programs_per_sm=2),
-            T(bm=128, bn=256, bk=32, stages=4, warps=8),
-        ],
+        "wgrad": _BF16_WGRAD,
+        "wgrad_few_rows": _BF16_WGRAD,
     },
     "fp8": {
         "gate_up": [
@@ -105,15 +119,24 @@ def fits_shared_memory(tile_kind: str, t: GemmTiles, precision: str, block_rows:
     return per_program * t.programs_per_sm <= _SM_SHARED_BYTES
 
 
+def _entries(module, tile_kind: str) -> list[str]:
+    """The tile entries a sweep of ``tile_kind`` sets: every weight-gradient entry for a weight
+    gradient (the kernel picks one by shape, ``gemm.wgrad_kind``), else the one."""
+    if not tile_kind.startswith("wgrad"):
+        return [tile_kind]
+    return [k for k in module.GPU_TILES if k.startswith("wgrad")]
+
+
 @contextlib.contextmanager
 def _tiles(module, tile_kind: str, t: GemmTiles) -> Iterator[None]:
     """Within this block, ``module``'s kernels of ``tile_kind`` run with tiles ``t``."""
-    old = module.GPU_TILES[tile_kind]
-    module.GPU_TILES[tile_kind] = t
+    old = dict(module.GPU_TILES)
+    for entry in _entries(module, tile_kind):
+        module.GPU_TILES[entry] = t
     try:
         yield
     finally:
-        module.GPU_TILES[tile_kind] = old
+        module.GPU_TILES.update(old)
 
 
 def _bits(out, rows: int, used: int) -> list[torch.Tensor]:
@@ -186,6 +209,8 @@ def sweep_tiles(
             fns = calls["triton-fp8" if precision == "fp8" else "triton"]
             for kind in kernels:
                 tile_kind = TILE_KIND[kind]
+                if tile_kind == "wgrad" and hasattr(module, "wgrad_kind"):
+                    tile_kind = module.wgrad_kind(sched)  # the entry this shape's rule takes
                 cands = [module.GPU_TILES[tile_kind]] + [
                     t
                     for t in CANDIDATES[precision][tile_kind]
@@ -251,6 +276,7 @@ _KERNEL_OF_TILE_KIND = {
     "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
+    "wgrad_few_rows": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
 }
 
 
@@ -266,11 +292,14 @@ def compile_candidates(
     from . import compile_check as cc
 
     modules = {"bf16": gemm, "fp8": fp8_gemm}
-    records = []
+    records, seen = [], set()
     for precision in precisions:
         module = modules[precision]
         for tile_kind, cands in CANDIDATES[precision].items():
             for t in [module.GPU_TILES[tile_kind], *cands]:
+                if (precision, _KERNEL_OF_TILE_KIND[tile_kind], t) in seen:
+                    continue  # (the weight-gradient entries share their candidates)
+                seen.add((precision, _KERNEL_OF_TILE_KIND[tile_kind], t))
                 with (
                     _tiles(module, tile_kind, t),
                     assume_programs(cc.H200_SMS),

@@ -5,8 +5,8 @@ Their launchers run on meta tensors at DeepSeek-V3's expert sizes (H 7168, I 204
 with the GPU tile choices (``fp8_gemm.GPU_TILES``: 64-row tiles, 4 warps, two programs per
 SM) in a subprocess without the interpreter. Checked: sm_90a PTX, shared memory <= 227 KB,
 fp8 wgmma (e4m3 operands) and TMA in the GEMMs, the saturating hardware conversion in the
-quantizers, the programs that share an SM within its registers and shared memory, no spills
-and no local memory.
+quantizers, the route grad's packed-rows variant (the fp8 dy), the programs that share an SM
+within its registers and shared memory, no spills and no local memory.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from support.compiled import (  # noqa: E402
 # Run in a subprocess with the interpreter off; prints one JSON list of compile reports.
 SCRIPT = """
 import json, re, torch
-from megamoe.kernels import fp8, fp8_gemm
+from megamoe.kernels import fp8, fp8_gemm, rows
 from megamoe.kernels.runtime import assume_programs
 from megamoe.kernels.schedule import build_row_schedule
 from megamoe.tools.compile_check import H200_SMS, compile_launch, record_launches
@@ -50,6 +50,10 @@ def step(h, i, e, tokens, top_k, block_rows):
     fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(meta(s.rows, h)), s)
     fp8_gemm.wgrad(*fp8.quantize_cols(meta(s.rows, h)), *fp8.quantize_cols(hh), s,
                    out_dtype=torch.float32)
+    # the route grad on dy's packed rows: pulled (by row, W > 1) and by token (W = 1)
+    z, w = meta(s.rows, h), meta(tokens * top_k, dtype=torch.float32)
+    rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s)
+    rows.route_grad(meta(tokens, fp8.packed_width(h), dtype=torch.int16), z, w, s)
 
 label = ["?"]
 with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
@@ -59,7 +63,8 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     step(2880, 2880, 32, 512, 4, 128)
 reports = []
 for launch in launches:
-    if launch.fn.fn.__module__ not in ("megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm"):
+    fp8_kernel = launch.fn.fn.__module__ in ("megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm")
+    if not fp8_kernel and launch.fn.fn.__name__ != "_route_grad_kernel":
         continue  # the row schedule's kernels (tests/compile/test_kernels_sm90a.py)
     r = compile_launch(launch, keep_ptx=True)
     ptx = r.pop("ptx")
@@ -70,7 +75,8 @@ for launch in launches:
     r["cvt_satfinite"] = "cvt.rn.satfinite.e4m3x2.f32" in ptx
     names = launch.fn.arg_names
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
-                    if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED")}
+                    if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
+                                       "PACKED", "BY_ROW")}
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
@@ -79,6 +85,7 @@ print(json.dumps(reports))
 
 QUANTIZERS = ("_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_weight_kernel")
 GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel")
+ROUTE_GRAD = "_route_grad_kernel"  # its packed-rows variant (the fp8 backward's dy)
 
 
 background.define("reports", ["-c", SCRIPT], timeout=1200)  # (started at collection's end)
@@ -95,7 +102,10 @@ def _what(r: dict) -> str:
 
 
 def test_every_fp8_kernel_compiles_for_sm90a(reports: list[dict]) -> None:
-    assert {r["name"] for r in reports} == set(QUANTIZERS + GEMMS)
+    assert {r["name"] for r in reports} == {*QUANTIZERS, *GEMMS, ROUTE_GRAD}
+    packed = [r["variant"] for r in reports if r["name"] == ROUTE_GRAD]
+    assert {v["BY_ROW"] for v in packed} == {False, True}, packed
+    assert all(v["PACKED"] for v in packed), packed
     for r in reports:
         assert r["target_sm90a"], f"{_what(r)}: PTX is not for sm_90a"
         assert 0 <= r["shared"] <= SMEM_LIMIT, f"{_what(r)}: {r['shared']} B of shared memory"

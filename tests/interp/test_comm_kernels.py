@@ -129,21 +129,29 @@ def test_dispatch_lands_every_row(case):
     ids=["W2-H272", "W3-H2304"],
 )
 def test_dispatch_moves_packed_fp8_rows_word_for_word(world, t, h, k, e_local, programs, tile):
-    """``publish_packed`` quantizes each rank's tokens into its x_buffer as packed fp8 rows, and
-    the pull with ``packed_width`` lands each token's packed row (its fp8 bytes and scales)
-    unchanged in every row routed to it: padding rows zeros, rows past the used ones untouched."""
+    """``publish_packed`` quantizes each rank's tokens (and its dy) into its x_buffer (dy_buffer)
+    as packed fp8 rows, and the pull with ``packed_width`` lands each token's packed row (its
+    fp8 bytes and scales) unchanged in every row routed to it: padding rows zeros, rows past the
+    used ones untouched."""
     cl = Cluster(world, t, h, k, e_local, seed=world * 100 + h)
     width = fp8.packed_width(h)
-    for ws, x in zip(cl.ws, cl.x):
-        publish_packed(ws, x)
+    for ws, x, dy in zip(cl.ws, cl.x, cl.dy):
+        publish_packed(ws, x, dy=dy)
     barrier_all(cl.ws)
-    tokens = fp8.quantize_packed(torch.cat(cl.x))
+    for source, values in (("x", cl.x), ("dy", cl.dy)):
+        _check_packed_pull(cl, source, values, width, programs, tile)
+
+
+def _check_packed_pull(cl, source, values, width, programs, tile) -> None:
+    h = cl.h
+    tokens = fp8.quantize_packed(torch.cat(values))
     for r in range(cl.world):
         sched = cl.scheds[r]
         out = torch.full((sched.rows, width), 0x7F7F, dtype=torch.int16)
         pulled = comm.dispatch_pull(
-            cl.ws[r], sched, out=out, programs=programs, tile_bytes=tile, packed_width=width
-        )
+            cl.ws[r], sched, source, out=out, programs=programs, tile_bytes=tile,
+            packed_width=width, scale=False,
+        )  # fmt: skip
         assert pulled is out
         used, slots = cl.used_rows(r), cl.row_slots(r)
         real = slots >= 0
@@ -151,7 +159,7 @@ def test_dispatch_moves_packed_fp8_rows_word_for_word(world, t, h, k, e_local, p
         assert torch.all(out[:used][~real] == 0)
         assert torch.all(out[used:] == 0x7F7F)
         q, scale = fp8.unpack_rows(out[:used][real], h)
-        want_q, want_scale = fp8.quantize_rows(torch.cat(cl.x)[slots[real] // cl.k])
+        want_q, want_scale = fp8.quantize_rows(torch.cat(values)[slots[real] // cl.k])
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(scale, want_scale)
 

@@ -327,6 +327,43 @@ def test_requantize_cols_is_quantize_cols_of_the_dequantized_rows() -> None:
     assert (direct != reblocked).double().mean() < 1e-4
 
 
+def test_route_grad_reads_packed_dy_rows() -> None:
+    """The route grad on packed fp8 rows of dy (by token and, pulled, by row): dz = w * dy and
+    dw = <dy, z> of the dequantized dy, against float64 (dz within its bf16 rounding, dw
+    within fp32 summation), and bitwise the kernel's result on that dy given as fp32 (the same
+    reduction); every used row written, the two layouts' bits equal."""
+    from megamoe.kernels import rows
+
+    t, k, e, h = 21, 2, 3, 272  # H 272: a partial 128 block of scales
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    sched = build_row_schedule(ids, e, 16)
+    dy = (torch.randn(t, h, generator=gen) * torch.rand(t, 1, generator=gen) * 8).to(torch.bfloat16)
+    w = torch.rand(t, k, generator=gen)
+    z = torch.randn(sched.rows, h, generator=gen).to(torch.bfloat16)
+    packed = fp8.quantize_packed(dy)
+    dq = fp8.dequantize_rows(*fp8.unpack_rows(packed, h))  # exact fp32
+    assert not torch.equal(dq, dy.float())  # (quantized: the route grad sees other values)
+    with poisoned_buffers():
+        dz, dw = rows.route_grad(packed, z, w, sched)
+        dz_rows, dw_rows = rows.route_grad_rows(rows.gather(packed, sched), z, w, sched)
+    dz_f32, dw_f32 = rows.route_grad(dq, z, w, sched)
+    used = int(sched.num_blocks) * 16
+    slots = sched.row_src[:used].long()
+    real = slots >= 0
+    assert torch.equal(dz[:used], dz_f32[:used]) and torch.equal(dw, dw_f32)
+    assert torch.equal(dz_rows[:used], dz[:used])
+    assert torch.equal(dw_rows[:used][real], dw.view(-1)[slots[real]])
+    assert (dz[:used][~real] == 0).all()  # padding rows zeros
+    tok = slots[real] // k
+    want_dz = w.view(-1)[slots[real]].double()[:, None] * dq[tok].double()
+    err = (dz[:used][real].double() - want_dz).abs()
+    assert (err <= 2.0**-8 * want_dz.abs()).all()  # half a bf16 ulp
+    prods = dq[tok].double() * z[:used][real].double()
+    dw_err = (dw.view(-1)[slots[real]].double() - prods.sum(1)).abs()
+    assert (dw_err <= 1e-6 * prods.abs().sum(1)).all()
+
+
 def test_packed_rows_name_bad_arguments() -> None:
     q, scale = fp8.quantize_rows(torch.randn(4, 144))
     with pytest.raises(ValueError, match=r"packed must be an int16 \[rows, 80\] tensor"):

@@ -3,9 +3,9 @@
 Checked: the output and every gradient against a float64 emulation of the quantized recipe
 (the same 1x128 / 128x1 / 128x128 quantization in torch ops, the same bf16 roundings of the
 saved activations, every product in float64) and against the float64 layer on the unquantized
-inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2 and 3 (lockstep),
-where the dispatch moves packed fp8 rows; backend "reference"'s fp8 recipe against the same
-emulation;
+inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2, 3 and 8
+(lockstep), where the dispatch and the dy pull move packed fp8 rows; backend "reference"'s fp8
+recipe against the same emulation (with the bf16 dy in its route grad);
 every output written (poisoned buffers); the weight cache quantizes each weight once per
 version; the errors.
 """
@@ -105,10 +105,13 @@ def _expert(x, dz, w_gate, w_up, w_down):
     return z, dx, *dw
 
 
-def recipe(p) -> tuple[torch.Tensor, MoEGrads]:
-    """y and the gradients of the fp8 layer at W = 1, emulated in float64."""
+def recipe(p, quantized_dy: bool = True) -> tuple[torch.Tensor, MoEGrads]:
+    """y and the gradients of the fp8 layer at W = 1, emulated in float64. The routed experts'
+    dz = w * dy and d topk_weights = <dy, z> read dy quantized 1x128 (the packed rows the dy
+    pull moves), or with ``quantized_dy=False`` the bf16 dy (backend "reference")."""
     x, ids, tw, dy = p.single
     w = p.weights
+    dy_routed = _rows(dy) if quantized_dy else dy.double()
     t, h = x.shape
     y, dx = torch.zeros(t, h, dtype=torch.float64), torch.zeros(t, h, dtype=torch.float64)
     d_tw = torch.zeros(tw.shape, dtype=torch.float64)
@@ -117,11 +120,11 @@ def recipe(p) -> tuple[torch.Tensor, MoEGrads]:
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        dz = _bf16(tw[tok, slot, None].double() * dy[tok].double())
+        dz = _bf16(tw[tok, slot, None].double() * dy_routed[tok])
         z, dxs, *dwe = _expert(x[tok], dz, w.w_gate[e], w.w_up[e], w.w_down[e])
         y.index_add_(0, tok, tw[tok, slot, None].double() * z)
         dx.index_add_(0, tok, dxs)
-        d_tw[tok, slot] = (dy[tok].double() * z).sum(1)
+        d_tw[tok, slot] = (dy_routed[tok] * z).sum(1)
         for acc, d in zip(d_w, dwe):
             acc[e] = d
     zs, dxs, *d_s = _expert(x, dy.double(), w.s_gate, w.s_up, w.s_down)
@@ -188,7 +191,7 @@ def test_fp8_layer_against_the_recipe_and_the_float64_layer() -> None:
 def test_backend_reference_runs_the_recipe() -> None:
     p = _problem()
     y, grads = _moe(p, backend="reference")
-    rec_y, rec = recipe(p)
+    rec_y, rec = recipe(p, quantized_dy=False)  # (its route grad reads the bf16 dy)
     ref_y, _ = reference_grads(p, torch.float64)
     assert rel_err(y, rec_y) <= RECIPE_REL_L2, rel_err(y, rec_y)
     assert rel_err(y, ref_y) > 2e-2  # (quantized: far from the unquantized layer)
@@ -295,10 +298,11 @@ def _packed_rows_of_their_tokens(xs: torch.Tensor, sched, tokens: torch.Tensor) 
 
 
 def test_the_dispatch_moves_packed_fp8_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In fp8 every rank publishes its tokens quantized 1x128 and packed, the dispatch pulls
-    those int16 words (a row's fp8 bytes and scales: 64 + 2 words padded to 80 at H 128, where
-    bf16 takes 128; at dsv3's H 7168, 3696 against 7168), the routed GEMMs read them in place,
-    and W = 2 gives the bits of W = 1, whose gather moves the same packed rows."""
+    """In fp8 every rank publishes its tokens and its dy quantized 1x128 and packed, the
+    dispatch and the dy pull move those int16 words (a row's fp8 bytes and scales: 64 + 2 words
+    padded to 80 at H 128, where bf16 takes 128; at dsv3's H 7168, 3696 against 7168), the
+    routed GEMMs and the route grad read them in place, and W = 2 gives the bits of W = 1,
+    whose gather moves the same packed rows of x (and whose route grad reads dy's by token)."""
     pulls = []
     pull = comm.dispatch_pull
 
@@ -320,11 +324,30 @@ def test_the_dispatch_moves_packed_fp8_rows(monkeypatch: pytest.MonkeyPatch) -> 
         bf16_bytes = ctx.schedule.routed.rows * case.hidden * 2
         assert pulled.numel() * 2 <= 0.65 * bf16_bytes
     _packed_rows_of_their_tokens(ctx1.routed.xs, ctx1.schedule.routed, all_x)  # W = 1: gathered
+    dy_pulls = [(w, o) for source, w, o in pulls if source == "dy"]
+    assert len(dy_pulls) == case.world
+    for r, ((width, pulled), (_, ctx, _)) in enumerate(zip(dy_pulls, out)):
+        assert width == fp8.packed_width(case.hidden), f"rank {r}"
+        _packed_rows_of_their_tokens(pulled, ctx.schedule.routed, p.single.grad_y)
+        assert pulled.numel() * 2 <= 0.65 * ctx.schedule.routed.rows * case.hidden * 2
 
 
 @pytest.mark.parametrize("case", params(*EP_CASES[1:]))
-def test_expert_parallel_fp8_is_bitwise_single_process(case: Case) -> None:
+def test_expert_parallel_fp8_is_bitwise_single_process(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    widths = []
+    pull = comm.dispatch_pull
+
+    def recording(ws, sched, source="x", *args, **kwargs):
+        widths.append((source, kwargs.get("packed_width")))
+        return pull(ws, sched, source, *args, **kwargs)
+
+    monkeypatch.setattr(comm, "dispatch_pull", recording)
     _ep_against_single_process(case)
+    # every pull, of x and of dy, moved packed fp8 rows
+    width = fp8.packed_width(case.hidden)
+    assert sorted(widths) == [("dy", width)] * case.world + [("x", width)] * case.world
 
 
 # --------------------------------------------------------------------------------------------

@@ -145,6 +145,58 @@ def test_gemm_grid_size_never_changes_bits() -> None:
         gemm.grouped_mm(xs, w.w_down, sched, 0)
 
 
+def test_weight_gradient_skips_the_padding_past_the_last_k_step() -> None:
+    """The weight gradient sums an expert's rows up to its last real row rounded up to the K
+    step, not to the end of its padded block: the same bits as summing every padding row
+    (zeros), and the float64 product of the real rows."""
+    import dataclasses
+
+    from megamoe.kernels import gemm
+
+    p = make_problem(Case(50, 64, 96, 4, 2, routing="zipf"), seed=23)
+    sched = build_row_schedule(p.topk_ids, 4, 64)  # K step 32 in 64-row blocks
+    gen = torch.Generator().manual_seed(6)
+    a = torch.randn(sched.rows, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+    real = sched.row_src >= 0
+    a[~real], b[~real] = 0, 0  # (the layout's padding rows hold zeros)
+    padded = (sched.row_start[1:] - sched.row_start[:-1]).to(torch.int32)
+    skips = ((padded - sched.counts) >= 32).any()
+    assert skips, "the case must have an expert whose padding spans a whole K step"
+    with poisoned_buffers():
+        got = gemm.wgrad(a, b, sched)
+        every_row = gemm.wgrad(a, b, dataclasses.replace(sched, counts=padded))
+    assert not got.isnan().any()
+    assert torch.equal(got, every_row)
+    for e in range(4):
+        lo, hi = int(sched.row_start[e]), int(sched.row_start[e + 1])
+        want = a[lo:hi].double().T @ b[lo:hi].double()
+        torch.testing.assert_close(got[e].double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_weight_gradient_rule_by_rows_per_expert_keeps_the_bits(monkeypatch) -> None:
+    """The weight gradient's tiles are chosen by the balanced rows per expert
+    (``gemm.wgrad_kind``); both choices give the same bits, every element written."""
+    from megamoe.kernels import gemm
+
+    p = make_problem(Case(40, 64, 96, 4, 2), seed=21)
+    sched = build_row_schedule(p.topk_ids, 4, 16)
+    assert gemm.wgrad_kind(sched) == "wgrad_few_rows"  # 40 * 2 / 4 = 20 rows per expert
+    tiles = dict(gemm.INTERPRETER_TILES)
+    tiles["wgrad_few_rows"] = dataclasses.replace(tiles["wgrad"], bm=16, bn=64, programs_per_sm=2)
+    monkeypatch.setattr(gemm, "INTERPRETER_TILES", tiles)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(sched.rows, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+    with poisoned_buffers():
+        few = gemm.wgrad(a, b, sched)
+        monkeypatch.setattr(gemm, "FEW_ROWS_PER_EXPERT", 0)
+        assert gemm.wgrad_kind(sched) == "wgrad"
+        default = gemm.wgrad(a, b, sched)
+    assert not few.isnan().any() and not default.isnan().any()
+    assert torch.equal(few, default)
+
+
 @pytest.mark.parametrize("bn, bm, row_bm, per_sm", [(16, 16, 0, 1), (64, 64, 0, 1), (32, 32, 8, 2)])
 def test_gemm_tile_width_never_changes_bits(
     monkeypatch, bn: int, bm: int, row_bm: int, per_sm: int
@@ -174,7 +226,7 @@ def test_gemm_tile_width_never_changes_bits(
     default = every_gemm()
     tiles = {
         name: dataclasses.replace(
-            t, bn=bn, bm=bm if name == "wgrad" else row_bm, programs_per_sm=per_sm
+            t, bn=bn, bm=bm if name.startswith("wgrad") else row_bm, programs_per_sm=per_sm
         )
         for name, t in gemm.INTERPRETER_TILES.items()
     }

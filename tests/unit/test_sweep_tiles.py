@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from megamoe.kernels import fp8_gemm, gemm  # noqa: E402
 from megamoe.kernels.gemm import GemmTiles, row_tile  # noqa: E402
+from megamoe.kernels.schedule import RowSchedule  # noqa: E402
 from megamoe.tools import sweep_tiles  # noqa: E402
 from megamoe.tools.bench_kernels import KERNELS  # noqa: E402
 
@@ -19,7 +20,9 @@ def test_every_kernel_has_a_tile_kind_with_candidates() -> None:
     assert set(sweep_tiles.TILE_KIND) == set(KERNELS)
     for precision, module in MODULES.items():
         assert set(sweep_tiles.CANDIDATES[precision]) == set(module.GPU_TILES)
-        assert set(sweep_tiles.TILE_KIND.values()) == set(module.GPU_TILES)
+        # the kernels' entries, plus the ones a rule picks by shape in their place
+        by_rule = set(module.GPU_TILES) - set(sweep_tiles.TILE_KIND.values())
+        assert by_rule == ({"wgrad_few_rows"} if module is gemm else set())
 
 
 @pytest.mark.parametrize("precision", sorted(MODULES))
@@ -29,7 +32,7 @@ def test_candidates_are_valid_tiles(precision: str) -> None:
     defaults = MODULES[precision].GPU_TILES
     for kind, cands in sweep_tiles.CANDIDATES[precision].items():
         for t in [defaults[kind], *cands]:
-            if kind != "wgrad":
+            if not kind.startswith("wgrad"):
                 bm, per_block = row_tile(t, 128)
                 assert bm * per_block == 128
             else:
@@ -79,3 +82,38 @@ def vars_of(module, kind: str) -> dict:
     import dataclasses
 
     return dataclasses.asdict(module.GPU_TILES[kind])
+
+
+def _schedule(tokens: int, top_k: int, experts: int, world_size: int = 1) -> RowSchedule:
+    none = torch.empty(0, dtype=torch.int32)
+    return RowSchedule(
+        none, none, none, none, none, none, tokens, top_k, experts, 128, 128, world_size
+    )
+
+
+def test_weight_gradient_tiles_follow_the_balanced_rows_per_expert() -> None:
+    """Few rows per expert take the two-programs-per-SM tiles; the rule reads host-side sizes
+    only (a rank's schedule holds the tokens of every rank and its own experts: an expert
+    gets the rows of the whole global batch)."""
+    assert gemm.FEW_ROWS_PER_EXPERT == 128
+    # DeepSeek-V3 at 4096 tokens: 4096 * 8 / 256 = 128 rows per expert; at 16384: 512
+    assert gemm.wgrad_kind(_schedule(4096, 8, 256)) == "wgrad_few_rows"
+    assert gemm.wgrad_kind(_schedule(16384, 8, 256)) == "wgrad"
+    # W = 8, 32 local experts: 512 tokens per rank is W = 1's global batch of 4096, and its
+    # rows per expert; 4096 per rank gives every expert 1024
+    assert _schedule(8 * 512, 8, 32, world_size=8).balanced_rows == 128
+    assert gemm.wgrad_kind(_schedule(8 * 512, 8, 32, world_size=8)) == "wgrad_few_rows"
+    assert _schedule(8 * 4096, 8, 32, world_size=8).balanced_rows == 1024
+    # the shared expert: one expert over every token
+    assert gemm.wgrad_kind(_schedule(4096, 1, 1)) == "wgrad"
+    assert gemm.wgrad_kind(_schedule(129, 1, 1)) == "wgrad"
+
+
+def test_the_sweep_sets_every_weight_gradient_entry() -> None:
+    """Whichever entry the rule picks at a shape, the swept candidate is what runs."""
+    t = GemmTiles(bm=64, bn=64, bk=64, stages=2, warps=4)
+    before = dict(gemm.GPU_TILES)
+    with sweep_tiles._tiles(gemm, "wgrad", t):
+        assert gemm.GPU_TILES["wgrad"] == gemm.GPU_TILES["wgrad_few_rows"] == t
+        assert gemm.GPU_TILES["mm"] == before["mm"]
+    assert gemm.GPU_TILES == before

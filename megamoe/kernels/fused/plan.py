@@ -10,9 +10,10 @@ forward), :func:`comm_kernel_programs` (programs of the comm kernel), :func:`dow
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import triton
@@ -108,6 +109,7 @@ class FusedMeta(NamedTuple):
     GPU: bool  # inline PTX (fences, timer) allowed
     UPCAST: bool  # fp32 tiles (the interpreter)
 
+    @functools.lru_cache(maxsize=256)  # (a launch's host time: built once per plan)
     def as_constexprs(self) -> "FusedMeta":
         """The same with every field a ``tl.constexpr``: device code then reads ``C.BM`` as a
         compile-time value (block shapes, static loops); a plain int field would be a
@@ -197,6 +199,25 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _once_per_launch(plan: Callable[..., FusedPlan]) -> Callable[..., FusedPlan]:
+    """``plan`` computed once per distinct arguments and distinct state it reads (the tiles,
+    the SM count, the interpreter): a launch's plan is a pure function of them, and building
+    it (sizes, grid, lags, two constexpr tuples) on every call was host time."""
+
+    @functools.lru_cache(maxsize=256)
+    def cached(reads: tuple, device: torch.device, **kwargs: Any) -> FusedPlan:
+        del reads  # (the key only)
+        return plan(device, **kwargs)
+
+    @functools.wraps(plan)
+    def once(device: torch.device, **kwargs: Any) -> FusedPlan:
+        reads = (tiles_for("gate_up"), tiles_for("mm"), persistent_programs(device), interpreting())
+        return cached(reads, device, **kwargs)
+
+    return once
+
+
+@_once_per_launch
 def plan_launch(
     device: torch.device,
     *,
@@ -220,6 +241,7 @@ def plan_launch(
 
     ``rows``: the schedule's (worst-case) rows; ``shared_intermediate`` 0: no shared expert;
     ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``).
+    Computed once per distinct launch (:func:`_once_per_launch`).
     """
     from .. import comm
 
