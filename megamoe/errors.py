@@ -73,6 +73,9 @@ class Stage(enum.IntEnum):
     EXPERT_DGU_READY = 17
     SHARED_DGU_READY = 18
     SHARED_ALL_DGU_READY = 19
+    DY_READY = 20
+    DZ_READY = 21
+    DX_READY = 22
 
 
 _STAGE_TEXT = {
@@ -91,6 +94,10 @@ _STAGE_TEXT = {
     "(index = the expert)",
     Stage.SHARED_DGU_READY: "fused backward: shared-expert d_g/d_u tiles of a row block",
     Stage.SHARED_ALL_DGU_READY: "fused backward: shared-expert d_g/d_u tiles of every row block",
+    Stage.DY_READY: "fused backward (W > 1): dy rows of a minibatch pulled from the source ranks",
+    Stage.DZ_READY: "fused backward (W > 1): route-grad rows dz = w * dy of a row block",
+    Stage.DX_READY: "fused backward (W > 1): d_x tiles of a row block, before their push to the "
+    "source ranks",
 }
 
 

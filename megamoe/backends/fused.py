@@ -1,18 +1,21 @@
 """Backend "fused": the forward's shared expert, pull, routed expert GEMMs and push run as one
-persistent kernel (``megamoe.kernels.fused``); at W = 1 the backward's expert GEMMs too.
+persistent kernel (``megamoe.kernels.fused``); opt-in, the backward's too.
 
 Everything else is the Triton backends' shared code (``steps``): the schedule, the barriers, the
-k-order combine of the own slots, the error checks and, at W > 1, the whole backward. The forward
+k-order combine of the own slots, the error checks and, by default, the whole backward. The forward
 protocol is ``steps.forward_steps`` (publish x -> barrier -> experts -> barrier -> k-order
 combine of the own slots + shared output) with the fused kernel as its experts step. The kernel
 gives the same bits as the unfused launches (same tile functions, tiles and row layout), so
 ``backend="fused"`` outputs equal ``backend="triton"`` bit for bit.
 
 Backward (:func:`backward_kind`): backend "triton"'s backward (``steps.backward``), or, with
-one process and ``MEGAMOE_FUSED_BACKWARD=1``, the route grad, then one fused kernel for the
-shared and routed experts' dgrad and weight gradients (``kernels.fused.backward``), then the
-k-order combine of d_x: bitwise backend "triton"'s one-process backward. The fused backward is
-opt-in until it has been measured on a GPU (docs/fused.md).
+``MEGAMOE_FUSED_BACKWARD=1``, one fused kernel for the shared and routed experts' dgrad and
+weight gradients (``kernels.fused.backward``): with one process between the route grad and the
+k-order combine of d_x; at W > 1 (:func:`backward_steps`) with the dy pull, the route grad's dz
+and the d_x push inside the kernel, then the route-grad kernel's d topk_weights on the pulled
+rows and its push, barrier, combine of the own d_x slots. Bitwise backend "triton"'s backward
+at every W. The fused backward is opt-in until it has been measured on a GPU (docs/fused.md; at
+W > 1 it has not run on one yet).
 
 Ring (``config.ring_rows``; None, the default: every row): when it holds every row of the
 schedule the forward saves the routed activations as backend "triton" does. When it is smaller,
@@ -36,10 +39,10 @@ import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..ep import checks
-from ..ep.workspace import Workspace, local_workspace
-from ..kernels import rows
+from ..ep.workspace import Workspace, local_workspace, publish
+from ..kernels import comm, rows
 from ..kernels.fused import comm_kernel_programs, comm_programs_for, fused_forward
-from ..kernels.fused.backward import SharedBackwardInputs, fused_backward
+from ..kernels.fused.backward import SharedBackwardInputs, fused_backward, fused_backward_ep
 from ..kernels.runtime import persistent_programs
 from ..types import ExpertWeights, MoEGrads
 from . import state, steps
@@ -56,6 +59,7 @@ __all__ = [
     "build_schedule",
     "forward",
     "backward",
+    "backward_steps",
     "check",
     "forward_steps",
     "resolved_tunables",
@@ -219,14 +223,19 @@ def restore(
 
 def backward_kind(world_size: int = 1) -> str:
     """Which backward :func:`backward` runs at ``world_size``: "fused" (the fused backward
-    kernel: one process with ``MEGAMOE_FUSED_BACKWARD=1``) or "triton" (backend "triton"'s
-    unfused backward: the default, and always at W > 1)."""
+    kernel, with its dy pull and d_x push inside at W > 1: ``MEGAMOE_FUSED_BACKWARD=1``) or
+    "triton" (backend "triton"'s unfused backward: the default)."""
     value = os.environ.get(FUSED_BACKWARD_ENV, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{FUSED_BACKWARD_ENV} must be 0 or 1, got {value!r}")
-    if world_size > 1 or value == "0":
-        return "triton"
-    return "fused"
+    return "fused" if value == "1" else "triton"
+
+
+def _shared_inputs(ctx: TritonContext, dy: torch.Tensor) -> SharedBackwardInputs | None:
+    w = ctx.weights
+    if ctx.shared is None:
+        return None
+    return SharedBackwardInputs(dy, ctx.x, ctx.shared, w.s_gate, w.s_up, w.s_down)
 
 
 def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEGrads:
@@ -236,9 +245,6 @@ def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEG
     sched, config = ctx.schedule.routed, ctx.schedule.config
     routed, w, x = ctx.routed, ctx.weights, ctx.x
     dz, d_topk = rows.route_grad(dy, routed.z, ctx.slot_weights, sched)
-    shared = None
-    if ctx.shared is not None:
-        shared = SharedBackwardInputs(dy, x, ctx.shared, w.s_gate, w.s_up, w.s_down)
     out = fused_backward(
         ws,
         sched,
@@ -251,7 +257,7 @@ def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEG
         w.w_up,
         w.w_down,
         group_rows=config.minibatch_rows,
-        shared=shared,
+        shared=_shared_inputs(ctx, dy),
     )
     invalid = ctx.schedule.invalid
     dx = rows.combine(out.dxs, sched, None, out.dx_shared, x.dtype, invalid)
@@ -268,13 +274,68 @@ def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEG
     )
 
 
+def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads]:
+    """``steps.backward_steps`` with the fused kernel (W > 1): publish dy -> barrier -> one
+    launch (dy pull, route-grad dz, shared and routed dgrad and weight gradients, d_x push;
+    ``kernels.fused.backward.fused_backward_ep``) -> the route-grad kernel on the pulled dy rows
+    for d topk_weights (its reduction order) and their push -> barrier -> k-order combine of
+    the own d_x slots + shared d_x. A bounded ring's routed rows are replayed first
+    (``steps.replay_steps``). Bitwise ``steps.backward_steps``."""
+    if ctx.routed is None:
+        ctx = yield from steps.replay_steps(ctx)
+    schedule = ctx.schedule
+    ws, sched, config = schedule.ep.workspace, schedule.routed, schedule.config
+    routed, w = ctx.routed, ctx.weights
+    publish(ws, dy=dy.detach())
+    yield from steps.barrier_point(ws)
+    out = fused_backward_ep(
+        ws,
+        sched,
+        ctx.slot_weights,
+        routed.xs,
+        routed.g,
+        routed.u,
+        routed.h,
+        w.w_gate,
+        w.w_up,
+        w.w_down,
+        group_rows=config.minibatch_rows,
+        shared=_shared_inputs(ctx, dy),
+    )
+    _, dw_rows = rows.route_grad_rows(out.dy_rows, routed.z, ctx.slot_weights, sched)
+    comm.push_row_values(ws, dw_rows, sched, programs=config.copy_programs)
+    yield from steps.barrier_point(ws)
+    invalid = schedule.invalid
+    dx = rows.combine_slots(
+        ws.dx_slots, ws.top_k, None, out.dx_shared, ctx.x.dtype, invalid=invalid
+    )
+    # (NaN after a capacity overflow or bad ids: nobody pushed, the slots are stale)
+    d_topk = steps._nan_if(invalid, ws.dw_slots.view(ws.num_tokens, ws.top_k))
+    return MoEGrads(
+        dx,
+        d_topk,
+        out.d_w_gate,
+        out.d_w_up,
+        out.d_w_down,
+        out.d_s_gate,
+        out.d_s_up,
+        out.d_s_down,
+    )
+
+
 def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrads:
     """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype): the
-    fused backward with one process (:func:`backward_kind`), else ``steps.backward``. A bounded
-    ring's dropped routed rows are replayed first (``steps.replay_steps``), as there."""
-    if isinstance(ctx, EmptyContext) or ctx.schedule.ep is not None or backward_kind(1) != "fused":
+    fused backward when :func:`backward_kind` says so (W > 1: :func:`backward_steps`), else
+    ``steps.backward``. A bounded ring's dropped routed rows are replayed first
+    (``steps.replay_steps``), as there."""
+    if isinstance(ctx, EmptyContext) or backward_kind() != "fused":
         return steps.backward(ctx, grad_y)
     dy = grad_y.to(ctx.x.dtype).contiguous()
+    if ctx.schedule.ep is not None:
+        ws = ctx.schedule.ep.workspace
+        grads = steps.run_steps(backward_steps(ctx, dy), ws)
+        checks.eager_check(ws)
+        return grads
     if ctx.routed is None:
         ctx = steps.drain(steps.replay_steps(ctx))
     x = ctx.x  # the forward's private workspace (steps.single_rank)

@@ -5,9 +5,9 @@ launches: 16-byte aligned pointers, the sizes' divisibility, the GPU tiles). Che
 TMA in the GEMM tiles, the release/acquire atomics of the flags, the TMA-store completion and
 proxy fences, 16-byte row copies, shared memory <= 227 KB, registers that let one 8-warp program
 sit on every SM with no spills, and a comm-kernel program that fits beside it. The fused
-backward (W = 1) is recorded here from the backend's own training step (its own subprocess):
-the same limits and flags, and one marker per tile call site (without them the tiles' pipeline
-buffers were laid side by side: 295 KB).
+backward (W = 1, and rank 0 of W = 2 with its pull and push inside) is recorded here from the
+backend's own training step (its own subprocess): the same limits and flags, and one marker per
+tile call site (without them the tiles' pipeline buffers were laid side by side: 295 KB).
 """
 
 from __future__ import annotations
@@ -107,11 +107,13 @@ def test_comm_kernel_fits_beside_the_compute_kernel(compiled) -> None:
 # ------------------------------------------------------------------------------ fused backward
 
 # Records the fused backward's launches of backend "fused"'s training step at W = 1 (dsv3 with
-# and without its shared expert, and an odd shape) and compiles them (as compile_check does).
+# and without its shared expert, and an odd shape) and rank 0's at W = 2 (dsv3: the exchange
+# inside the kernel), and compiles them (as compile_check does).
 _BACKWARD_LAUNCHES = """
 import json, os
-from megamoe.backends import fused
+from megamoe.backends import fused, steps
 from megamoe.ep.checks import CHECK_ENV
+from megamoe.ep.workspace import emulated_workspaces
 from megamoe.kernels.runtime import assume_programs
 from megamoe.shapes import get_preset
 from megamoe.tools.compile_check import (
@@ -136,6 +138,13 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
         sched = fused.build_schedule(ids, cfg, None)
         _, ctx = fused.forward(x, ids, w, weights, cfg, None, sched)
         fused.backward(ctx, x)
+    label[0] = "dsv3 W=2 (rank 0)"
+    cfg = get_preset("dsv3").config(2)
+    ws = emulated_workspaces(2, 512, cfg.hidden_size, cfg.top_k, device="meta")[0]
+    x, ids, w, weights = _problem(cfg, 512, 2)
+    sched = steps.run_steps(steps.schedule_steps(ids, cfg, ws), ws)
+    _, ctx = steps.run_steps(steps.forward_steps(x, w, weights, sched), ws)
+    steps.run_steps(fused.backward_steps(ctx, x), ws)
 reports = [
     compile_launch(launch, keep_ptx=True)
     for launch in launches
@@ -143,7 +152,7 @@ reports = [
 ]
 print(json.dumps(reports))
 """
-BACKWARD_SCENARIOS = ("dsv3", "dsv3 no shared expert", "odd shape")
+BACKWARD_SCENARIOS = ("dsv3", "dsv3 no shared expert", "odd shape", "dsv3 W=2 (rank 0)")
 # One marker per tile call site (backward.call_site): routed and shared, five tiles each.
 CALL_SITES = [
     f"// fused backward: {part} {tile}"
@@ -190,3 +199,10 @@ def test_backward_keeps_every_tile_call_site_apart(backward_compiled) -> None:
     for scenario, r in backward_compiled.items():
         for marker in CALL_SITES if scenario != "dsv3 no shared expert" else CALL_SITES[:5]:
             assert marker in r["ptx"], (scenario, marker)
+
+
+def test_backward_exchange_copies_rows_with_16_byte_vectors(backward_compiled) -> None:
+    """At W > 1 the kernel's comm roles pull dy rows and push d_x rows with 16-byte vectors."""
+    ptx = backward_compiled["dsv3 W=2 (rank 0)"]["ptx"]
+    assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
+    assert re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)

@@ -1,19 +1,24 @@
-"""Backend "fused"'s backward at W = 1 under the CPU interpreter: the fused backward kernel
-against backend "triton"'s unfused backward.
+"""Backend "fused"'s backward under the CPU interpreter: the fused backward kernel against
+backend "triton"'s unfused backward, at W = 1 and at W = 2, 3 and 8 emulated in one process
+(every rank's protocol steps in lockstep, ``support.lockstep``).
 
-The kernel runs one program that takes the whole task list in order; its waits still check
-every counter. Checked: d_x, d topk_weights and every weight gradient bitwise equal to backend
-"triton" (poisoned buffers: an output the kernel forgot to write stays NaN) with skewed routing,
-experts without rows, with and without a shared expert, stacked gate/up weights, T and I not
-multiples of the tiles, a bounded ring (the replay, then the fused kernel), and for every
-tunable of the kernel (task-list group, lag, SwiGLU epilogue pieces, grid); the task list holds
+The kernel runs one program that takes the whole task list in order (at W > 1: after it pulled
+dy for every comm role, before it pushes d_x for every comm role); its waits still check every
+counter. Checked: d_x, d topk_weights and every weight gradient bitwise equal to backend
+"triton" at the same W (poisoned buffers and d_x / d_w slots: an output the kernel forgot to
+write stays NaN) and, at W > 1, the routed ones equal to W = 1 on the same global batch; zipf
+routing, experts and whole ranks without rows, with and without a shared expert, stacked
+gate/up weights, T and I not multiples of the tiles, a bounded ring (the replay, then the fused
+kernel), a capacity overflow (NaN and the CapacityError, as "triton"), and every tunable of the
+kernel (task-list group, lag, SwiGLU epilogue pieces, grid, comm programs); the task list holds
 every tile once in topological order; a missing signal ends in a StallError naming the stage;
-W > 1 keeps backend "triton"'s backward.
+MEGAMOE_FUSED_BACKWARD unset or 0 keeps backend "triton"'s backward at every W.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -23,8 +28,8 @@ import triton.language as tl
 from megamoe.backends import experts, steps
 from megamoe.backends import fused as fused_backend
 from megamoe.backends import triton as backend
-from megamoe.ep.workspace import check_errors, local_workspace
-from megamoe.errors import StallError, stage_name
+from megamoe.ep.workspace import check_errors, emulated_workspaces, local_workspace
+from megamoe.errors import CapacityError, StallError, stage_name
 from megamoe.kernels import fused as ff
 from megamoe.kernels import rows
 from megamoe.kernels.fused.backward import BACKWARD_STAGE_CODES
@@ -32,6 +37,7 @@ from megamoe.kernels.fused.tasks import backward_counts, grouped_task, wgrad_tas
 from megamoe.kernels.runtime import poisoned_buffers
 from megamoe.types import ExpertWeights
 from support.bits import assert_same_grads, used_rows
+from support.lockstep import ep_step, lockstep
 from support.problems import Case, make_problem
 
 # Tiny spin budget of the watchdog tests: the missing signal never comes, so fail fast.
@@ -114,31 +120,191 @@ def test_backward_is_bitwise_triton(
     check_errors(local_workspace(case.tokens, case.hidden, case.top_k, torch.bfloat16, y.device))
 
 
-def test_switch_and_world_size_keep_the_triton_backward(monkeypatch, fused_launches) -> None:
-    """MEGAMOE_FUSED_BACKWARD=0 (and unset: the default) and W > 1 run backend "triton"'s
-    backward (steps.backward); another value is refused by name."""
+def test_switch_picks_the_backward_at_every_world_size(monkeypatch, fused_launches) -> None:
+    """MEGAMOE_FUSED_BACKWARD=0 (and unset: the default) runs backend "triton"'s backward
+    (steps.backward) at every W, 1 the fused one (W > 1: fused.backward_steps); another value
+    is refused by name."""
     p = make_problem(Case(29, 64, 40, 4, 2, shared=24, routing="zipf"), 4)
-    assert fused_backend.backward_kind(2) == "triton"
+    assert fused_backend.backward_kind(1) == fused_backend.backward_kind(2) == "fused"
     _, _, g_ref = _train_step(p, p.weights, "triton")
     for value in ("0", None):
         if value is None:
             monkeypatch.delenv(fused_backend.FUSED_BACKWARD_ENV)
         else:
             monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, value)
-        assert fused_backend.backward_kind() == "triton"
+        assert fused_backend.backward_kind(1) == fused_backend.backward_kind(8) == "triton"
         _, ctx, g = _train_step(p, p.weights, "fused")
         assert not fused_launches
         assert_same_grads(g, g_ref, f"switched off ({value})")
     monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "yes")
     with pytest.raises(ValueError, match="MEGAMOE_FUSED_BACKWARD must be 0 or 1, got 'yes'"):
         fused_backend.backward_kind()
+    # an expert-parallel context runs fused.backward_steps on its workspace (switched on) or
+    # steps.backward (off)
+    ep = types.SimpleNamespace(workspace=object())
+    ep_ctx = dataclasses.replace(ctx, schedule=dataclasses.replace(ctx.schedule, ep=ep))
+    monkeypatch.setattr(steps, "run_steps", lambda protocol, ws: protocol)
+    monkeypatch.setattr(fused_backend.checks, "eager_check", lambda ws: None)
+    monkeypatch.setattr(fused_backend.steps, "backward", lambda c, dy: "triton's")
     monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "1")
-    # an expert-parallel context goes to steps.backward (its protocol needs the peers)
-    taken = []
-    monkeypatch.setattr(steps, "backward", lambda c, dy: taken.append(c) or "triton's")
-    ep_ctx = dataclasses.replace(ctx, schedule=dataclasses.replace(ctx.schedule, ep=object()))
-    assert fused_backend.backward(ep_ctx, p.grad_y) == "triton's" and taken == [ep_ctx]
-    assert not fused_launches
+    protocol = fused_backend.backward(ep_ctx, p.grad_y)
+    assert protocol.gi_code is fused_backend.backward_steps.__code__
+    protocol.close()
+    monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "0")
+    assert fused_backend.backward(ep_ctx, p.grad_y) == "triton's"
+
+
+# ------------------------------------------------------------------------------ W > 1
+
+# (case, task-list group = pulled minibatch in row blocks, ring in row blocks (None: every
+# row)). "one-rank": every token to the last rank, the other ranks have no rows at all (no
+# pulls, no pushes, zero weight gradients); zipf: experts without rows; T = 13 / 9: a partial
+# row block; I = 40: a partial column tile.
+EP_CASES = [
+    (Case(13, 64, 40, 4, 2, shared=32, routing="zipf", world=2), 1, None),
+    (Case(13, 64, 32, 4, 2, routing="one-rank", world=2), 2, 1),
+    (Case(6, 64, 32, 6, 2, shared=24, routing="zipf", world=3), 1, None),
+    (Case(3, 32, 32, 8, 2, routing="zipf", world=8), 1, None),
+]
+# Eight ranks: against one process only (no shared expert, so that is every gradient), to keep
+# the interpreter's time down.
+ONE_PROCESS_ONLY = 8
+
+_REFERENCES: dict = {}
+
+
+def _ep_problem(case: Case, group_blocks: int, ring_blocks: int | None, **config):
+    bm = case.block_rows
+    ring = (ring_blocks or 1024) * group_blocks * bm
+    return make_problem(case, 5, minibatch_rows=group_blocks * bm, ring_rows=ring, **config)
+
+
+def _reference(p) -> tuple:
+    """Backend "triton"'s training step of every rank (poisoned buffers): (outputs per rank,
+    schedules, workspaces), once per problem ("triton" reads none of the fused tunables)."""
+    key = (p.case, p.config)
+    if key not in _REFERENCES:
+        with poisoned_buffers():
+            _REFERENCES[key] = ep_step(p)
+    return _REFERENCES[key]
+
+
+def _triton_forward(p) -> tuple:
+    """(schedules, contexts, workspaces) of backend "triton"'s forward of every rank."""
+    wss = emulated_workspaces(p.case.world, p.case.tokens, p.case.hidden, p.case.top_k)
+    with poisoned_buffers():
+        scheds = lockstep(
+            [steps.schedule_steps(r.topk_ids, p.config, ws) for r, ws in zip(p.ranks, wss)], wss
+        )
+        outs = lockstep(
+            [
+                steps.forward_steps(r.x, r.topk_weights, p.local_weights(i), s)
+                for i, (r, s) in enumerate(zip(p.ranks, scheds))
+            ],
+            wss,
+        )
+    return scheds, [ctx for _, ctx in outs], wss
+
+
+def _fused_backward(p, ctxs: list, wss: list) -> list:
+    """Backend "fused"'s backward of every rank in lockstep (poisoned buffers; the d_x and d_w
+    slots poisoned first: a slot nobody pushed stays NaN)."""
+    for ws in wss:
+        ws.dx_slots.fill_(float("nan"))
+        ws.dw_slots.fill_(float("nan"))
+    with poisoned_buffers():
+        grads = lockstep(
+            [fused_backend.backward_steps(c, r.grad_y) for c, r in zip(ctxs, p.ranks)], wss
+        )
+    for ws in wss:
+        check_errors(ws)
+    return grads
+
+
+def _assert_like_one_process(p, grads: list) -> None:
+    """The routed gradients of every rank equal one process's on the global batch (the shared
+    expert's weight gradients are per-rank partial sums there)."""
+    with poisoned_buffers():
+        _, _, g1 = _train_step(p, p.weights, "triton")
+    t, e_local = p.case.tokens, p.case.local_experts
+    for r, g in enumerate(grads):
+        tok, ex = slice(r * t, (r + 1) * t), slice(r * e_local, (r + 1) * e_local)
+        assert torch.equal(g.x, g1.x[tok]), f"rank {r}: d_x"
+        assert torch.equal(g.topk_weights, g1.topk_weights[tok]), f"rank {r}: d_w"
+        for name in ("w_gate", "w_up", "w_down"):
+            assert torch.equal(getattr(g, name), getattr(g1, name)[ex]), f"rank {r}: {name}"
+
+
+@pytest.mark.parametrize(
+    "case,group_blocks,ring_blocks", EP_CASES, ids=lambda v: getattr(v, "id", v)
+)
+def test_ep_backward_is_bitwise_triton_and_one_process(
+    case: Case, group_blocks: int, ring_blocks: int | None
+) -> None:
+    p = _ep_problem(case, group_blocks, ring_blocks)
+    if case.world == ONE_PROCESS_ONLY:
+        ref, (scheds, ctxs, wss) = None, _triton_forward(p)
+    else:
+        ref, scheds, wss = _reference(p)
+        ctxs = [ctx for _, ctx, _ in ref]
+    if ring_blocks is not None:  # the fused forward drops the routed rows: the backward replays
+        with poisoned_buffers():
+            outs = lockstep(
+                [
+                    fused_backend.forward_steps(r.x, r.topk_weights, p.local_weights(i), s)
+                    for i, (r, s) in enumerate(zip(p.ranks, scheds))
+                ],
+                wss,
+            )
+        ctxs = [ctx for _, ctx in outs]
+        assert all(c.routed is None for c in ctxs), "meant to replay"
+    blocks = [int(s.routed.num_blocks) for s in scheds]
+    if case.routing == "one-rank":
+        assert blocks[:-1] == [0] * (case.world - 1) and blocks[-1] > 1, blocks
+    grads = _fused_backward(p, ctxs, wss)
+    for r in range(case.world if ref is not None else 0):
+        assert_same_grads(grads[r], ref[r][2], f"rank {r} of {case.world}")
+    _assert_like_one_process(p, grads)
+
+
+# (task-list group in row blocks, lag, SwiGLU epilogue pieces, comm programs, grid)
+EP_TUNABLES = [(2, 0, 1, 1, None), (3, None, 2, 3, 2)]
+
+
+def test_every_ep_tunable_gives_the_same_bits(monkeypatch) -> None:
+    p = _ep_problem(*EP_CASES[0])
+    ref, _, wss = _reference(p)
+    launch = fused_backend.fused_backward_ep
+    for group_blocks, lag, split, num_comm, programs in EP_TUNABLES:
+        tunables = dict(
+            group_rows=group_blocks * p.case.block_rows,
+            lag=lag,
+            swiglu_split=split,
+            num_comm=num_comm,
+            programs=programs,
+        )
+        monkeypatch.setattr(
+            fused_backend, "fused_backward_ep", lambda *a, **k: launch(*a, **{**k, **tunables})
+        )
+        grads = _fused_backward(p, [ctx for _, ctx, _ in ref], wss)
+        for r in range(p.case.world):
+            assert_same_grads(grads[r], ref[r][2], f"rank {r}, {tunables}")
+
+
+def test_ep_capacity_overflow_gives_nan_like_triton() -> None:
+    """An overflowed schedule computes no routed rows: d_x and d topk_weights NaN on every rank
+    (nobody pushed), the weight gradients "triton"'s, a CapacityError at the check."""
+    case = Case(13, 64, 32, 4, 2, shared=32, routing="one-rank", world=2)
+    p = _ep_problem(case, 1, None, capacity_factor=1.25)
+    ref, scheds, wss = _reference(p)
+    grads = _fused_backward(p, [ctx for _, ctx, _ in ref], wss)
+    for r in range(case.world):
+        assert scheds[r].invalid.tolist() == [1]
+        assert grads[r].x.isnan().all() and grads[r].topk_weights.isnan().all(), f"rank {r}"
+        for name in ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"):
+            assert torch.equal(getattr(grads[r], name), getattr(ref[r][2], name)), name
+        with pytest.raises(CapacityError):
+            backend.check(scheds[r])
 
 
 # ------------------------------------------------------------------------------ tunables
@@ -278,25 +444,26 @@ def test_wgrad_part_is_every_tile_once_expert_by_expert(experts, m1, n1, m2, n2)
 
 
 @triton.jit
-def _counts_kernel(out_ptr, num_blocks_ptr, T, H, I, IS, E, SHARED: tl.constexpr):
-    counts = backward_counts(num_blocks_ptr, T, H, I, IS, E, 16, 32, 32, 32, 32, 2, SHARED)
+def _counts_kernel(out_ptr, num_blocks_ptr, T, H, I, IS, E, SHARED: tl.constexpr, RG: tl.constexpr):
+    counts = backward_counts(num_blocks_ptr, T, H, I, IS, E, 16, 32, 32, 32, 32, 2, SHARED, RG)
     for k in tl.static_range(6):
         tl.store(out_ptr + k, counts[k])
 
 
-@pytest.mark.parametrize("shared", [0, 24])
-def test_backward_counts_bound_the_four_parts(shared: int) -> None:
+@pytest.mark.parametrize("shared,route_grad", [(0, 0), (24, 0), (24, 1)])
+def test_backward_counts_bound_the_four_parts(shared: int, route_grad: int) -> None:
     """[shared dgrad | shared wgrad | routed dgrad | routed wgrad] with 16-row blocks, 32-wide
-    tiles and groups of 2 blocks (a partial last group counts whole)."""
+    tiles and groups of 2 blocks (a partial last group counts whole); at W > 1 one route-grad
+    task more per routed block."""
     t, h, i, e, blocks = 29, 64, 40, 3, 5
     out = torch.zeros(6, dtype=torch.int32)
     nb = torch.tensor([blocks], dtype=torch.int32)
-    _counts_kernel[(1,)](out, nb, t, h, i, shared, e, SHARED=shared > 0)
+    _counts_kernel[(1,)](out, nb, t, h, i, shared, e, SHARED=shared > 0, RG=route_grad)
     c = lambda a, b: -(-a // b)  # noqa: E731
-    shared_blocks = c(t, 16)
+    shared_blocks = c(t, 16) if shared else 0
     s_dgrad = c(shared_blocks, 2) * 2 * (c(shared, 32) + c(h, 32)) if shared else 0
     s_end = s_dgrad + (2 * c(shared, 32) * c(h, 32) + c(h, 32) * c(shared, 32) if shared else 0)
-    r_dgrad = s_end + c(blocks, 2) * 2 * (c(i, 32) + c(h, 32))
+    r_dgrad = s_end + c(blocks, 2) * 2 * (c(i, 32) + route_grad + c(h, 32))
     total = r_dgrad + e * (2 * c(i, 32) * c(h, 32) + c(h, 32) * c(i, 32))
     assert out.tolist() == [blocks, shared_blocks, s_dgrad, s_end, r_dgrad, total]
 
@@ -363,3 +530,55 @@ STALLS = [
 def test_missing_signal_is_reported(shared, skip, preset, stage, index) -> None:
     message = _stall(shared, skip, preset)
     assert f"stalled in {stage_name(BACKWARD_STAGE_CODES[stage])} (index {index})" in message
+
+
+def _ep_stall(skip_tasks: int = 0, preset: str | None = None) -> str:
+    """Rank 0's kernel of a W = 2 step (random activations: only the waits matter) with the
+    ticket pre-advanced or a counter of the flag buffer started far behind."""
+    case = Case(13, 64, 32, 4, 2, routing="uniform", world=2)
+    p = make_problem(case, 8)
+    wss = emulated_workspaces(2, case.tokens, case.hidden, case.top_k)
+    scheds = lockstep(
+        [steps.schedule_steps(r.topk_ids, p.config, ws) for r, ws in zip(p.ranks, wss)], wss
+    )
+    sched, ws = scheds[0].routed, wss[0]
+    gen = torch.Generator().manual_seed(1)
+    acts = [torch.randn(sched.rows, n, generator=gen).bfloat16() for n in (64, 32, 32, 32)]
+    w = p.local_weights(0)
+    flags = torch.zeros(4096, dtype=torch.int32)
+    flags[0] = skip_tasks
+    if preset is not None:
+        layout = ff.backward_flag_layout(sched.max_blocks, 2, 0, sched.rows // case.block_rows)
+        flags[getattr(layout, preset)] = -(1 << 20)
+    ff.fused_backward_ep(
+        ws,
+        sched,
+        torch.rand(2 * case.tokens * case.top_k),
+        *acts,
+        w.w_gate,
+        w.w_up,
+        w.w_down,
+        group_rows=case.block_rows,
+        num_comm=2,
+        lag=0,
+        budget=STALL_BUDGET,
+        flags=flags,
+    )
+    with pytest.raises(StallError) as info:
+        check_errors(ws)
+    check_errors(ws)  # the record was cleared
+    message = str(info.value)
+    assert f"after {STALL_BUDGET} polls" in message
+    return message
+
+
+# (tasks skipped, counter started behind, the stage that waits): the dy rows of minibatch 0
+# never pulled (its route-grad task waits); block 0's route-grad task skipped (task 0: its
+# SwiGLU-backward tiles wait); block 0's d_x tiles never counted (the push waits).
+EP_STALLS = [(0, "ready", "DY_READY"), (1, None, "DZ_READY"), (0, "dx_done", "DX_READY")]
+
+
+@pytest.mark.parametrize("skip,preset,stage", EP_STALLS)
+def test_missing_exchange_signal_is_reported(skip, preset, stage) -> None:
+    message = _ep_stall(skip, preset)
+    assert f"stalled in {stage_name(BACKWARD_STAGE_CODES[stage])} (index 0)" in message

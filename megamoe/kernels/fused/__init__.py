@@ -1,5 +1,5 @@
-"""The fused kernels: one persistent kernel per pass (the forward at every world size, the
-backward's expert GEMMs at W = 1), built from shared parts.
+"""The fused kernels: one persistent kernel per pass (the forward, and the backward's expert
+GEMMs with, at W > 1, its dy pull and d_x push), built from shared parts.
 
   tasks      the task list and its tickets (pure index arithmetic)
   sync       the flag buffer, release/acquire counters and waits with the watchdog
@@ -8,10 +8,10 @@ backward's expert GEMMs at W = 1), built from shared parts.
   plan       every launch size, lag and grid derived on the host
   residency  two kernels side by side on every SM (the comm kernel)
   forward    the forward's kernels and launcher
-  backward   the backward's kernel and launcher (W = 1)
+  backward   the backward's kernel and launchers (W = 1, and W > 1 with its communication)
 """
 
-from .backward import FusedGrads, SharedBackwardInputs, fused_backward
+from .backward import FusedGrads, SharedBackwardInputs, fused_backward, fused_backward_ep
 from .forward import FusedOutputs, fused_forward
 from .plan import (
     BackwardMeta,
@@ -36,6 +36,7 @@ __all__ = [
     "FusedGrads",
     "SharedBackwardInputs",
     "fused_backward",
+    "fused_backward_ep",
     "BackwardMeta",
     "BackwardPlan",
     "plan_backward",

@@ -1,12 +1,23 @@
-"""The fused backward at W = 1: the expert GEMMs of the backward as one persistent kernel
-(docs/fused.md, "Backward").
+"""The fused backward: the expert GEMMs of the backward as one persistent kernel, at W > 1 with
+its dy pull and d_x push inside (docs/fused.md, "Backward").
 
-It replaces the unfused sequence of backend "triton"'s one-process backward between the route
-grad and the combine: the shared expert's ``dgrad_swiglu``, ``dgrad_pair`` and three ``wgrad``
-launches, then the routed experts' ``dgrad_swiglu``, ``dgrad_pair`` and three ``wgrad``. The
+At W = 1 (:func:`fused_backward`) it replaces the unfused sequence of backend "triton"'s
+one-process backward between the route grad and the combine: the shared expert's
+``dgrad_swiglu``, ``dgrad_pair`` and three ``wgrad`` launches, then the routed experts'. The
 route grad (dz = w * dy by row, d topk_weights = <dy, z>) runs before it and the k-order combine
 of d_x after it, as the unfused kernels (their bits: the router-weight gradient is a reduction
 whose order follows the route-grad kernel's layout).
+
+At W > 1 (:func:`fused_backward_ep`, ``C.EXCHANGE``) it also replaces the dy pull, the dz half
+of the route grad and the d_x push: programs ``[0, NUM_COMM)`` pull every minibatch's dy rows
+from the source ranks (``roles.pull_dy_role``, counting into ``ready[m]``), then push each row
+block's d_x rows into the source ranks' ``dx_slots`` once its ``dx_done`` counts every gate+up
+dgrad tile (``roles.push_blocks``), then take what is left of the list. A comm kernel beside it
+(as the forward's) cannot fit: a backward program takes about 251 of 255 registers per thread
+at 8 warps, the whole register file of an SM. Each routed row block gets a route-grad task
+(:func:`route_grad_task`, the first of its group's tasks: dz = w * dy of its rows) that its
+SwiGLU-backward tiles wait for. d topk_weights stays with the route-grad kernel, after this one,
+on the pulled rows (a reduction at 4 warps: here it would reduce in another order).
 
 Programs take tasks by atomic ticket from one list in topological order (``tasks``):
 
@@ -22,15 +33,18 @@ Counters (``sync.backward_flag_layout``): a SwiGLU-backward tile counts into its
 ``dgu_done`` and its expert's ``expert_done`` (the shared part: ``sdgu_done`` and
 ``shared_done``); a gate+up dgrad tile waits for its block's count, a d_W_gate / d_W_up tile for
 its expert's (every SwiGLU-backward tile of every row block of the expert). d_W_down reads dz
-and h, both there before the launch: it waits for nothing. Every wait has the watchdog of
-``sync.wait_count``.
+and h: at W = 1 both there before the launch (it waits for nothing), at W > 1 it waits for its
+expert's count too (dz is computed here). At W > 1 also ``ready`` (pulls; the route-grad task
+waits), ``dz_done`` (route-grad task; the SwiGLU-backward tiles wait) and ``dx_done`` (gate+up
+dgrad tiles; the push waits). Every wait has the watchdog of ``sync.wait_count``.
 
 The tiles are the unfused kernels' device functions with their tile shapes and warps: the
 gate+up dgrad tile is ``gemm.grouped_mm_tile``, a weight-gradient tile ``gemm.wgrad_tile``, a
 SwiGLU-backward tile ``gemm.mm_acc`` followed by ``grouped_mm_tile``'s elementwise epilogue in
 column pieces (:func:`swiglu_epilogue`). So every output has the unfused bits for every tunable
-(the group size, the lag, the epilogue pieces, the grid). Under the interpreter one program
-takes the whole list in order (every wait finds its counter complete).
+(the group size, the lag, the epilogue pieces, the grid, the comm programs). Under the
+interpreter one program takes the whole list in order (every wait finds its counter complete);
+at W > 1 it first pulls for every comm role and pushes for every comm role at the end.
 """
 
 from __future__ import annotations
@@ -49,12 +63,14 @@ from .. import comm
 from ..gemm import gate_up_2d, grouped_mm_tile, mm_acc, weight_2d, wgrad_tile
 from ..runtime import descriptor, empty
 from ..schedule import RowSchedule
-from ..tiles import cast, swiglu_backward
+from ..tiles import cast, load_rows, store_rows, swiglu_backward
 from .plan import BACKWARD_STAGES, FUSED_WARPS, BackwardPlan, plan_backward
+from .roles import pull_dy_role, push_blocks
 from .sync import (
     acquire_for_tma,
     backward_flag_layout,
     backward_flag_pointers,
+    exchange_flag_pointers,
     publish_writes,
     signal,
     wait_count,
@@ -65,6 +81,7 @@ __all__ = [
     "FusedGrads",
     "SharedBackwardInputs",
     "fused_backward",
+    "fused_backward_ep",
     "fused_backward_kernel",
     "BACKWARD_STAGE_CODES",
 ]
@@ -72,8 +89,19 @@ __all__ = [
 # The stall-record codes of the backward's waits (``megamoe.errors.Stage``).
 BACKWARD_STAGE_CODES = {
     name: int(Stage[name])
-    for name in ("DGU_READY", "EXPERT_DGU_READY", "SHARED_DGU_READY", "SHARED_ALL_DGU_READY")
+    for name in (
+        "DGU_READY",
+        "EXPERT_DGU_READY",
+        "SHARED_DGU_READY",
+        "SHARED_ALL_DGU_READY",
+        "DY_READY",
+        "DZ_READY",
+        "DX_READY",
+    )
 }
+_STAGE_DY = tl.constexpr(int(Stage.DY_READY))
+_STAGE_DZ = tl.constexpr(int(Stage.DZ_READY))
+_STAGE_DX = tl.constexpr(int(Stage.DX_READY))
 _STAGE_DGU = tl.constexpr(int(Stage.DGU_READY))
 _STAGE_EXPERT = tl.constexpr(int(Stage.EXPERT_DGU_READY))
 _STAGE_SHARED_DGU = tl.constexpr(int(Stage.SHARED_DGU_READY))
@@ -157,6 +185,68 @@ def swiglu_epilogue(dh, g_desc, u_desc, dg_desc, du_desc, row, col, C: tl.conste
 
 
 @triton.jit
+def route_grad_task(b, ex, H, watch, C: tl.constexpr):
+    """The route-grad task of routed row block b (W > 1): wait until its minibatch's dy rows are
+    pulled (``ready``), store dz = w * dy for its rows (fp32 product rounded to dz's dtype, zeros
+    on padding rows: the route-grad kernel's ``rows._route_grad_kernel`` arithmetic through the
+    same ``tiles.load_rows`` / ``store_rows``; elementwise, so its bits for any tile), count into
+    ``dz_done[b]``. The router-weight gradient <dy, z> is a reduction whose order follows that
+    kernel's layout: it runs there, after this kernel. False if the wait gave up."""
+    dy_rows_ptr, dz_ptr, row_src_ptr, weights_ptr, ready_ptr, dz_done_ptr = (
+        ex[0],
+        ex[1],
+        ex[2],
+        ex[3],
+        ex[4],
+        ex[5],
+    )
+    mb = (b * C.BM) // C.MB
+    alive = wait_count(ready_ptr + mb, C.NUM_COMM, _STAGE_DY, mb, watch)
+    if alive:
+        for r0 in range(0, C.BM, C.RG_ROWS):
+            rows = b * C.BM + r0 + tl.arange(0, C.RG_ROWS)
+            slot = tl.load(row_src_ptr + rows)
+            real = slot >= 0
+            w = tl.load(weights_ptr + slot, mask=real, other=0.0)
+            for c0 in range(0, H, C.RG_COLS):
+                cols = c0 + tl.arange(0, C.RG_COLS)
+                col_mask = cols < H
+                dy = load_rows(dy_rows_ptr, rows, cols, H, real, col_mask)
+                store_rows(dz_ptr, rows, cols, H, w[:, None] * dy, rows >= 0, col_mask, C.UPCAST)
+        signal(dz_done_ptr + b)
+    return alive
+
+
+@triton.jit
+def _swiglu_tile(b, j, expert, descs, shape, counters, PART: tl.constexpr, C: tl.constexpr):
+    """SwiGLU-backward tile (b, j): d_h = a W_down, then d_g, d_u; counts into the block's and
+    the expert's counters."""
+    H, wd_rows = shape[0], shape[2]
+    dgu_done_ptr, all_done_ptr = counters
+    row = b * C.BM
+    col = j * C.BN_SWIGLU
+    acc = mm_acc(
+        tl.zeros([C.BM, C.BN_SWIGLU], dtype=tl.float32),
+        descs[0],
+        descs[1],
+        expert,
+        row,
+        col,
+        wd_rows,
+        H,
+        C.BK_SWIGLU,
+        C.BN_SWIGLU,
+        True,
+        C.UPCAST,
+    )
+    swiglu_epilogue(acc, descs[2], descs[3], descs[4], descs[5], row, col, C)
+    call_site(PART + " SwiGLU backward", C.GPU)
+    publish_writes(C.GPU)
+    signal(dgu_done_ptr + b)
+    signal(all_done_ptr + expert)
+
+
+@triton.jit
 def dgrad_task(
     t,
     blocks,
@@ -164,22 +254,32 @@ def dgrad_task(
     descs,
     shape,
     counters,
+    ex,
     watch,
     LAG: tl.constexpr,
     ROUTED: tl.constexpr,
+    EX: tl.constexpr,
     C: tl.constexpr,
 ):
     """Task t of a dgrad part of ``blocks`` row blocks (``tasks.grouped_task``): a
     SwiGLU-backward tile (stores d_g, d_u; counts into its block's and its expert's counters)
     or a gate+up dgrad tile (waits for its block's SwiGLU-backward tiles; stores d_x). The
     routed part reads each block's expert from ``block_expert_ptr``, the shared part is one
-    expert. ``counters``: (per-block pointer, per-expert pointer or the shared word). False if
-    the wait gave up."""
+    expert. ``counters``: (per-block pointer, per-expert pointer or the shared word).
+
+    ``EX`` (the routed part at W > 1; ``ex``: (dy rows, dz, row_src, slot weights, ready,
+    dz_done, dx_done) pointers): column 0 of a block's first kind is its route-grad task
+    (:func:`route_grad_task`), its SwiGLU-backward tiles wait for it (``dz_done``), and its
+    gate+up dgrad tiles count into ``dx_done`` for the comm programs' push. False if a wait
+    gave up."""
     PART: tl.constexpr = "routed" if ROUTED else "shared"
     H, I, wd_rows, wgu_rows = shape
     dgu_done_ptr, all_done_ptr = counters
     n_swiglu = tl.cdiv(I, C.BN_SWIGLU)
-    is_swiglu, b, j, real = grouped_task(t, blocks, n_swiglu, tl.cdiv(H, C.BN_DGRAD), LAG, C.G)
+    n_first = n_swiglu
+    if EX:
+        n_first = n_swiglu + 1
+    is_swiglu, b, j, real = grouped_task(t, blocks, n_first, tl.cdiv(H, C.BN_DGRAD), LAG, C.G)
     expert = 0
     if ROUTED:
         expert = tl.load(block_expert_ptr + b, mask=real, other=0)
@@ -188,26 +288,16 @@ def dgrad_task(
     if not real:
         pass
     elif is_swiglu:
-        col = j * C.BN_SWIGLU
-        acc = mm_acc(
-            tl.zeros([C.BM, C.BN_SWIGLU], dtype=tl.float32),
-            descs[0],
-            descs[1],
-            expert,
-            row,
-            col,
-            wd_rows,
-            H,
-            C.BK_SWIGLU,
-            C.BN_SWIGLU,
-            True,
-            C.UPCAST,
-        )
-        swiglu_epilogue(acc, descs[2], descs[3], descs[4], descs[5], row, col, C)
-        call_site(PART + " SwiGLU backward", C.GPU)
-        publish_writes(C.GPU)
-        signal(dgu_done_ptr + b)
-        signal(all_done_ptr + expert)
+        if EX:
+            if j == 0:
+                alive = route_grad_task(b, ex, H, watch, C)
+            else:
+                alive = wait_count(ex[5] + b, 1, _STAGE_DZ, b, watch)
+                if alive:
+                    acquire_for_tma(C.GPU)
+                    _swiglu_tile(b, j - 1, expert, descs, shape, counters, PART, C)
+        else:
+            _swiglu_tile(b, j, expert, descs, shape, counters, PART, C)
     else:
         if ROUTED:
             alive = wait_count(dgu_done_ptr + b, n_swiglu, _STAGE_DGU, b, watch)
@@ -240,6 +330,9 @@ def dgrad_task(
                 C.UPCAST,
             )
             call_site(PART + " gate+up dgrad", C.GPU)
+            if EX:  # the d_x tile is stored and visible: the comm programs may push the block
+                publish_writes(C.GPU)
+                signal(ex[6] + b)
     return alive
 
 
@@ -254,13 +347,16 @@ def wgrad_part_task(
     all_done_ptr,
     watch,
     ROUTED: tl.constexpr,
+    EX: tl.constexpr,
     C: tl.constexpr,
 ):
     """Task t of a weight-gradient part (``tasks.wgrad_task``): one output tile of d_W_gate,
     d_W_up or d_W_down of one expert over all of its rows in order (the routed experts' from
     ``row_start_ptr``; the shared expert's: the T tokens), as the unfused kernel computes it.
     d_W_gate / d_W_up tiles first wait for the expert's SwiGLU-backward tiles (the shared part:
-    every one of its ``blocks`` row blocks). False if the wait gave up."""
+    every one of its ``blocks`` row blocks). With ``EX`` (the routed part at W > 1) d_W_down
+    waits too: it reads dz, which the kernel computes (the expert's SwiGLU-backward tiles ran
+    after their blocks' dz). False if the wait gave up."""
     PART: tl.constexpr = "routed" if ROUTED else "shared"
     H, I = shape[0], shape[1]
     n_swiglu = tl.cdiv(I, C.BN_SWIGLU)
@@ -280,22 +376,28 @@ def wgrad_part_task(
     m0 = mt * C.BM_WGRAD
     n0 = nt * C.BN_WGRAD
     alive = True
-    if kind == 2:  # d_W_down = a^T h: both there before the launch
-        wgrad_tile(
-            descs[3],
-            descs[4],
-            descs[7],
-            expert,
-            m0,
-            n0,
-            row_begin,
-            row_end,
-            C.BM_WGRAD,
-            C.BN_WGRAD,
-            C.BK_WGRAD,
-            C.UPCAST,
-        )
-        call_site(PART + " d_W_down", C.GPU)
+    if kind == 2:  # d_W_down = a^T h: both there before the launch (W = 1)
+        if EX:
+            wanted = (row_end - row_begin) // C.BM * n_swiglu
+            alive = wait_count(all_done_ptr + expert, wanted, _STAGE_EXPERT, expert, watch)
+            if alive:
+                acquire_for_tma(C.GPU)
+        if alive:
+            wgrad_tile(
+                descs[3],
+                descs[4],
+                descs[7],
+                expert,
+                m0,
+                n0,
+                row_begin,
+                row_end,
+                C.BM_WGRAD,
+                C.BN_WGRAD,
+                C.BK_WGRAD,
+                C.UPCAST,
+            )
+            call_site(PART + " d_W_down", C.GPU)
     else:
         if ROUTED:  # the expert's row blocks (padded to whole blocks) times their tiles
             wanted = (row_end - row_begin) // C.BM * n_swiglu
@@ -388,8 +490,9 @@ def fused_backward_kernel(
     dsuw_desc,
     dsdw_desc,
     tables,  # (row_start_ptr, block_expert_ptr, num_blocks_ptr)
-    dims,  # (T, H, I, IS, E, max_blocks, w_down rows, gate/up rows)
+    dims,  # (T, H, I, IS, E, max_blocks, w_down rows, gate/up rows, max minibatches)
     sync,  # (flags_ptr, err_ptr, rank, budget)
+    exchange,  # W > 1: (dy table, dx table, dy_rows, dz, dxs, row_src, slot weights)
     C: tl.constexpr,
 ):
     # (descriptors as separate arguments: Triton 3.6's launcher passes none inside a tuple)
@@ -431,9 +534,10 @@ def fused_backward_kernel(
         dsdw_desc,
     )
     row_start_ptr, block_expert_ptr, num_blocks_ptr = tables
-    T, H, I, IS, E, max_blocks, wd_rows, wgu_rows = dims
+    T, H, I, IS, E, max_blocks, wd_rows, wgu_rows, max_mb = dims
     flags_ptr, err_ptr, rank, budget = sync
     watch = (err_ptr, rank, budget)
+    RG: tl.constexpr = 1 if C.EXCHANGE else 0  # route-grad tasks per routed row block
     num_blocks, shared_blocks, shared_dgrad, shared_end, routed_dgrad, total = backward_counts(
         num_blocks_ptr,
         T,
@@ -448,15 +552,52 @@ def fused_backward_kernel(
         C.BN_WGRAD,
         C.G,
         C.SHARED,
+        RG,
     )
     ticket_ptr, dgu_done_ptr, expert_done_ptr, sdgu_done_ptr, shared_done_ptr = (
         backward_flag_pointers(flags_ptr, max_blocks, E, shared_blocks)
     )
+    alive = True
+    if C.EXCHANGE:
+        # Comm programs [0, NUM_COMM) pull every minibatch's dy rows (never waiting), then push
+        # each row block's d_x rows once its gate+up dgrad tiles are stored, then compute what
+        # is left of the list. The interpreter's one program pulls for every role first and
+        # pushes for every role after its tasks.
+        ready_ptr, dz_done_ptr, dx_done_ptr = exchange_flag_pointers(
+            flags_ptr, max_blocks, E, shared_blocks, max_mb
+        )
+        dy_table, dx_table, dy_rows_ptr, dz_ptr, dxs_ptr, row_src_ptr, weights_ptr = exchange
+        if C.INTERPRET:
+            for role in range(C.NUM_COMM):
+                pull_dy_role(
+                    role, num_blocks * C.BM, dy_table, dy_rows_ptr, row_src_ptr, ready_ptr, T, H, C
+                )
+        elif tl.program_id(0) < C.NUM_COMM:
+            role = tl.program_id(0)
+            pull_dy_role(
+                role, num_blocks * C.BM, dy_table, dy_rows_ptr, row_src_ptr, ready_ptr, T, H, C
+            )
+            alive = push_blocks(
+                role,
+                num_blocks,
+                dxs_ptr,
+                dx_table,
+                row_src_ptr,
+                dx_done_ptr,
+                tl.cdiv(H, C.BN_DGRAD),
+                T,
+                H,
+                _STAGE_DX,
+                watch,
+                C,
+            )
+        ex = (dy_rows_ptr, dz_ptr, row_src_ptr, weights_ptr, ready_ptr, dz_done_ptr, dx_done_ptr)
+    else:
+        ex = (flags_ptr,) * 7  # (never read)
     # One loop per part of the list (tickets only grow, so a program goes through them in
     # order): each loop keeps only its own part's values live (one loop over all four parts
     # needed every register and spilled).
     task = take_task(ticket_ptr, total, C.INTERPRET)
-    alive = True
     if C.SHARED:
         while (task < shared_dgrad) & alive:
             alive = dgrad_task(
@@ -466,8 +607,10 @@ def fused_backward_kernel(
                 shared,
                 (H, IS, H, IS),
                 (sdgu_done_ptr, shared_done_ptr),
+                ex,
                 watch,
                 C.SHARED_LAG,
+                False,
                 False,
                 C,
             )
@@ -484,6 +627,7 @@ def fused_backward_kernel(
                 shared_done_ptr,
                 watch,
                 False,
+                False,
                 C,
             )
             if alive:
@@ -496,9 +640,11 @@ def fused_backward_kernel(
             routed,
             (H, I, wd_rows, wgu_rows),
             (dgu_done_ptr, expert_done_ptr),
+            ex,
             watch,
             C.LAG,
             True,
+            C.EXCHANGE,
             C,
         )
         if alive:
@@ -514,10 +660,28 @@ def fused_backward_kernel(
             expert_done_ptr,
             watch,
             True,
+            C.EXCHANGE,
             C,
         )
         if alive:
             task = take_task(ticket_ptr, total, C.INTERPRET)
+    if C.EXCHANGE:
+        if C.INTERPRET:
+            for role in range(C.NUM_COMM):
+                push_blocks(
+                    role,
+                    num_blocks,
+                    dxs_ptr,
+                    dx_table,
+                    row_src_ptr,
+                    dx_done_ptr,
+                    tl.cdiv(H, C.BN_DGRAD),
+                    T,
+                    H,
+                    _STAGE_DX,
+                    watch,
+                    C,
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -542,7 +706,9 @@ class FusedGrads:
     ``dxs``: the routed rows' d_x [rows, H] in the schedule's layout (the combine sums them in
     k order); ``d_w_gate``, ``d_w_up`` [E, I, H] (the halves of one stacked gradient when the
     weights are stacked), ``d_w_down`` [E, H, I]; the shared expert's d_x [T, H] and weight
-    gradients (None without one)."""
+    gradients (None without one). At W > 1 (:func:`fused_backward_ep`) also the pulled
+    ``dy_rows`` [rows, H] (the route-grad kernel's input for d topk_weights) and ``dz``; the
+    d_x rows are then already pushed into the source ranks' ``dx_slots``."""
 
     dxs: torch.Tensor
     d_w_gate: torch.Tensor
@@ -552,10 +718,14 @@ class FusedGrads:
     d_s_gate: torch.Tensor | None = None
     d_s_up: torch.Tensor | None = None
     d_s_down: torch.Tensor | None = None
+    dy_rows: torch.Tensor | None = None
+    dz: torch.Tensor | None = None
 
 
 def _flags(plan: BackwardPlan, device: torch.device, flags: torch.Tensor | None) -> torch.Tensor:
-    layout = backward_flag_layout(plan.max_blocks, plan.experts, plan.shared_blocks)
+    layout = backward_flag_layout(
+        plan.max_blocks, plan.experts, plan.shared_blocks, plan.max_minibatches
+    )
     if flags is None:
         return torch.zeros(layout.words, dtype=torch.int32, device=device)
     if flags.numel() < layout.words or flags.dtype != torch.int32:
@@ -661,6 +831,95 @@ def fused_backward(
     Returns:
         :class:`FusedGrads`.
     """
+    return _launch(
+        ws,
+        sched,
+        (dz, xs, g, u, h),
+        (w_gate, w_up, w_down),
+        group_rows,
+        shared,
+        dict(lag=lag, programs=programs, swiglu_split=swiglu_split),
+        budget,
+        flags,
+    )
+
+
+def fused_backward_ep(
+    ws: Workspace,
+    sched: RowSchedule,
+    slot_weights: torch.Tensor,
+    xs: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    h: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    group_rows: int,
+    shared: SharedBackwardInputs | None = None,
+    num_comm: int | None = None,
+    lag: int | None = None,
+    programs: int | None = None,
+    swiglu_split: int = 4,
+    budget: int | None = None,
+    flags: torch.Tensor | None = None,
+) -> FusedGrads:
+    """:func:`fused_backward` at W > 1 with its communication inside the launch (no host sync):
+    comm programs pull the dy rows of this rank's experts from the source ranks' ``dy_buffer``
+    (minibatches of ``group_rows``), a route-grad task per row block computes its dz = w * dy
+    rows, and the comm programs push each row block's d_x rows into the source ranks'
+    ``dx_slots`` once its gate+up dgrad tiles are stored.
+
+    Call after the barrier that follows every rank's publish of dy; the source ranks may read
+    their ``dx_slots`` after the next barrier. ``sched``: the schedule built from every rank's
+    ids; ``slot_weights`` ``[W*T*K]`` fp32: every rank's router weights by global slot
+    (``comm.gather_routing``); ``num_comm``: comm programs (None: ``plan.comm_programs_for`` of
+    the grid); the other arguments as :func:`fused_backward`. d topk_weights is not computed
+    here: ``rows.route_grad_rows`` on the returned ``dy_rows`` gives it (its reduction order).
+    """
+    comm.check_schedule(ws, sched)
+    if not ws.backward:
+        raise ValueError("fused_backward_ep needs a workspace built with backward=True")
+    tk = ws.world_size * ws.num_tokens * ws.top_k
+    if slot_weights.dtype != torch.float32 or slot_weights.numel() != tk:
+        raise ValueError(
+            f"slot_weights must be float32 with {tk} elements (W*T*K), got "
+            f"{slot_weights.dtype} with {slot_weights.numel()}"
+        )
+    rows, hidden = sched.rows, ws.hidden
+    dy_rows = empty((rows, hidden), ws.dtype, ws.device)
+    dz = empty((rows, hidden), ws.dtype, ws.device)
+    exchange = (ws.peers.dy, ws.peers.dx, dy_rows, dz, slot_weights.contiguous())
+    return _launch(
+        ws,
+        sched,
+        (dz, xs, g, u, h),
+        (w_gate, w_up, w_down),
+        group_rows,
+        shared,
+        dict(lag=lag, programs=programs, swiglu_split=swiglu_split, num_comm=num_comm),
+        budget,
+        flags,
+        exchange,
+    )
+
+
+def _launch(
+    ws: Workspace,
+    sched: RowSchedule,
+    routed_rows: tuple,
+    weights: tuple,
+    group_rows: int,
+    shared: SharedBackwardInputs | None,
+    tunables: dict,
+    budget: int | None,
+    flags: torch.Tensor | None,
+    exchange: tuple | None = None,
+) -> FusedGrads:
+    """Check, plan, allocate and launch (``exchange``: W > 1's (dy table, dx table, dy_rows,
+    dz, slot weights), else None)."""
+    dz, xs, g, u, h = routed_rows
+    w_gate, w_up, w_down = weights
     dev, dtype = dz.device, dz.dtype
     e, i, hidden = w_gate.shape
     rows = sched.rows
@@ -672,6 +931,8 @@ def fused_backward(
             )
     tokens = 0 if shared is None else shared.dy.shape[0]
     shared_intermediate = 0 if shared is None else shared.s_gate.shape[0]
+    if exchange is not None and shared is not None and tokens != ws.num_tokens:
+        raise ValueError(f"shared dy must have the workspace's {ws.num_tokens} rows, got {tokens}")
     plan = plan_backward(
         dev,
         rows=rows,
@@ -682,9 +943,11 @@ def fused_backward(
         shared_intermediate=shared_intermediate,
         experts=e,
         group_rows=group_rows,
-        lag=lag,
-        programs=programs,
-        swiglu_split=swiglu_split,
+        exchange=exchange is not None,
+        world_size=ws.world_size,
+        top_k=sched.top_k,
+        itemsize=dtype.itemsize,
+        **tunables,
     )
     dg, du = empty((rows, i), dtype, dev), empty((rows, i), dtype, dev)
     dxs = empty((rows, hidden), dtype, dev)
@@ -710,18 +973,38 @@ def fused_backward(
             plan, dy, x, acts.g, acts.u, acts.h, views, (dsg, dsu, sdx, *d_s)
         )
         out.update(dx_shared=sdx, d_s_gate=d_s[0][0], d_s_up=d_s[1][0], d_s_down=d_s[2][0])
+    if exchange is None:  # never read (C.EXCHANGE False removes the exchange)
+        exchange_ptrs = (sched.row_src, sched.row_src, dz, dz, dxs, sched.row_src, dz)
+        t_rows = tokens
+    else:
+        dy_table, dx_table, dy_rows, _, slot_weights = exchange
+        exchange_ptrs = (dy_table, dx_table, dy_rows, dz, dxs, sched.row_src, slot_weights)
+        out.update(dy_rows=dy_rows, dz=dz)
+        t_rows = ws.num_tokens
     flags = _flags(plan, dev, flags)
     budget = comm.spin_budget(budget)
     fused_backward_kernel[(plan.grid,)](
         *routed_descs,
         *shared_descs,
         (sched.row_start, sched.block_expert, sched.num_blocks),
-        (tokens, hidden, i, shared_intermediate, e, plan.max_blocks, wd_rows, wgu_rows),
+        (
+            t_rows,
+            hidden,
+            i,
+            shared_intermediate,
+            e,
+            plan.max_blocks,
+            wd_rows,
+            wgu_rows,
+            plan.max_minibatches,
+        ),
         (flags, ws.errors, ws.rank, budget),
+        exchange_ptrs,
         C=plan.meta.as_constexprs(),
         num_warps=FUSED_WARPS,
         num_stages=BACKWARD_STAGES,
-        # every program resident: a task waits only on tasks that running programs hold
+        # every program resident: a task waits only on tasks (and pulls) that running programs
+        # hold
         launch_cooperative_grid=plan.meta.GPU,
     )
     return FusedGrads(**out)

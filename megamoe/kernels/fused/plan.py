@@ -55,6 +55,10 @@ FUSED_WARPS = 8
 FUSED_STAGES = 4
 # The fused backward's pipeline depth: the unfused backward GEMMs' 3 (~144 KB of shared memory).
 BACKWARD_STAGES = 3
+# The fused backward's route-grad task (W > 1) works on [16, 512] pieces of its row block, the
+# route-grad kernel's tile (dz is elementwise: the shape only bounds the registers).
+ROUTE_GRAD_ROWS = 16
+ROUTE_GRAD_COLS = 512
 # Rates of one program on an H200 at dsv3 shapes (docs/tuning.md): a pull program moves
 # ~12 GB/s of rows over NVLink and ~18 GB/s of local rows, a GEMM program ~5 TFLOP/s.
 PULL_GBPS_PER_PROGRAM = 12.0
@@ -364,6 +368,15 @@ class BackwardMeta(NamedTuple):
     INTERPRET: bool
     GPU: bool  # inline PTX (fences) allowed
     UPCAST: bool  # fp32 tiles (the interpreter)
+    # W > 1 (the exchange: dy pulled and d_x pushed inside the kernel; else False and unused)
+    EXCHANGE: bool
+    NUM_COMM: int  # comm programs (roles under the interpreter)
+    MB: int  # rows per pulled minibatch (one task-list group)
+    TOP_K: int
+    ROWS: int  # copy tile of the pulls and pushes (``comm.copy_tile``)
+    COLS: int
+    RG_ROWS: int  # tile of the route-grad task (elementwise: any shape gives the same dz)
+    RG_COLS: int
 
     def as_constexprs(self) -> "BackwardMeta":
         return BackwardMeta(*(tl.constexpr(v) for v in self))
@@ -379,6 +392,8 @@ class BackwardPlan:
     experts: int
     shared_blocks: int  # 0 without a shared expert
     meta: BackwardMeta
+    num_comm: int = 0  # comm programs (W > 1)
+    max_minibatches: int = 0  # pulled minibatches at most (W > 1; 0 at W = 1)
 
 
 def backward_lag_for(
@@ -408,13 +423,22 @@ def plan_backward(
     lag: int | None,
     programs: int | None,
     swiglu_split: int = 4,
+    exchange: bool = False,
+    world_size: int = 1,
+    num_comm: int | None = None,
+    top_k: int = 1,
+    itemsize: int = 2,
 ) -> BackwardPlan:
     """The plan of one fused backward launch; a bad value is a ValueError naming it.
 
     ``rows``: the schedule's rows; ``group_rows``: rows per task-list group (a multiple of
-    ``block_rows``); ``lag`` None: :func:`backward_lag_for`; ``programs`` None: one per SM (the
-    interpreter: one); ``swiglu_split``: column pieces of the SwiGLU-backward epilogue (1, 2 or
-    4: the same bits, fewer registers)."""
+    ``block_rows``; at W > 1 also the rows of a pulled minibatch); ``lag`` None:
+    :func:`backward_lag_for`; ``programs`` None: one per SM (the interpreter: one);
+    ``swiglu_split``: column pieces of the SwiGLU-backward epilogue (1, 2 or 4: the same bits,
+    fewer registers). ``exchange`` (W > 1): ``num_comm`` programs pull dy and push d_x (None:
+    :func:`comm_programs_for` of the grid; they leave at least one program computing)."""
+    from .. import comm
+
     bm = block_rows
     _check_int("group_rows", group_rows, bm)
     if group_rows % bm:
@@ -430,6 +454,17 @@ def plan_backward(
     if programs > sms:
         raise ValueError(f"programs ({programs}) must be at most one per SM: the GPU has {sms}")
     grid = 1 if interpreting() else programs
+    if exchange:
+        if num_comm is None:
+            num_comm = comm_programs_for(programs, intermediate, world_size)
+        _check_int("num_comm", num_comm, 1)
+        if not interpreting() and num_comm >= programs:
+            raise ValueError(
+                f"num_comm ({num_comm}) must leave compute programs: the grid has {programs}"
+            )
+    else:
+        num_comm = 0
+    copy_rows, copy_cols = comm.copy_tile(hidden, itemsize, comm.COPY_TILE_BYTES)
     swiglu, dgrad, wgrad = tiles_for("swiglu_bwd"), tiles_for("mm"), tiles_for("wgrad")
     group = group_rows // bm
     has_shared = shared_intermediate > 0
@@ -457,6 +492,14 @@ def plan_backward(
         INTERPRET=interpreting(),
         GPU=not interpreting(),
         UPCAST=interpreting(),
+        EXCHANGE=exchange,
+        NUM_COMM=num_comm,
+        MB=group_rows,
+        TOP_K=top_k,
+        ROWS=copy_rows,
+        COLS=copy_cols,
+        RG_ROWS=math.gcd(bm, ROUTE_GRAD_ROWS),
+        RG_COLS=min(ROUTE_GRAD_COLS, triton.next_power_of_2(hidden)),
     )
     return BackwardPlan(
         grid=grid,
@@ -465,4 +508,6 @@ def plan_backward(
         experts=experts,
         shared_blocks=triton.cdiv(tokens, bm) if has_shared else 0,
         meta=meta,
+        num_comm=num_comm,
+        max_minibatches=triton.cdiv(rows, group_rows) if exchange else 0,
     )

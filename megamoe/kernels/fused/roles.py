@@ -1,4 +1,8 @@
-"""The roles of the fused forward's programs: comm programs pull, compute programs take tasks.
+"""The roles of the fused kernels' programs: comm programs pull, compute programs take tasks.
+
+The fused backward at W > 1 uses the comm roles :func:`pull_dy_role` (dy rows, through the
+forward's :func:`pull_rows`) and :func:`push_blocks` (d_x rows); its compute tasks live in
+``backward``.
 
 Device functions over bundled arguments (tuples built once at the top of each kernel):
 
@@ -32,7 +36,10 @@ from .trace import TRACE_PULL, trace_end, trace_start
 
 __all__ = [
     "pull_minibatch",
+    "pull_rows",
     "comm_role",
+    "pull_dy_role",
+    "push_blocks",
     "routed_gate_up",
     "routed_down",
     "routed_task",
@@ -68,28 +75,40 @@ def pull_minibatch(m, role, used_rows, ring, slots, env, C: tl.constexpr):
             z_done_ptr + m - slots, (C.MB // C.BM) * tl.cdiv(H, C.BN_DOWN), _STAGE_RING, m, watch
         )
     if alive:
-        row_begin = m * C.MB
-        row_end = tl.minimum(row_begin + C.MB, used_rows)
-        comm.copy_rows(
-            x_table,
-            x_table,
-            xs_ptr + (row_begin % ring).to(tl.int64) * H,
-            H,
-            row_src_ptr,
-            row_begin,
-            row_end,
-            role,
-            C.NUM_COMM,
-            T,
-            H,
-            C.TOP_K,
-            False,
-            C.ROWS,
-            C.COLS,
-            C.UPCAST,
-        )
-        signal(ready_ptr + m)
+        dst = xs_ptr + ((m * C.MB) % ring).to(tl.int64) * H
+        pull_rows(m, role, used_rows, x_table, dst, row_src_ptr, ready_ptr + m, T, H, C)
     return alive
+
+
+@triton.jit
+def pull_rows(
+    m, role, used_rows, src_table, dst_ptr, row_src_ptr, ready_ptr, T, H, C: tl.constexpr
+):
+    """Comm role ``role``'s strided share of minibatch m's rows (``comm.copy_rows``, unscaled)
+    from the source ranks' token buffers (``src_table``: x, or dy in the backward) into
+    ``dst`` (its row 0 = the minibatch's first layout row), then one count into ``ready``.
+    ``C``: a launch's constexprs with MB, NUM_COMM, TOP_K, ROWS, COLS, UPCAST (the forward's
+    and the backward's)."""
+    row_begin = m * C.MB
+    comm.copy_rows(
+        src_table,
+        src_table,
+        dst_ptr,
+        H,
+        row_src_ptr,
+        row_begin,
+        tl.minimum(row_begin + C.MB, used_rows),
+        role,
+        C.NUM_COMM,
+        T,
+        H,
+        C.TOP_K,
+        False,
+        C.ROWS,
+        C.COLS,
+        C.UPCAST,
+    )
+    signal(ready_ptr)
 
 
 @triton.jit
@@ -142,6 +161,64 @@ def push_minibatches(role, num_blocks, env, C: tl.constexpr):
                 C.COLS,
             )
         m += 1
+    return alive
+
+
+@triton.jit
+def pull_dy_role(
+    role, used_rows, dy_table, dy_rows_ptr, row_src_ptr, ready_ptr, T, H, C: tl.constexpr
+):
+    """Backward comm role ``role`` (W > 1): pull its share of every minibatch's dy rows into
+    the routed row layout, minibatch by minibatch (all comm roles on the earliest one at a
+    time), counting into ``ready[m]``. Never waits."""
+    m = 0
+    while m < tl.cdiv(used_rows, C.MB):
+        dst = dy_rows_ptr + (m * C.MB).to(tl.int64) * H
+        pull_rows(m, role, used_rows, dy_table, dst, row_src_ptr, ready_ptr + m, T, H, C)
+        m += 1
+
+
+@triton.jit
+def push_blocks(
+    role,
+    num_blocks,
+    src_ptr,
+    dst_table,
+    row_src_ptr,
+    done_ptr,
+    wanted,
+    T,
+    H,
+    stage,
+    watch,
+    C: tl.constexpr,
+):
+    """Backward comm role ``role`` (W > 1): push each row block's rows of ``src`` (the d_x
+    rows) into the source ranks' slots (``dst_table``: their ``dx_slots``; ``comm.push_rows``,
+    strided over the comm roles) as soon as ``done[b]`` reaches ``wanted`` (every gate+up dgrad
+    tile of block b stored), block by block in layout order. False if a wait gave up."""
+    b = 0
+    alive = True
+    while (b < num_blocks) & alive:
+        alive = wait_count(done_ptr + b, wanted, stage, b, watch)
+        if alive:
+            row = b * C.BM
+            comm.push_rows(
+                src_ptr + row.to(tl.int64) * H,
+                H,
+                dst_table,
+                row_src_ptr,
+                row,
+                row + C.BM,
+                role,
+                C.NUM_COMM,
+                T,
+                H,
+                C.TOP_K,
+                C.ROWS,
+                C.COLS,
+            )
+        b += 1
     return alive
 
 

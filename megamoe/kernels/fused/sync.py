@@ -16,11 +16,15 @@ stored (and pushed); ``h_done[b]`` / ``sh_done[b]``: gate/up tiles of routed / s
 
 The fused backward's flag buffer (:func:`backward_flag_layout`, :func:`backward_flag_pointers`)::
 
-    [ticket | dgu_done[max_blocks] | expert_done[E] | sdgu_done[shared blocks] | shared_done]
+    [ticket | dgu_done[max_blocks] | expert_done[E] | sdgu_done[shared blocks] | shared_done
+     | ready[max_mb] | dz_done[max_blocks] | dx_done[max_blocks]]
 
 ``dgu_done[b]`` / ``sdgu_done[b]``: SwiGLU-backward tiles (d_g, d_u) of routed / shared row block
 b; ``expert_done[e]``: those of every row block of expert e; ``shared_done``: those of every
-shared row block (the shared weight gradients wait for it).
+shared row block (the shared weight gradients wait for it). At W > 1 (the exchange,
+:func:`exchange_flag_pointers`; no words at W = 1): ``ready[m]``: comm programs that pulled
+their share of minibatch m's dy rows; ``dz_done[b]``: the route-grad task of row block b;
+``dx_done[b]``: gate+up dgrad tiles (d_x) of row block b (the comm programs push it then).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ __all__ = [
     "BackwardFlagLayout",
     "backward_flag_layout",
     "backward_flag_pointers",
+    "exchange_flag_pointers",
 ]
 
 # Words before the counters: the compute task ticket, then the programs that arrived.
@@ -161,17 +166,37 @@ class BackwardFlagLayout:
     expert_done: int
     sdgu_done: int
     shared_done: int
+    ready: int
+    dz_done: int
+    dx_done: int
     words: int
 
 
-def backward_flag_layout(max_blocks: int, experts: int, shared_blocks: int) -> BackwardFlagLayout:
+def backward_flag_layout(
+    max_blocks: int, experts: int, shared_blocks: int, max_minibatches: int = 0
+) -> BackwardFlagLayout:
     """The fused backward's flag buffer, as the kernel addresses it
-    (:func:`backward_flag_pointers`)."""
+    (:func:`backward_flag_pointers`, :func:`exchange_flag_pointers`); ``max_minibatches`` 0:
+    no exchange (W = 1), no words for its counters."""
     dgu_done = 1
     expert_done = dgu_done + max_blocks
     sdgu_done = expert_done + experts
     shared_done = sdgu_done + shared_blocks
-    return BackwardFlagLayout(0, dgu_done, expert_done, sdgu_done, shared_done, shared_done + 1)
+    ready = shared_done + 1
+    exchange_blocks = max_blocks if max_minibatches else 0
+    dz_done = ready + max_minibatches
+    dx_done = dz_done + exchange_blocks
+    return BackwardFlagLayout(
+        0,
+        dgu_done,
+        expert_done,
+        sdgu_done,
+        shared_done,
+        ready,
+        dz_done,
+        dx_done,
+        dx_done + exchange_blocks,
+    )
 
 
 @triton.jit
@@ -182,3 +207,11 @@ def backward_flag_pointers(flags_ptr, max_blocks, experts, shared_blocks):
     expert_done_ptr = dgu_done_ptr + max_blocks
     sdgu_done_ptr = expert_done_ptr + experts
     return flags_ptr, dgu_done_ptr, expert_done_ptr, sdgu_done_ptr, sdgu_done_ptr + shared_blocks
+
+
+@triton.jit
+def exchange_flag_pointers(flags_ptr, max_blocks, experts, shared_blocks, max_mb):
+    """(ready, dz_done, dx_done) pointers into the backward's flag buffer (W > 1)."""
+    ready_ptr = flags_ptr + 1 + max_blocks + experts + shared_blocks + 1
+    dz_done_ptr = ready_ptr + max_mb
+    return ready_ptr, dz_done_ptr, dz_done_ptr + max_blocks

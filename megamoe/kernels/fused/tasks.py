@@ -9,7 +9,9 @@ waits on a task that no running program holds (docs/fused.md, "Task list").
 The fused backward's list (docs/fused.md, "Backward") reuses :func:`grouped_task` for its dgrad
 parts (SwiGLU-backward tiles in place of gate/up, gate+up dgrad tiles in place of down) and adds
 weight-gradient parts (:func:`wgrad_task`, :func:`wgrad_part_length`); :func:`backward_counts`
-gives the parts' bounds.
+gives the parts' bounds. At W > 1 each routed block has one more task of the first kind, its
+route-grad task (column 0, so a group's route-grad tasks come before its SwiGLU-backward
+tiles).
 """
 
 from __future__ import annotations
@@ -193,15 +195,20 @@ def backward_counts(
     BN_WGRAD: tl.constexpr,
     G: tl.constexpr,
     SHARED: tl.constexpr,
+    RG: tl.constexpr,
 ):
-    """(routed row blocks, shared row blocks, end of the shared dgrad part, end of the shared
-    part, end of the routed dgrad part, all tasks) of a fused backward launch: the list is
-    [shared dgrad | shared wgrad | routed dgrad | routed wgrad]."""
+    """(routed row blocks, shared row blocks (0 without a shared expert), end of the shared
+    dgrad part, end of the shared part, end of the routed dgrad part, all tasks) of a fused
+    backward launch: the list is
+    [shared dgrad | shared wgrad | routed dgrad | routed wgrad]. ``RG``: route-grad tasks per
+    routed row block (1 at W > 1, where each block's first task of the routed dgrad part
+    computes its dz rows; else 0)."""
     num_blocks = tl.load(num_blocks_ptr)
-    shared_blocks = tl.cdiv(T, BM)
+    shared_blocks = 0  # (none without a shared expert: the flag buffer has no words for them)
     shared_dgrad = 0
     shared_end = 0
     if SHARED:
+        shared_blocks = tl.cdiv(T, BM)
         shared_dgrad = part_length(shared_blocks, tl.cdiv(IS, BN_SWIGLU), tl.cdiv(H, BN_DGRAD), G)
         shared_end = shared_dgrad + wgrad_part_length(
             1,
@@ -211,7 +218,7 @@ def backward_counts(
             tl.cdiv(IS, BN_WGRAD),
         )
     routed_dgrad = shared_end + part_length(
-        num_blocks, tl.cdiv(I, BN_SWIGLU), tl.cdiv(H, BN_DGRAD), G
+        num_blocks, tl.cdiv(I, BN_SWIGLU) + RG, tl.cdiv(H, BN_DGRAD), G
     )
     total = routed_dgrad + wgrad_part_length(
         E, tl.cdiv(I, BM_WGRAD), tl.cdiv(H, BN_WGRAD), tl.cdiv(H, BM_WGRAD), tl.cdiv(I, BN_WGRAD)
