@@ -172,7 +172,10 @@ def test_records_say_which_backward_ran(monkeypatch):
     assert backward_of("fused", 1) == "triton"  # opt-in
     monkeypatch.setenv(FUSED_BACKWARD_ENV, "1")
     assert backward_of("fused", 1) == "fused"
-    assert backward_of("fused", 2) == "triton"  # one process only, so far
+    assert backward_of("fused", 2) == "fused"  # dy pull and d_x push inside the kernel
+    monkeypatch.setenv(FUSED_BACKWARD_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        backward_of("fused", 1)
 
 
 def test_graph_mode_needs_a_gpu():
