@@ -19,8 +19,10 @@ kernels' roundings (h from the fp32 gate/up products, the SwiGLU backward from t
 x is quantized 1x128 once, and its 128x1 operand of the gate/up weight gradients is re-blocked
 from that quantization (the kernels quantize each token on its rank before the dispatch; a
 1x128 block lies inside one token's row, so quantizing the exchanged rows gives the same
-values). A reference of the recipe, not of the kernels' bits (the fp32 sums run in another
-order).
+values). The output gradient dy of the routed experts is quantized 1x128 once per token, as the
+layer's dy pull moves it: their dz = w * dy and the router-weight gradient <dy, z> read those
+values (the shared expert reads the unquantized dy, as the layer's). A reference of the recipe,
+not of the kernels' bits (the fp32 sums run in another order).
 """
 
 from __future__ import annotations
@@ -72,6 +74,19 @@ def fp8_blocks(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _fp8_cols(x: torch.Tensor) -> torch.Tensor:
     """``x [N, M]`` in 128x1 blocks along the rows (a weight gradient's operand)."""
     return fp8_blocks(x.t(), 1).t()
+
+
+class _Fp8Grad(torch.autograd.Function):
+    """The identity, whose backward quantizes the gradient ``[T, H]`` 1x128 per token: the
+    routed experts' dy in the fp8 recipe (the layer quantizes dy once, before its pull)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return fp8_blocks(grad, 1).to(grad.dtype)
 
 
 class _Fp8Expert(torch.autograd.Function):
@@ -153,14 +168,20 @@ def local_experts_forward(
 
 
 def weighted_combine(
-    z: torch.Tensor, topk_weights: torch.Tensor, shared: torch.Tensor | None
+    z: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared: torch.Tensor | None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
-    """``sum_k w[t,k] * z[t,k]`` in fp32, k in order, then the shared expert; z is [T, K, H]."""
+    """``sum_k w[t,k] * z[t,k]`` in fp32, k in order, then the shared expert; z is [T, K, H].
+    ``precision="fp8"``: the routed sum's gradient (dy) is quantized 1x128 per token."""
     acc = torch.zeros(z.shape[0], z.shape[2], dtype=torch.float32, device=z.device)
     if z.dtype == torch.float64:
         acc = acc.double()
     for k in range(z.shape[1]):
         acc = acc + topk_weights[:, k, None].to(acc.dtype) * z[:, k].to(acc.dtype)
+    if precision == "fp8":
+        acc = _Fp8Grad.apply(acc)
     if shared is not None:
         acc = acc + shared.to(acc.dtype)
     return acc
@@ -304,4 +325,4 @@ def moe_reference(
     shared = None
     if weights.has_shared:
         shared = swiglu_mlp(x, weights.s_gate, weights.s_up, weights.s_down, precision)
-    return weighted_combine(z, topk_weights, shared).to(out_dtype)
+    return weighted_combine(z, topk_weights, shared, precision).to(out_dtype)

@@ -5,7 +5,7 @@ Checked: the output and every gradient against a float64 emulation of the quanti
 saved activations, every product in float64) and against the float64 layer on the unquantized
 inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2, 3 and 8
 (lockstep), where the dispatch and the dy pull move packed fp8 rows; backend "reference"'s fp8
-recipe against the same emulation (with the bf16 dy in its route grad);
+recipe against the same emulation;
 every output written (poisoned buffers); the weight cache quantizes each weight once per
 version; the errors.
 """
@@ -42,9 +42,10 @@ CPU = torch.device("cpu")
 Y_REL_L2 = 8e-2
 GRAD_COSINE = 0.996
 # Against the emulated recipe: what is left is fp32 against float64 accumulation and the bf16
-# output roundings (1.7e-3 measured on every output); a wrong scale, block or operand is several
-# percent.
-RECIPE_REL_L2 = 5e-3
+# output roundings (1.6e-3 to 1.7e-3 measured on every output of the layer, up to 2.1e-3 on
+# backend "reference"'s d_x, seeds 0-3 and 11-14); a wrong scale, block or operand is several
+# percent (the unquantized dy in the route grad: 3-6% on the routed gradients).
+RECIPE_REL_L2 = 3e-3
 
 
 def _problem(case: Case = CASE, seed: int = 0):
@@ -105,13 +106,13 @@ def _expert(x, dz, w_gate, w_up, w_down):
     return z, dx, *dw
 
 
-def recipe(p, quantized_dy: bool = True) -> tuple[torch.Tensor, MoEGrads]:
+def recipe(p) -> tuple[torch.Tensor, MoEGrads]:
     """y and the gradients of the fp8 layer at W = 1, emulated in float64. The routed experts'
     dz = w * dy and d topk_weights = <dy, z> read dy quantized 1x128 (the packed rows the dy
-    pull moves), or with ``quantized_dy=False`` the bf16 dy (backend "reference")."""
+    pull moves); the shared expert reads the bf16 dy."""
     x, ids, tw, dy = p.single
     w = p.weights
-    dy_routed = _rows(dy) if quantized_dy else dy.double()
+    dy_routed = _rows(dy)
     t, h = x.shape
     y, dx = torch.zeros(t, h, dtype=torch.float64), torch.zeros(t, h, dtype=torch.float64)
     d_tw = torch.zeros(tw.shape, dtype=torch.float64)
@@ -191,7 +192,7 @@ def test_fp8_layer_against_the_recipe_and_the_float64_layer() -> None:
 def test_backend_reference_runs_the_recipe() -> None:
     p = _problem()
     y, grads = _moe(p, backend="reference")
-    rec_y, rec = recipe(p, quantized_dy=False)  # (its route grad reads the bf16 dy)
+    rec_y, rec = recipe(p)
     ref_y, _ = reference_grads(p, torch.float64)
     assert rel_err(y, rec_y) <= RECIPE_REL_L2, rel_err(y, rec_y)
     assert rel_err(y, ref_y) > 2e-2  # (quantized: far from the unquantized layer)

@@ -10,7 +10,9 @@ write stays NaN) and, at W > 1, the routed ones equal to W = 1 on the same globa
 routing, experts and whole ranks without rows, with and without a shared expert, stacked
 gate/up weights, T and I not multiples of the tiles, a bounded ring (the replay, then the fused
 kernel), a capacity overflow (NaN and the CapacityError, as "triton"), and every tunable of the
-kernel (task-list group, lag, SwiGLU epilogue pieces, grid, comm programs); the task list holds
+kernel (task-list group, lag, SwiGLU epilogue pieces, grid, comm programs); the weight
+gradients leave out the padding rows past an expert's last K step (as the unfused kernel), their
+waits still counting every row block; the task list holds
 every tile once in topological order; a missing signal ends in a StallError naming the stage;
 MEGAMOE_FUSED_BACKWARD unset or 0 keeps backend "triton"'s backward at every W.
 """
@@ -364,6 +366,46 @@ def test_every_tunable_gives_the_same_bits() -> None:
             if name == "dxs":
                 got, expected = got[:used], expected[:used]
             assert torch.equal(got, expected), f"{what}: {name} differs"
+
+
+def test_weight_gradients_skip_the_padding_past_the_last_k_step() -> None:
+    """A weight-gradient tile sums an expert's rows up to its last real row rounded up to the K
+    step (``gemm.expert_row_range``, as the unfused kernel), and its wait still counts every row
+    block: with NaN in every routed input row past that step, the weight gradients keep the
+    clean inputs' bits (no wait gives up)."""
+    case = Case(50, 64, 48, 4, 2, shared=24, routing="zipf", block_rows=64)  # K step 32
+    p = make_problem(case, 23)
+    ctx, dz, ref = _unfused_parts(p, p.weights)
+    sched, r, w = ctx.schedule.routed, ctx.routed, ctx.weights
+    bk = 32
+    begin, end = sched.row_start[:-1], sched.row_start[1:]
+    summed_end = begin + (sched.counts + bk - 1) // bk * bk
+    past = torch.zeros(dz.shape[0], dtype=torch.bool)
+    for lo, hi in zip(summed_end.tolist(), end.tolist()):
+        past[lo:hi] = True
+    assert (end - summed_end >= bk).any(), "the case must skip a whole K step of padding"
+    assert (sched.row_src[past] < 0).all()
+    poisoned = [t.clone() for t in (dz, r.xs, r.g, r.u, r.h)]
+    for t in poisoned:
+        t[past] = float("nan")
+    shared = ff.SharedBackwardInputs(p.grad_y, ctx.x, ctx.shared, w.s_gate, w.s_up, w.s_down)
+    ws = local_workspace(case.tokens, case.hidden, case.top_k, torch.bfloat16, dz.device)
+    with poisoned_buffers():
+        out = ff.fused_backward(
+            ws,
+            sched,
+            *poisoned,
+            w.w_gate,
+            w.w_up,
+            w.w_down,
+            group_rows=case.block_rows,
+            shared=shared,
+        )
+    check_errors(ws)
+    for name in ("d_w_gate", "d_w_up", "d_w_down", "d_s_gate", "d_s_up", "d_s_down"):
+        assert torch.equal(getattr(out, name), ref[name]), name
+    real = sched.row_src >= 0
+    assert torch.equal(out.dxs[real], ref["dxs"][real])
 
 
 def test_bad_arguments_are_refused() -> None:

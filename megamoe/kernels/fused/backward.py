@@ -26,13 +26,14 @@ Programs take tasks by atomic ticket from one list in topological order (``tasks
      groups later, its gate+up dgrad tiles (shared d_x); then its weight-gradient tiles;
   2. the routed experts: per group of row blocks the SwiGLU-backward tiles (d_g, d_u) and, LAG
      groups later, the gate+up dgrad tiles (d_x rows); then the weight-gradient tiles, expert by
-     expert (d_W_gate, d_W_up, d_W_down; one program per output tile over all of the expert's
-     rows in order).
+     expert (d_W_gate, d_W_up, d_W_down; one program per output tile over the expert's rows
+     in order up to its last real row rounded up to the K step, ``gemm.expert_row_range``).
 
 Counters (``sync.backward_flag_layout``): a SwiGLU-backward tile counts into its row block's
 ``dgu_done`` and its expert's ``expert_done`` (the shared part: ``sdgu_done`` and
 ``shared_done``); a gate+up dgrad tile waits for its block's count, a d_W_gate / d_W_up tile for
-its expert's (every SwiGLU-backward tile of every row block of the expert). d_W_down reads dz
+its expert's (every SwiGLU-backward tile of every row block of the expert, the rows a
+weight-gradient tile leaves out included). d_W_down reads dz
 and h: at W = 1 both there before the launch (it waits for nothing), at W > 1 it waits for its
 expert's count too (dz is computed here). At W > 1 also ``ready`` (pulls; the route-grad task
 waits), ``dz_done`` (route-grad task; the SwiGLU-backward tiles wait) and ``dx_done`` (gate+up
@@ -60,7 +61,14 @@ from ...ep.workspace import Workspace
 from ...errors import Stage
 from ...types import SharedActivations, stacked_gate_up
 from .. import comm
-from ..gemm import gate_up_2d, grouped_mm_tile, mm_acc, weight_2d, wgrad_tile
+from ..gemm import (
+    expert_row_range,
+    gate_up_2d,
+    grouped_mm_tile,
+    mm_acc,
+    weight_2d,
+    wgrad_tile,
+)
 from ..runtime import descriptor, empty
 from ..schedule import RowSchedule
 from ..tiles import cast, load_rows, store_rows, swiglu_backward
@@ -341,6 +349,7 @@ def wgrad_part_task(
     t,
     blocks,
     row_start_ptr,
+    counts_ptr,
     T,
     descs,
     shape,
@@ -351,8 +360,10 @@ def wgrad_part_task(
     C: tl.constexpr,
 ):
     """Task t of a weight-gradient part (``tasks.wgrad_task``): one output tile of d_W_gate,
-    d_W_up or d_W_down of one expert over all of its rows in order (the routed experts' from
-    ``row_start_ptr``; the shared expert's: the T tokens), as the unfused kernel computes it.
+    d_W_up or d_W_down of one expert over its rows in order (the routed experts' from
+    ``row_start_ptr`` up to the last real row rounded up to the K step,
+    ``gemm.expert_row_range`` of ``counts_ptr``; the shared expert's: the T tokens), as the
+    unfused kernel computes it.
     d_W_gate / d_W_up tiles first wait for the expert's SwiGLU-backward tiles (the shared part:
     every one of its ``blocks`` row blocks). With ``EX`` (the routed part at W > 1) d_W_down
     waits too: it reads dz, which the kernel computes (the expert's SwiGLU-backward tiles ran
@@ -368,17 +379,18 @@ def wgrad_part_task(
         tl.cdiv(I, C.BN_WGRAD),
     )
     if ROUTED:
-        row_begin = tl.load(row_start_ptr + expert)
-        row_end = tl.load(row_start_ptr + expert + 1)
+        row_begin, row_end = expert_row_range(row_start_ptr, counts_ptr, expert, C.BK_WGRAD)
+        # the waits count every row block of the expert (the padded range), as they signal
+        wanted = (tl.load(row_start_ptr + expert + 1) - row_begin) // C.BM * n_swiglu
     else:
         row_begin = 0
         row_end = T
+        wanted = blocks * n_swiglu
     m0 = mt * C.BM_WGRAD
     n0 = nt * C.BN_WGRAD
     alive = True
     if kind == 2:  # d_W_down = a^T h: both there before the launch (W = 1)
         if EX:
-            wanted = (row_end - row_begin) // C.BM * n_swiglu
             alive = wait_count(all_done_ptr + expert, wanted, _STAGE_EXPERT, expert, watch)
             if alive:
                 acquire_for_tma(C.GPU)
@@ -399,11 +411,10 @@ def wgrad_part_task(
             )
             call_site(PART + " d_W_down", C.GPU)
     else:
-        if ROUTED:  # the expert's row blocks (padded to whole blocks) times their tiles
-            wanted = (row_end - row_begin) // C.BM * n_swiglu
+        if ROUTED:  # the expert's row blocks times their tiles
             alive = wait_count(all_done_ptr + expert, wanted, _STAGE_EXPERT, expert, watch)
         else:
-            alive = wait_count(all_done_ptr, blocks * n_swiglu, _STAGE_SHARED_ALL, 0, watch)
+            alive = wait_count(all_done_ptr, wanted, _STAGE_SHARED_ALL, 0, watch)
         if alive:
             acquire_for_tma(C.GPU)
             if kind == 0:
@@ -489,7 +500,7 @@ def fused_backward_kernel(
     dsgw_desc,
     dsuw_desc,
     dsdw_desc,
-    tables,  # (row_start_ptr, block_expert_ptr, num_blocks_ptr)
+    tables,  # (row_start_ptr, block_expert_ptr, num_blocks_ptr, counts_ptr)
     dims,  # (T, H, I, IS, E, max_blocks, w_down rows, gate/up rows, max minibatches)
     sync,  # (flags_ptr, err_ptr, rank, budget)
     exchange,  # W > 1: (dy table, dx table, dy_rows, dz, dxs, row_src, slot weights)
@@ -533,7 +544,7 @@ def fused_backward_kernel(
         dsuw_desc,
         dsdw_desc,
     )
-    row_start_ptr, block_expert_ptr, num_blocks_ptr = tables
+    row_start_ptr, block_expert_ptr, num_blocks_ptr, counts_ptr = tables
     T, H, I, IS, E, max_blocks, wd_rows, wgu_rows, max_mb = dims
     flags_ptr, err_ptr, rank, budget = sync
     watch = (err_ptr, rank, budget)
@@ -621,6 +632,7 @@ def fused_backward_kernel(
                 task - shared_dgrad,
                 shared_blocks,
                 row_start_ptr,
+                counts_ptr,
                 T,
                 shared_w,
                 (H, IS),
@@ -654,6 +666,7 @@ def fused_backward_kernel(
             task - routed_dgrad,
             num_blocks,
             row_start_ptr,
+            counts_ptr,
             T,
             routed_w,
             (H, I),
@@ -986,7 +999,7 @@ def _launch(
     fused_backward_kernel[(plan.grid,)](
         *routed_descs,
         *shared_descs,
-        (sched.row_start, sched.block_expert, sched.num_blocks),
+        (sched.row_start, sched.block_expert, sched.num_blocks, sched.counts),
         (
             t_rows,
             hidden,
