@@ -17,7 +17,7 @@ import torch
 
 from megamoe.kernels import fp8, fp8_gemm
 from megamoe.kernels.schedule import build_row_schedule
-from megamoe.tools.bench_kernels import _time_ms, rows_padded
+from megamoe.tools.bench_kernels import event_times_ms, rows_padded
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(5):
         for name, fn in calls.items():
-            times[name].append(_time_ms(fn, 10))
+            times[name].append(statistics.median(event_times_ms(fn, 10)))
     rec = {name: statistics.median(t) for name, t in times.items()}
     rec.update(same_bits=same, gpu=torch.cuda.get_device_name(), shape="dsv3 gate/up W=1")
     print(json.dumps(rec, indent=1))
