@@ -24,9 +24,19 @@ background.define(
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the compile jobs that the selected tests need (their fixtures' names)."""
+    """Start the compile jobs that the selected tests need (their fixtures' names). Under
+    pytest-xdist the workers share the jobs' results and only the first worker starts them
+    now (the others wait for its results if their tests need them)."""
     if session.config.option.collectonly:
         return
+    worker = getattr(session.config, "workerinput", None)
+    if worker is not None:
+        # (the session's base temporary directory, shared by its workers and cleaned up by
+        # pytest as every tmp_path is: the recipe pytest-xdist documents)
+        shared = session.config._tmp_path_factory.getbasetemp().parent / "compile-jobs"
+        background.share(str(shared))
+        if worker["workerid"] != "gw0":
+            return
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     background.start([name for name in background.JOBS if name in needed])
 
