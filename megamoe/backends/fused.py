@@ -42,9 +42,16 @@ from ..ep import checks
 from ..ep.workspace import Workspace, local_workspace, publish
 from ..kernels import comm, rows
 from ..kernels.fused import comm_kernel_programs, comm_programs_for, fused_forward
-from ..kernels.fused.backward import SharedBackwardInputs, fused_backward, fused_backward_ep
-from ..kernels.runtime import persistent_programs
-from ..types import ExpertWeights, MoEGrads
+from ..kernels.fused.backward import (
+    Macrobatch,
+    SharedBackwardInputs,
+    fused_backward,
+    fused_backward_ep,
+    macrobatch_outputs,
+)
+from ..kernels.runtime import empty, persistent_programs
+from ..kernels.schedule import row_window
+from ..types import ExpertWeights, MoEGrads, RoutedActivations
 from . import state, steps
 from .requirements import KERNEL_DTYPE, is_available, supports
 from .state import EmptyContext, TritonContext, TritonSchedule, save
@@ -65,6 +72,7 @@ __all__ = [
     "resolved_tunables",
     "uses_comm_kernel",
     "backward_kind",
+    "macrobatch_rows",
     "FUSED_BACKWARD_ENV",
     "MAX_WORLD_SIZE",
 ]
@@ -274,6 +282,79 @@ def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEG
     )
 
 
+def macrobatch_rows(config: MoEConfig, layout_rows: int) -> int:
+    """Rows of a macrobatch of the one-process fused backward after a bounded ring: the ring's
+    (``config.ring_rows``, a multiple of ``minibatch_rows`` and so of the row block and of the
+    weight gradients' K step, which divides the power-of-two block rows), at most the
+    layout's ``layout_rows``."""
+    ring = config.ring_rows if config.ring_rows is not None else layout_rows
+    if ring % config.block_rows:
+        raise ValueError(
+            f"ring_rows must be a multiple of block_rows ({config.block_rows}), got {ring}"
+        )
+    return min(ring, layout_rows)
+
+
+def _macrobatch_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEGrads:
+    """:func:`_local_backward` after a bounded ring, one macrobatch of rows at a time: the
+    layout's rows ``[0, rows)`` (host-known) in windows of :func:`macrobatch_rows`, each
+    replayed (``steps.replay_window``: gather, gate/up + SwiGLU, down) into buffers of the
+    ring's rows, then its route grad (dz rows, and d topk_weights of its slots) and one fused
+    launch of its dgrad and of its rows' share of every routed weight-gradient tile (continued
+    across windows in fp32 carries, ``kernels.fused.backward.Macrobatch``); the shared expert
+    in the first launch; the k-order combine of d_x after the last. The routed activations and
+    their gradients never exist for more than the ring's rows; a window past the used rows
+    finds no used row block (its launches do nothing). Bitwise :func:`_local_backward`."""
+    sched, config = ctx.schedule.routed, ctx.schedule.config
+    w, x = ctx.weights, ctx.x
+    ring = macrobatch_rows(config, sched.rows)
+    dev, dtype = x.device, x.dtype
+    hidden, inter = x.shape[1], w.w_gate.shape[1]
+    buffers = RoutedActivations(
+        *(empty((ring, width), dtype, dev) for width in (hidden, inter, inter, inter, hidden))
+    )
+    dz = empty((ring, hidden), dtype, dev)
+    d_topk = empty((sched.num_tokens, sched.top_k), torch.float32, dev)
+    outputs = macrobatch_outputs(sched, ring, w.w_gate, w.w_up, w.w_down, dtype)
+    shared = None
+    for first in range(0, sched.rows, ring):
+        window = row_window(sched, first, min(ring, sched.rows - first))
+        acts = steps.replay_window(ctx, window, buffers)
+        dz_w, _ = rows.route_grad(
+            dy, acts.z, ctx.slot_weights, window, dz=dz[: window.rows], dw=d_topk
+        )
+        out = fused_backward(
+            ws,
+            window,
+            dz_w,
+            acts.xs,
+            acts.g,
+            acts.u,
+            acts.h,
+            w.w_gate,
+            w.w_up,
+            w.w_down,
+            group_rows=config.minibatch_rows,
+            shared=_shared_inputs(ctx, dy) if first == 0 else None,
+            macrobatch=Macrobatch(outputs, sched, first),
+        )
+        if first == 0:
+            shared = out
+    invalid = ctx.schedule.invalid
+    dx = rows.combine(outputs.dxs, sched, None, shared.dx_shared, x.dtype, invalid)
+    d_topk = torch.where(invalid != 0, float("nan"), d_topk)  # (else stale values)
+    return MoEGrads(
+        dx,
+        d_topk,
+        outputs.d_w_gate,
+        outputs.d_w_up,
+        outputs.d_w_down,
+        shared.d_s_gate,
+        shared.d_s_up,
+        shared.d_s_down,
+    )
+
+
 def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads]:
     """``steps.backward_steps`` with the fused kernel (W > 1): publish dy -> barrier -> one
     launch (dy pull, route-grad dz, shared and routed dgrad and weight gradients, d_x push;
@@ -336,11 +417,12 @@ def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrad
         grads = steps.run_steps(backward_steps(ctx, dy), ws)
         checks.eager_check(ws)
         return grads
-    if ctx.routed is None:
-        ctx = steps.drain(steps.replay_steps(ctx))
     x = ctx.x  # the forward's private workspace (steps.single_rank)
     ws = local_workspace(x.shape[0], x.shape[1], ctx.schedule.routed.top_k, KERNEL_DTYPE, x.device)
-    grads = _local_backward(ctx, dy, ws)
+    if ctx.routed is None:  # a bounded ring: replayed and differentiated macrobatch by macrobatch
+        grads = _macrobatch_backward(ctx, dy, ws)
+    else:
+        grads = _local_backward(ctx, dy, ws)
     checks.eager_check(ws)
     checks.eager_check(checks.device_records(dy.device))
     return grads
