@@ -21,8 +21,11 @@ Ring (``config.ring_rows``; None, the default: every row): when it holds every r
 schedule the forward saves the routed activations as backend "triton" does. When it is smaller,
 the routed rows only ever live in the ring (memory bounded by ``ring_rows`` in the forward and
 between forward and backward); the context drops them (``routed = None``) and the backward
-first replays the routed forward with the unfused kernels (the same bits), then runs as above.
-The shared expert's activations are always saved (T rows).
+recomputes them with the unfused kernels (the same bits): the fused backward at one process one
+macrobatch of ring rows at a time (:func:`_macrobatch_backward`: replay, route grad and one
+fused launch per window of the layout's rows, the weight gradients carried across windows in
+fp32), so that its routed memory is bounded by the ring too; otherwise the whole routed forward
+first, then as above. The shared expert's activations are always saved (T rows).
 
 With one GPU the forward runs on a private one-rank workspace (``steps.single_rank``), so W = 1
 runs the very same kernel and protocol; the fused backward's waits record stalls there too.
@@ -407,8 +410,8 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads
 def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrads:
     """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype): the
     fused backward when :func:`backward_kind` says so (W > 1: :func:`backward_steps`), else
-    ``steps.backward``. A bounded ring's dropped routed rows are replayed first
-    (``steps.replay_steps``), as there."""
+    ``steps.backward``. A bounded ring's dropped routed rows are replayed macrobatch by
+    macrobatch at W = 1 (:func:`_macrobatch_backward`), else first (``steps.replay_steps``)."""
     if isinstance(ctx, EmptyContext) or backward_kind() != "fused":
         return steps.backward(ctx, grad_y)
     dy = grad_y.to(ctx.x.dtype).contiguous()

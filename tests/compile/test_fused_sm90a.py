@@ -107,7 +107,8 @@ def test_comm_kernel_fits_beside_the_compute_kernel(compiled) -> None:
 # ------------------------------------------------------------------------------ fused backward
 
 # Records the fused backward's launches of backend "fused"'s training step at W = 1 (dsv3 with
-# and without its shared expert, and an odd shape) and rank 0's at W = 2 (dsv3: the exchange
+# and without its shared expert, an odd shape, and dsv3 after a bounded ring: one launch per
+# macrobatch, the first with the shared expert) and rank 0's at W = 2 (dsv3: the exchange
 # inside the kernel), and compiles them (as compile_check does).
 _BACKWARD_LAUNCHES = """
 import json, os
@@ -131,6 +132,19 @@ scenarios = {
     ),
 }
 label = ["?"]
+launch = fused.fused_backward
+
+
+def macrobatch(*args, **kwargs):  # (the first macrobatch has the shared expert, the others not)
+    mb = kwargs.get("macrobatch")
+    if mb is not None:
+        later = "later" if mb.first_row else "first"
+        label[0] = f"dsv3 ring, {later} macrobatch"
+    return launch(*args, **kwargs)
+
+
+fused.fused_backward = macrobatch
+scenarios["dsv3 ring"] = dsv3.replace(ring_rows=4 * dsv3.minibatch_rows)
 with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     for name, cfg in scenarios.items():
         label[0] = name
@@ -152,7 +166,14 @@ reports = [
 ]
 print(json.dumps(reports))
 """
-BACKWARD_SCENARIOS = ("dsv3", "dsv3 no shared expert", "odd shape", "dsv3 W=2 (rank 0)")
+BACKWARD_SCENARIOS = (
+    "dsv3",
+    "dsv3 no shared expert",
+    "odd shape",
+    "dsv3 W=2 (rank 0)",
+    "dsv3 ring, first macrobatch",  # W = 1 after a bounded ring: the carries (C.CARRY)
+    "dsv3 ring, later macrobatch",
+)
 # One marker per tile call site (backward.call_site): routed and shared, five tiles each.
 CALL_SITES = [
     f"// fused backward: {part} {tile}"
@@ -197,7 +218,8 @@ def test_backward_flags_use_release_and_acquire(backward_compiled) -> None:
 
 def test_backward_keeps_every_tile_call_site_apart(backward_compiled) -> None:
     for scenario, r in backward_compiled.items():
-        for marker in CALL_SITES if scenario != "dsv3 no shared expert" else CALL_SITES[:5]:
+        shared = scenario not in ("dsv3 no shared expert", "dsv3 ring, later macrobatch")
+        for marker in CALL_SITES if shared else CALL_SITES[:5]:
             assert marker in r["ptx"], (scenario, marker)
 
 
