@@ -22,7 +22,7 @@ schedule the forward saves the routed activations as backend "triton" does. When
 the routed rows only ever live in the ring (memory bounded by ``ring_rows`` in the forward and
 between forward and backward); the context drops them (``routed = None``) and the backward
 recomputes them with the unfused kernels (the same bits): the fused backward at one process one
-macrobatch of ring rows at a time (:func:`_macrobatch_backward`: replay, route grad and one
+macrobatch of ring rows at a time (:func:`_macrobatch_steps`: replay, route grad and one
 fused launch per window of the layout's rows, the weight gradients carried across windows in
 fp32), so that its routed memory is bounded by the ring too; otherwise the whole routed forward
 first, then as above. The shared expert's activations are always saved (T rows).
@@ -298,54 +298,83 @@ def macrobatch_rows(config: MoEConfig, layout_rows: int) -> int:
     return min(ring, layout_rows)
 
 
-def _macrobatch_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEGrads:
-    """:func:`_local_backward` after a bounded ring, one macrobatch of rows at a time: the
-    layout's rows ``[0, rows)`` (host-known) in windows of :func:`macrobatch_rows`, each
-    replayed (``steps.replay_window``: gather, gate/up + SwiGLU, down) into buffers of the
-    ring's rows, then its route grad (dz rows, and d topk_weights of its slots) and one fused
-    launch of its dgrad and of its rows' share of every routed weight-gradient tile (continued
-    across windows in fp32 carries, ``kernels.fused.backward.Macrobatch``); the shared expert
-    in the first launch; the k-order combine of d_x after the last. The routed activations and
-    their gradients never exist for more than the ring's rows; a window past the used rows
-    finds no used row block (its launches do nothing). Bitwise :func:`_local_backward`."""
+def _macrobatch_steps(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> steps.Steps[MoEGrads]:
+    """The fused backward after a bounded ring, one macrobatch of rows at a time: the layout's
+    rows ``[0, rows)`` (host-known) in windows of :func:`macrobatch_rows`, each replayed
+    (``steps.replay_window``: gather or, at W > 1, pull; gate/up + SwiGLU; down) into buffers of
+    the ring's rows, then route-graded and differentiated by one fused launch of its dgrad and
+    of its rows' share of every routed weight-gradient tile (continued across windows in fp32
+    carries, ``kernels.fused.backward.Macrobatch``); the shared expert in the first launch.
+
+    W = 1 (``ws``: the private one-rank workspace): the route grad (dz rows, d topk_weights of
+    the window's slots) before each launch, the k-order combine of the layout's d_x rows after
+    the last. W > 1 (``ws``: the schedule's): publish x (for the replay's pulls) and dy, one
+    barrier; per window the launch pulls dy, computes dz and pushes d_x (``fused_backward_ep``),
+    then the route-grad kernel's d topk_weights of its rows and their push; barrier; combine of
+    the own d_x slots. The routed activations and their gradients never exist for more than
+    the ring's rows; a window past the used rows has no used row block (its launches do
+    nothing). Bitwise :func:`_local_backward` / :func:`backward_steps` after a full replay."""
     sched, config = ctx.schedule.routed, ctx.schedule.config
     w, x = ctx.weights, ctx.x
+    ep = ctx.schedule.ep is not None
+    if ep:
+        steps.publish_tokens(ws, x, config)  # x_buffer may hold a later forward's tokens
+        publish(ws, dy=dy.detach())
+        yield from steps.barrier_point(ws)
     ring = macrobatch_rows(config, sched.rows)
     dev, dtype = x.device, x.dtype
     hidden, inter = x.shape[1], w.w_gate.shape[1]
     buffers = RoutedActivations(
         *(empty((ring, width), dtype, dev) for width in (hidden, inter, inter, inter, hidden))
     )
-    dz = empty((ring, hidden), dtype, dev)
-    d_topk = empty((sched.num_tokens, sched.top_k), torch.float32, dev)
-    outputs = macrobatch_outputs(sched, ring, w.w_gate, w.w_up, w.w_down, dtype)
+    dz, dy_rows = empty((ring, hidden), dtype, dev), None
+    if ep:
+        dy_rows = empty((ring, hidden), dtype, dev)
+    else:
+        d_topk = empty((sched.num_tokens, sched.top_k), torch.float32, dev)
+    outputs = macrobatch_outputs(sched, ring, w.w_gate, w.w_up, w.w_down, dtype, by_window=ep)
     shared = None
     for first in range(0, sched.rows, ring):
         window = row_window(sched, first, min(ring, sched.rows - first))
+        n = window.rows
         acts = steps.replay_window(ctx, window, buffers)
-        dz_w, _ = rows.route_grad(
-            dy, acts.z, ctx.slot_weights, window, dz=dz[: window.rows], dw=d_topk
-        )
-        out = fused_backward(
-            ws,
-            window,
-            dz_w,
-            acts.xs,
-            acts.g,
-            acts.u,
-            acts.h,
-            w.w_gate,
-            w.w_up,
-            w.w_down,
+        launch = dict(
             group_rows=config.minibatch_rows,
             shared=_shared_inputs(ctx, dy) if first == 0 else None,
             macrobatch=Macrobatch(outputs, sched, first),
         )
+        weights = (w.w_gate, w.w_up, w.w_down)
+        if ep:
+            out = fused_backward_ep(
+                ws,
+                window,
+                ctx.slot_weights,
+                *acts[:4],
+                *weights,
+                dy_rows=dy_rows[:n],
+                dz=dz[:n],
+                **launch,
+            )
+            _, dw_rows = rows.route_grad_rows(
+                out.dy_rows, acts.z, ctx.slot_weights, window, dz=out.dz
+            )
+            comm.push_row_values(ws, dw_rows, window, programs=config.copy_programs)
+        else:
+            dz_w, _ = rows.route_grad(dy, acts.z, ctx.slot_weights, window, dz=dz[:n], dw=d_topk)
+            out = fused_backward(ws, window, dz_w, *acts[:4], *weights, **launch)
         if first == 0:
             shared = out
     invalid = ctx.schedule.invalid
-    dx = rows.combine(outputs.dxs, sched, None, shared.dx_shared, x.dtype, invalid)
-    d_topk = torch.where(invalid != 0, float("nan"), d_topk)  # (else stale values)
+    if ep:
+        yield from steps.barrier_point(ws)
+        dx = rows.combine_slots(
+            ws.dx_slots, ws.top_k, None, shared.dx_shared, x.dtype, invalid=invalid
+        )
+        # (NaN after a capacity overflow or bad ids: nobody pushed, the slots are stale)
+        d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k)
+    else:
+        dx = rows.combine(outputs.dxs, sched, None, shared.dx_shared, x.dtype, invalid)
+    d_topk = steps._nan_if(invalid, d_topk)  # (else stale values)
     return MoEGrads(
         dx,
         d_topk,
@@ -363,10 +392,10 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads
     launch (dy pull, route-grad dz, shared and routed dgrad and weight gradients, d_x push;
     ``kernels.fused.backward.fused_backward_ep``) -> the route-grad kernel on the pulled dy rows
     for d topk_weights (its reduction order) and their push -> barrier -> k-order combine of
-    the own d_x slots + shared d_x. A bounded ring's routed rows are replayed first
-    (``steps.replay_steps``). Bitwise ``steps.backward_steps``."""
+    the own d_x slots + shared d_x. After a bounded ring: one replay and launch per macrobatch
+    (:func:`_macrobatch_steps`). Bitwise ``steps.backward_steps``."""
     if ctx.routed is None:
-        ctx = yield from steps.replay_steps(ctx)
+        return (yield from _macrobatch_steps(ctx, dy, ctx.schedule.ep.workspace))
     schedule = ctx.schedule
     ws, sched, config = schedule.ep.workspace, schedule.routed, schedule.config
     routed, w = ctx.routed, ctx.weights
@@ -411,7 +440,7 @@ def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrad
     """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype): the
     fused backward when :func:`backward_kind` says so (W > 1: :func:`backward_steps`), else
     ``steps.backward``. A bounded ring's dropped routed rows are replayed macrobatch by
-    macrobatch at W = 1 (:func:`_macrobatch_backward`), else first (``steps.replay_steps``)."""
+    macrobatch (:func:`_macrobatch_steps`; W > 1: in :func:`backward_steps`)."""
     if isinstance(ctx, EmptyContext) or backward_kind() != "fused":
         return steps.backward(ctx, grad_y)
     dy = grad_y.to(ctx.x.dtype).contiguous()
@@ -423,7 +452,7 @@ def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrad
     x = ctx.x  # the forward's private workspace (steps.single_rank)
     ws = local_workspace(x.shape[0], x.shape[1], ctx.schedule.routed.top_k, KERNEL_DTYPE, x.device)
     if ctx.routed is None:  # a bounded ring: replayed and differentiated macrobatch by macrobatch
-        grads = _macrobatch_backward(ctx, dy, ws)
+        grads = steps.drain(_macrobatch_steps(ctx, dy, ws))
     else:
         grads = _local_backward(ctx, dy, ws)
     checks.eager_check(ws)

@@ -325,19 +325,22 @@ def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
 def replay_window(
     ctx: TritonContext, window: RowSchedule, into: RoutedActivations
 ) -> RoutedActivations:
-    """:func:`replay_steps` at one process for the rows of one row window of the layout
+    """:func:`replay_steps` for the rows of one row window of the layout
     (``schedule.row_window``), written into the first ``window.rows`` rows of ``into``'s
-    buffers (reused from one window to the next): the gather and the same GEMMs, so the
-    forward's bits row by row. bf16 only (the precision of backend "fused")."""
-    if ctx.schedule.ep is not None or ctx.schedule.config.precision != "bf16":
-        raise ValueError(
-            "replay_window is the one-process bf16 replay, got "
-            f"{'W > 1' if ctx.schedule.ep is not None else 'W = 1'} and precision "
-            f"{ctx.schedule.config.precision!r}"
-        )
+    buffers (reused from one window to the next): the gather (W > 1: the pull of the window's
+    rows from every rank's published x, after the barrier that follows the publish) and the
+    same GEMMs, so the forward's bits row by row. bf16 only (the precision of backend
+    "fused")."""
+    config = ctx.schedule.config
+    if config.precision != "bf16":
+        raise ValueError(f"replay_window replays bf16 rows, got precision {config.precision!r}")
     n, w = window.rows, ctx.weights
     xs, g, u, h, z = (t[:n] for t in into)
-    rows.gather(ctx.x, window, out=xs)
+    if ctx.schedule.ep is None:
+        rows.gather(ctx.x, window, out=xs)
+    else:
+        ws = ctx.schedule.ep.workspace
+        comm.dispatch_pull(ws, window, "x", out=xs, programs=config.copy_programs)
     gemm.gate_up(xs, w.w_gate, w.w_up, window, out=(g, u, h))
     gemm.grouped_mm(h, w.w_down, window, out=z)
     return RoutedActivations(xs, g, u, h, z)

@@ -296,19 +296,24 @@ def route_grad(
 
 
 def route_grad_rows(
-    dy_rows: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
+    dy_rows: torch.Tensor,
+    z: torch.Tensor,
+    weights: torch.Tensor,
+    sched: RowSchedule,
+    dz: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route_grad` with ``dy`` already in the row layout (pulled unscaled from the peers):
     ``[>= rows, H]``, or packed fp8 rows ``[>= rows, fp8.packed_width(H)]`` int16.
 
     ``weights`` is indexed by the global slot of each row (every rank's weights, concatenated).
     Returns (dz [rows, H], zeros on padding rows; dw [rows] fp32, set on real rows only), with
-    the bits :func:`route_grad` gives for the same rows.
+    the bits :func:`route_grad` gives for the same rows. ``dz``: where to write dz (default: a
+    new tensor; contiguous [rows, H] of z's dtype).
     """
     if dy_rows.shape[0] < sched.rows:
         raise ValueError(f"dy_rows must have >= {sched.rows} rows, got {dy_rows.shape[0]}")
     dw = empty(sched.rows, torch.float32, z.device)
-    return _launch_route_grad(dy_rows, z, weights, sched, dw, by_row=True)
+    return _launch_route_grad(dy_rows, z, weights, sched, dw, by_row=True, dz=dz)
 
 
 def _launch_route_grad(

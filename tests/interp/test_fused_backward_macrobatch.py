@@ -31,6 +31,7 @@ from megamoe.kernels.runtime import poisoned_buffers
 from megamoe.kernels.schedule import build_row_schedule, max_rows, row_window
 from megamoe.types import ExpertWeights
 from support.bits import assert_same_grads, used_rows
+from support.lockstep import ep_step, lockstep
 from support.problems import Case, make_problem
 
 
@@ -233,3 +234,63 @@ def test_routed_buffers_never_exceed_the_ring() -> None:
     with _Allocations() as rec:
         steps.drain(steps.replay_steps(ctx))
     assert len(_routed_shapes(rec.shapes, case, ring)) >= 5
+
+
+# ------------------------------------------------------------------------------ W > 1
+
+# (case, seed, ring in row blocks): zipf, a shared expert, experts without rows, W = 2 and 3.
+EP_CASES = [
+    (Case(13, 64, 40, 4, 2, shared=32, routing="zipf", world=2), 7, 1),
+    (Case(9, 64, 32, 6, 2, shared=24, routing="zipf", world=3), 8, 2),
+]
+
+
+@pytest.mark.parametrize("case,seed,ring_blocks", EP_CASES, ids=lambda v: getattr(v, "id", v))
+def test_ep_macrobatch_backward_is_bitwise_triton(
+    case: Case, seed: int, ring_blocks: int, monkeypatch
+) -> None:
+    """At W > 1 each rank replays (pulls) and differentiates its layout window by window, one
+    fused launch (dy pull, dz, d_x push inside) per window: every gradient of every rank
+    bitwise backend "triton"'s (d_x and d_w slots poisoned: a row nobody pushed stays NaN), and
+    no routed buffer of more than the ring's rows made during the backward."""
+    bm = case.block_rows
+    ring = ring_blocks * bm
+    p = make_problem(case, seed, minibatch_rows=bm, ring_rows=ring)
+    with poisoned_buffers():
+        ref, scheds, wss = ep_step(p)
+    calls: list = []
+    launch = fused_backend.fused_backward_ep
+
+    def recorded(ws, sched, *args, **kwargs):
+        calls.append((ws.rank, sched.rows, kwargs["macrobatch"].first_row))
+        return launch(ws, sched, *args, **kwargs)
+
+    monkeypatch.setattr(fused_backend, "fused_backward_ep", recorded)
+    with poisoned_buffers():
+        outs = lockstep(
+            [
+                fused_backend.forward_steps(r.x, r.topk_weights, p.local_weights(i), s)
+                for i, (r, s) in enumerate(zip(p.ranks, scheds))
+            ],
+            wss,
+        )
+        ctxs = [ctx for _, ctx in outs]
+        assert all(c.routed is None for c in ctxs), "meant to drop the routed rows"
+        for ws in wss:
+            ws.dx_slots.fill_(float("nan"))
+            ws.dw_slots.fill_(float("nan"))
+        with _Allocations() as rec:
+            grads = lockstep(
+                [fused_backend.backward_steps(c, r.grad_y) for c, r in zip(ctxs, p.ranks)], wss
+            )
+    for ws in wss:
+        check_errors(ws)
+    # nothing of a routed width and more than the ring's rows (d_x rows go out by window)
+    assert case.tokens <= ring and not _routed_shapes(rec.shapes, case, ring), rec.shapes
+    for r, (g, (_, _, g_ref)) in enumerate(zip(grads, ref)):
+        assert_same_grads(g, g_ref, f"rank {r} of {case.world}")
+    for r, s in enumerate(scheds):
+        rows = s.routed.rows
+        expected = [(r, min(ring, rows - f), f) for f in range(0, rows, ring)]
+        assert [c for c in calls if c[0] == r] == expected, f"rank {r}'s launches"
+    assert any(used_rows(s.routed) > ring for s in scheds), "meant to use several windows"

@@ -80,7 +80,7 @@ from ..gemm import (
     weight_2d,
     wgrad_tile,
 )
-from ..runtime import descriptor, empty
+from ..runtime import check_out, descriptor, empty
 from ..schedule import RowSchedule
 from ..tiles import cast, load_rows, store_rows, swiglu_backward
 from .plan import BACKWARD_STAGES, FUSED_WARPS, BackwardPlan, plan_backward
@@ -798,12 +798,15 @@ class FusedGrads:
 @dataclass(frozen=True)
 class MacrobatchOutputs:
     """What the launches of a macrobatched backward (one per row window of the layout,
-    :class:`Macrobatch`) write between them: the layout's d_x rows ``dxs`` [rows, H] (each
-    launch its window's), the routed weight gradients (as :class:`FusedGrads`), their fp32
-    carries ``carries`` (d_w_gate, d_w_up, d_w_down: each tile's accumulator from one
-    macrobatch to the next; never read before written) and the window's d_g, d_u rows
-    [ring rows, I] (reused by every launch)."""
+    :class:`Macrobatch`) write between them: the d_x rows ``dxs`` (``by_window`` False, W = 1:
+    the layout's [rows, H], each launch its window's rows, which the combine reads after the
+    last; True, W > 1: [ring rows, H] reused by every launch, whose comm programs push them),
+    the routed weight gradients (as :class:`FusedGrads`), their fp32 carries ``carries``
+    (d_w_gate, d_w_up, d_w_down: each tile's accumulator from one macrobatch to the next; never
+    read before written) and the window's d_g, d_u rows [ring rows, I] (reused by every
+    launch)."""
 
+    by_window: bool
     dxs: torch.Tensor
     d_w_gate: torch.Tensor
     d_w_up: torch.Tensor
@@ -830,15 +833,18 @@ def macrobatch_outputs(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     dtype: torch.dtype,
+    by_window: bool = False,
 ) -> MacrobatchOutputs:
     """The buffers of a macrobatched backward of ``layout`` in windows of at most
-    ``ring_rows`` rows (gradients in ``dtype``, as :func:`fused_backward`)."""
+    ``ring_rows`` rows (gradients in ``dtype``, as :func:`fused_backward`); ``by_window``: d_x
+    rows of one window (W > 1, :func:`fused_backward_ep` pushes them), else of the layout."""
     dev = w_gate.device
     e, i, hidden = w_gate.shape
     d_gate, d_up = _gate_up_grads(w_gate, w_up, dtype)
     carries = tuple(empty(w.shape, torch.float32, dev) for w in (w_gate, w_up, w_down))
     return MacrobatchOutputs(
-        dxs=empty((layout.rows, hidden), dtype, dev),
+        by_window=by_window,
+        dxs=empty((ring_rows if by_window else layout.rows, hidden), dtype, dev),
         d_w_gate=d_gate,
         d_w_up=d_up,
         d_w_down=empty(w_down.shape, dtype, dev),
@@ -909,10 +915,11 @@ def _check_macrobatch(
             f"macrobatch first_row {first} with {rows} rows must be whole {bm}-row blocks "
             f"inside the layout's {layout.rows} rows"
         )
-    if mo.dg.shape[0] < rows or mo.dxs.shape[0] != layout.rows:
+    dx_rows = rows if mo.by_window else layout.rows
+    if mo.dg.shape[0] < rows or mo.dxs.shape[0] < dx_rows:
         raise ValueError(
             f"macrobatch outputs hold {mo.dg.shape[0]} window rows and {mo.dxs.shape[0]} "
-            f"d_x rows, the launch needs >= {rows} and {layout.rows}"
+            f"d_x rows, the launch needs >= {rows} and >= {dx_rows}"
         )
 
 
@@ -1038,6 +1045,9 @@ def fused_backward_ep(
     swiglu_split: int = 4,
     budget: int | None = None,
     flags: torch.Tensor | None = None,
+    macrobatch: Macrobatch | None = None,
+    dy_rows: torch.Tensor | None = None,
+    dz: torch.Tensor | None = None,
 ) -> FusedGrads:
     """:func:`fused_backward` at W > 1 with its communication inside the launch (no host sync):
     comm programs pull the dy rows of this rank's experts from the source ranks' ``dy_buffer``
@@ -1049,8 +1059,11 @@ def fused_backward_ep(
     their ``dx_slots`` after the next barrier. ``sched``: the schedule built from every rank's
     ids; ``slot_weights`` ``[W*T*K]`` fp32: every rank's router weights by global slot
     (``comm.gather_routing``); ``num_comm``: comm programs (None: ``plan.comm_programs_for`` of
-    the grid); the other arguments as :func:`fused_backward`. d topk_weights is not computed
-    here: ``rows.route_grad_rows`` on the returned ``dy_rows`` gives it (its reduction order).
+    the grid); the other arguments as :func:`fused_backward` (``macrobatch``: with d_x rows
+    ``by_window``, each launch pushing its window's). ``dy_rows``, ``dz``: where the pulled dy
+    rows and dz go (default: new tensors; contiguous [sched.rows, H]). d topk_weights is not
+    computed here: ``rows.route_grad_rows`` on the returned ``dy_rows`` gives it (its reduction
+    order).
     """
     comm.check_schedule(ws, sched)
     if not ws.backward:
@@ -1062,8 +1075,15 @@ def fused_backward_ep(
             f"{slot_weights.dtype} with {slot_weights.numel()}"
         )
     rows, hidden = sched.rows, ws.hidden
-    dy_rows = empty((rows, hidden), ws.dtype, ws.device)
-    dz = empty((rows, hidden), ws.dtype, ws.device)
+    if macrobatch is not None and not macrobatch.outputs.by_window:
+        raise ValueError("fused_backward_ep pushes d_x by window: macrobatch outputs by_window")
+    bufs = []
+    for name, t in (("dy_rows", dy_rows), ("dz", dz)):
+        if t is None:
+            bufs.append(empty((rows, hidden), ws.dtype, ws.device))
+        else:
+            bufs.append(check_out(name, t, (rows, hidden), ws.dtype))
+    dy_rows, dz = bufs
     exchange = (ws.peers.dy, ws.peers.dx, dy_rows, dz, slot_weights.contiguous())
     return _launch(
         ws,
@@ -1076,6 +1096,7 @@ def fused_backward_ep(
         budget,
         flags,
         exchange,
+        macrobatch,
     )
 
 
@@ -1139,7 +1160,7 @@ def _launch(
         mo, layout, first = macrobatch
         _check_macrobatch(mo, layout, first, sched)
         dg, du = mo.dg[:rows], mo.du[:rows]
-        dxs = mo.dxs[first : first + rows]
+        dxs = mo.dxs[:rows] if mo.by_window else mo.dxs[first : first + rows]
         d_gate, d_up, d_down = mo.d_w_gate, mo.d_w_up, mo.d_w_down
         out_dxs = mo.dxs
         carries = mo.carries

@@ -442,7 +442,7 @@ def plan_backward(
     fewer registers). ``exchange`` (W > 1): ``num_comm`` programs pull dy and push d_x (None:
     :func:`comm_programs_for` of the grid; they leave at least one program computing).
     ``carry``: a macrobatch of the layout (``rows``: the window's), whose routed weight
-    gradients continue from and leave fp32 carries (W = 1 only)."""
+    gradients continue from and leave fp32 carries."""
     from .. import comm
 
     bm = block_rows
@@ -508,8 +508,6 @@ def plan_backward(
         RG_COLS=min(ROUTE_GRAD_COLS, triton.next_power_of_2(hidden)),
         CARRY=carry,
     )
-    if carry and exchange:
-        raise ValueError("carry (a macrobatched backward) is for W = 1 only, got exchange=True")
     if carry and bm % meta.BK_WGRAD:
         raise ValueError(
             f"a macrobatch needs the weight gradients' K step ({meta.BK_WGRAD}) to divide the "
