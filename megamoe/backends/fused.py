@@ -21,11 +21,11 @@ Ring (``config.ring_rows``; None, the default: every row): when it holds every r
 schedule the forward saves the routed activations as backend "triton" does. When it is smaller,
 the routed rows only ever live in the ring (memory bounded by ``ring_rows`` in the forward and
 between forward and backward); the context drops them (``routed = None``) and the backward
-recomputes them with the unfused kernels (the same bits): the fused backward at one process one
-macrobatch of ring rows at a time (:func:`_macrobatch_steps`: replay, route grad and one
-fused launch per window of the layout's rows, the weight gradients carried across windows in
-fp32), so that its routed memory is bounded by the ring too; otherwise the whole routed forward
-first, then as above. The shared expert's activations are always saved (T rows).
+recomputes them with the unfused kernels (the same bits): the fused backward one macrobatch of
+ring rows at a time (:func:`_macrobatch_steps`: replay and one fused launch per window of the
+layout's rows, the weight gradients carried across windows in fp32), so that its routed memory
+is bounded by the ring too; backend "triton"'s backward the whole routed forward first. The
+shared expert's activations are always saved (T rows).
 
 With one GPU the forward runs on a private one-rank workspace (``steps.single_rank``), so W = 1
 runs the very same kernel and protocol; the fused backward's waits record stalls there too.
@@ -286,7 +286,7 @@ def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEG
 
 
 def macrobatch_rows(config: MoEConfig, layout_rows: int) -> int:
-    """Rows of a macrobatch of the one-process fused backward after a bounded ring: the ring's
+    """Rows of a macrobatch of the fused backward after a bounded ring: the ring's
     (``config.ring_rows``, a multiple of ``minibatch_rows`` and so of the row block and of the
     weight gradients' K step, which divides the power-of-two block rows), at most the
     layout's ``layout_rows``."""

@@ -39,12 +39,12 @@ expert's count too (dz is computed here). At W > 1 also ``ready`` (pulls; the ro
 waits), ``dz_done`` (route-grad task; the SwiGLU-backward tiles wait) and ``dx_done`` (gate+up
 dgrad tiles; the push waits). Every wait has the watchdog of ``sync.wait_count``.
 
-At W = 1 after a bounded ring the backward runs one launch per macrobatch (``macrobatch=``,
+After a bounded ring the backward runs one launch per macrobatch at every W (``macrobatch=``,
 :class:`Macrobatch`): ``sched`` is a row window of the layout (``schedule.row_window``), the
 routed rows are the window's, and each routed weight-gradient tile sums the window's rows of its
 expert on from an fp32 carry and leaves it there for the next window (``C.CARRY``; the carry
-words of :func:`carry_words` say per expert which windows take part, start from +0 and store the
-gradient). Windows on K-step boundaries make the tile's ``mma`` sequence one launch's: the same
+words of :func:`carry_words` say per expert which windows take part, start from +0 and store
+the gradient). Windows on K-step boundaries make the tile's ``mma`` sequence one launch's: the same
 bits.
 
 The tiles are the unfused kernels' device functions with their tile shapes and warps: the
