@@ -127,7 +127,8 @@ def test_macrobatch_backward_is_bitwise_triton(
 def test_carry_words_chain_every_tile_across_the_windows() -> None:
     """Per expert, over the windows in order: the active ones are consecutive and hold exactly
     the rows its tiles sum, the first starts from +0, each later one takes the carry, the last
-    one stores the gradient; an expert without rows is active once, storing +0."""
+    one stores the gradient; an expert without rows is active once, storing +0. Per window the
+    active experts are consecutive, from the first one the words name, as many as they say."""
     gen = torch.Generator().manual_seed(5)
     bm = 16
     ids = torch.cat([torch.zeros(40, dtype=torch.int64), torch.full((9,), 2)])
@@ -138,6 +139,10 @@ def test_carry_words_chain_every_tile_across_the_windows() -> None:
         for window in (16, 32, 48):
             firsts = range(0, sched.rows, window)
             words = [carry_words(sched, f, min(window, sched.rows - f), bk) for f in firsts]
+            for f, w in zip(firsts, words):
+                active = [e for e in range(4) if int(w[e]) & int(gemm.CARRY_ACTIVE)]
+                lo, n = int(w[4]), int(w[5])
+                assert active == list(range(lo, lo + n)), (bk, window, f, w.tolist())
             for e in range(4):
                 begin = starts[e]
                 end = min(begin + -(-counts[e] // bk) * bk, starts[e + 1])

@@ -94,7 +94,7 @@ from .sync import (
     signal,
     wait_count,
 )
-from .tasks import backward_counts, grouped_task, take_task, wgrad_task
+from .tasks import backward_counts, grouped_task, take_task, wgrad_part_length, wgrad_task
 
 __all__ = [
     "FusedGrads",
@@ -720,9 +720,23 @@ def fused_backward_kernel(
         )
         if alive:
             task = take_task(ticket_ptr, total, C.INTERPRET)
+    first_task = routed_dgrad
+    if C.CARRY:
+        # A macrobatch's routed weight-gradient part: only the tiles of the experts the window
+        # holds rows of (consecutive: carry words [E, E + 2) name the first and their number).
+        # Loaded here, not with the counts: values live across the dgrad loops cost registers.
+        per_expert = wgrad_part_length(
+            1,
+            tl.cdiv(I, C.BM_WGRAD),
+            tl.cdiv(H, C.BN_WGRAD),
+            tl.cdiv(H, C.BM_WGRAD),
+            tl.cdiv(I, C.BN_WGRAD),
+        )
+        first_task = routed_dgrad - tl.load(carry_ptr + E) * per_expert
+        total = routed_dgrad + tl.load(carry_ptr + E + 1) * per_expert
     while (task < total) & alive:
         alive = wgrad_part_task(
-            task - routed_dgrad,
+            task - first_task,
             num_blocks,
             row_start_ptr,
             counts_ptr,
@@ -855,13 +869,16 @@ def macrobatch_outputs(
 
 
 def carry_words(layout: RowSchedule, first: int, rows: int, bk: int) -> torch.Tensor:
-    """int32 [E]: each expert's carry word (``gemm.CARRY_*``) in the window ``[first, first +
-    rows)`` of ``layout`` (small device ops, no host read). An expert's weight-gradient tiles
-    sum its rows ``[begin, end)`` (``gemm.expert_row_range``, K step ``bk``); a window that
-    holds some of them is active, takes the carry unless it holds ``begin``, and leaves it
-    unless it holds the last one. An expert with nothing to sum (no rows) is active once, in
-    the window that holds its ``begin`` (the last window when that is the layout's end): its
-    tiles then store +0 as one launch would."""
+    """int32 [E + 2]: each expert's carry word (``gemm.CARRY_*``) in the window ``[first,
+    first + rows)`` of ``layout``, then the first active expert and the number of active ones
+    (small device ops, no host read). An expert's weight-gradient tiles sum its rows
+    ``[begin, end)`` (``gemm.expert_row_range``, K step ``bk``); a window that holds some of
+    them is active, takes the carry unless it holds ``begin``, and leaves it unless it holds the
+    last one. An expert with nothing to sum (no rows) is active once, in the window that holds
+    its ``begin`` (the last window when that is the layout's end): its tiles then store +0 as
+    one launch would. The experts' ranges follow one another in the layout, so the active ones
+    are consecutive: the launch's task list holds only their weight-gradient tiles (a window
+    past the used rows has almost none)."""
     begin = layout.row_start[:-1]
     end = torch.minimum(begin + (layout.counts + bk - 1) // bk * bk, layout.row_start[1:])
     stop = first + rows
@@ -870,11 +887,14 @@ def carry_words(layout: RowSchedule, first: int, rows: int, bk: int) -> torch.Te
     active = torch.where(nonempty, (end > first) & (begin < stop), holds_begin)
     carry_in = active & nonempty & (begin < first)
     carry_out = active & nonempty & (end > stop)
-    return (
+    words = (
         active.to(torch.int32) * CARRY_ACTIVE.value
         + carry_in.to(torch.int32) * CARRY_IN.value
         + carry_out.to(torch.int32) * CARRY_OUT.value
     )
+    count = active.to(torch.int32).sum(0, keepdim=True, dtype=torch.int32)
+    lo = (active.to(torch.int32).cumsum(0, dtype=torch.int32) == 0).to(torch.int32)
+    return torch.cat([words, lo.sum(0, keepdim=True, dtype=torch.int32), count])
 
 
 def _flags(plan: BackwardPlan, device: torch.device, flags: torch.Tensor | None) -> torch.Tensor:
