@@ -1,20 +1,23 @@
-"""The one-process fused backward after a bounded ring, macrobatch by macrobatch, under the CPU
-interpreter (docs/fused.md, "Backward": a bounded ring).
+"""The fused backward after a bounded ring, macrobatch by macrobatch, under the CPU interpreter
+(docs/fused.md, "Backward", "A bounded ring: one macrobatch at a time").
 
 The layout's rows are cut into host-known windows of the ring's rows; each is replayed
-(gather, gate/up + SwiGLU, down), route-graded and differentiated by one fused launch whose
+(gather or pull, gate/up + SwiGLU, down) and differentiated by one fused launch whose
 weight-gradient tiles continue in fp32 carries. Checked: every gradient bitwise equal to backend
 "triton"'s for rings of 1, 2 and 3 row blocks and of every row (one window), with experts
 without rows, an expert straddling several windows, padding rows, windows past the used rows,
 a shared expert or none, stacked gate/up weights and a K step below the block rows (poisoned
-buffers: an element no launch wrote stays NaN); the launches' windows; the carry words' sequence
-per expert; no routed activation buffer of more than the ring's rows allocated during the
-backward (and the full replay does allocate them).
+buffers: an element no launch wrote stays NaN), at W = 1 and at W = 2 and 3 emulated in
+lockstep (poisoned d_x / d_w slots), and after a capacity overflow (NaN, zeros, the error); the
+launches' windows; the carry words' sequence per expert and the window's expert range; no
+routed activation buffer of more than the ring's rows allocated during the backward (and the
+full replay does allocate them); bad arguments refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -25,8 +28,10 @@ from megamoe.backends import fused as fused_backend
 from megamoe.backends import steps
 from megamoe.backends import triton as backend
 from megamoe.ep.workspace import check_errors, local_workspace
-from megamoe.kernels import gemm
-from megamoe.kernels.fused.backward import carry_words
+from megamoe.errors import CapacityError
+from megamoe.kernels import fused as ff
+from megamoe.kernels import gemm, rows
+from megamoe.kernels.fused.backward import Macrobatch, carry_words, macrobatch_outputs
 from megamoe.kernels.runtime import poisoned_buffers
 from megamoe.kernels.schedule import build_row_schedule, max_rows, row_window
 from megamoe.types import ExpertWeights
@@ -299,3 +304,60 @@ def test_ep_macrobatch_backward_is_bitwise_triton(
         expected = [(r, min(ring, rows - f), f) for f in range(0, rows, ring)]
         assert [c for c in calls if c[0] == r] == expected, f"rank {r}'s launches"
     assert any(used_rows(s.routed) > ring for s in scheds), "meant to use several windows"
+
+
+def test_ep_capacity_overflow_with_a_bounded_ring_gives_nan_like_triton() -> None:
+    """An overflowed schedule has no routed rows: every window is empty, d_x and d
+    topk_weights NaN on every rank, the weight gradients "triton"'s (zeros: every expert's tiles
+    store +0 once), a CapacityError at the check."""
+    case = Case(13, 64, 32, 4, 2, shared=32, routing="one-rank", world=2)
+    p = make_problem(case, 5, minibatch_rows=16, ring_rows=16, capacity_factor=1.25)
+    with poisoned_buffers():
+        ref, scheds, wss = ep_step(p)
+        outs = lockstep(
+            [
+                fused_backend.forward_steps(r.x, r.topk_weights, p.local_weights(i), s)
+                for i, (r, s) in enumerate(zip(p.ranks, scheds))
+            ],
+            wss,
+        )
+        grads = lockstep(
+            [fused_backend.backward_steps(c, r.grad_y) for (_, c), r in zip(outs, p.ranks)], wss
+        )
+    for r in range(case.world):
+        assert outs[r][1].routed is None and scheds[r].invalid.tolist() == [1]
+        assert grads[r].x.isnan().all() and grads[r].topk_weights.isnan().all(), f"rank {r}"
+        for name in ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"):
+            assert torch.equal(getattr(grads[r], name), getattr(ref[r][2], name)), name
+        with pytest.raises(CapacityError):
+            backend.check(scheds[r])
+
+
+def test_bad_macrobatch_arguments_are_refused() -> None:
+    p = make_problem(Case(29, 64, 40, 4, 2), 2)
+    x, ids, w, dy = p.single
+    sched = backend.build_schedule(ids, p.config, None).routed
+    ws = local_workspace(29, 64, 2, torch.bfloat16, x.device)
+    wts = p.weights
+    window = row_window(sched, 16, 32)
+    rows_ = [torch.zeros(32, n, dtype=torch.bfloat16) for n in (64, 64, 40, 40, 40)]
+    outs = macrobatch_outputs(sched, 32, wts.w_gate, wts.w_up, wts.w_down, torch.bfloat16)
+    launch = (ws, window, *rows_[:1], *rows_[1:], wts.w_gate, wts.w_up, wts.w_down)
+    for mb, match in (
+        (Macrobatch(outs, sched, 8), "macrobatch first_row 8 with 32 rows must be whole 16-row"),
+        (Macrobatch(outs, sched, sched.rows - 16), "inside the layout's"),
+        (
+            Macrobatch(dataclasses.replace(outs, dg=outs.dg[:16]), sched, 16),
+            "macrobatch outputs hold 16 window rows",
+        ),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ff.fused_backward(*launch, group_rows=16, macrobatch=mb)
+    with pytest.raises(ValueError, match=r"g must be a contiguous torch.bfloat16 \[32, 40\]"):
+        gemm.gate_up(rows_[1], wts.w_gate, wts.w_up, window, out=(rows_[0],) * 3)
+    with pytest.raises(ValueError, match=r"dw must be a contiguous torch.float32 \[29, 2\]"):
+        bf16 = torch.zeros(29, 2, dtype=torch.bfloat16)
+        rows.route_grad(dy, rows_[0], p.topk_weights.view(-1), window, dw=bf16)
+    bad = types.SimpleNamespace(ring_rows=24, block_rows=16)
+    with pytest.raises(ValueError, match="ring_rows must be a multiple of block_rows"):
+        fused_backend.macrobatch_rows(bad, 96)
