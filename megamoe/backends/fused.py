@@ -21,8 +21,11 @@ Ring (``config.ring_rows``; None, the default: every row): when it holds every r
 schedule the forward saves the routed activations as backend "triton" does. When it is smaller,
 the routed rows only ever live in the ring (memory bounded by ``ring_rows`` in the forward and
 between forward and backward); the context drops them (``routed = None``) and the backward
-first replays the routed forward with the unfused kernels (the same bits), then runs as above.
-The shared expert's activations are always saved (T rows).
+recomputes them with the unfused kernels (the same bits): the fused backward one macrobatch of
+ring rows at a time (:func:`_macrobatch_steps`: replay and one fused launch per window of the
+layout's rows, the weight gradients carried across windows in fp32), so that its routed memory
+is bounded by the ring too; backend "triton"'s backward the whole routed forward first. The
+shared expert's activations are always saved (T rows).
 
 With one GPU the forward runs on a private one-rank workspace (``steps.single_rank``), so W = 1
 runs the very same kernel and protocol; the fused backward's waits record stalls there too.
@@ -42,9 +45,16 @@ from ..ep import checks
 from ..ep.workspace import Workspace, local_workspace, publish
 from ..kernels import comm, rows
 from ..kernels.fused import comm_kernel_programs, comm_programs_for, fused_forward
-from ..kernels.fused.backward import SharedBackwardInputs, fused_backward, fused_backward_ep
-from ..kernels.runtime import persistent_programs
-from ..types import ExpertWeights, MoEGrads
+from ..kernels.fused.backward import (
+    Macrobatch,
+    SharedBackwardInputs,
+    fused_backward,
+    fused_backward_ep,
+    macrobatch_outputs,
+)
+from ..kernels.runtime import empty, persistent_programs
+from ..kernels.schedule import row_window
+from ..types import ExpertWeights, MoEGrads, RoutedActivations
 from . import state, steps
 from .requirements import KERNEL_DTYPE, is_available, supports
 from .state import EmptyContext, TritonContext, TritonSchedule, save
@@ -65,6 +75,7 @@ __all__ = [
     "resolved_tunables",
     "uses_comm_kernel",
     "backward_kind",
+    "macrobatch_rows",
     "FUSED_BACKWARD_ENV",
     "MAX_WORLD_SIZE",
 ]
@@ -274,15 +285,117 @@ def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEG
     )
 
 
+def macrobatch_rows(config: MoEConfig, layout_rows: int) -> int:
+    """Rows of a macrobatch of the fused backward after a bounded ring: the ring's
+    (``config.ring_rows``, a multiple of ``minibatch_rows`` and so of the row block and of the
+    weight gradients' K step, which divides the power-of-two block rows), at most the
+    layout's ``layout_rows``."""
+    ring = config.ring_rows if config.ring_rows is not None else layout_rows
+    if ring % config.block_rows:
+        raise ValueError(
+            f"ring_rows must be a multiple of block_rows ({config.block_rows}), got {ring}"
+        )
+    return min(ring, layout_rows)
+
+
+def _macrobatch_steps(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> steps.Steps[MoEGrads]:
+    """The fused backward after a bounded ring, one macrobatch of rows at a time: the layout's
+    rows ``[0, rows)`` (host-known) in windows of :func:`macrobatch_rows`, each replayed
+    (``steps.replay_window``: gather or, at W > 1, pull; gate/up + SwiGLU; down) into buffers of
+    the ring's rows, then route-graded and differentiated by one fused launch of its dgrad and
+    of its rows' share of every routed weight-gradient tile (continued across windows in fp32
+    carries, ``kernels.fused.backward.Macrobatch``); the shared expert in the first launch.
+
+    W = 1 (``ws``: the private one-rank workspace): the route grad (dz rows, d topk_weights of
+    the window's slots) before each launch, the k-order combine of the layout's d_x rows after
+    the last. W > 1 (``ws``: the schedule's): publish x (for the replay's pulls) and dy, one
+    barrier; per window the launch pulls dy, computes dz and pushes d_x (``fused_backward_ep``),
+    then the route-grad kernel's d topk_weights of its rows and their push; barrier; combine of
+    the own d_x slots. The routed activations and their gradients never exist for more than
+    the ring's rows; a window past the used rows has no used row block (its launches do
+    nothing). Bitwise :func:`_local_backward` / :func:`backward_steps` after a full replay."""
+    sched, config = ctx.schedule.routed, ctx.schedule.config
+    w, x = ctx.weights, ctx.x
+    ep = ctx.schedule.ep is not None
+    if ep:
+        steps.publish_tokens(ws, x, config)  # x_buffer may hold a later forward's tokens
+        publish(ws, dy=dy.detach())
+        yield from steps.barrier_point(ws)
+    ring = macrobatch_rows(config, sched.rows)
+    dev, dtype = x.device, x.dtype
+    hidden, inter = x.shape[1], w.w_gate.shape[1]
+    buffers = RoutedActivations(
+        *(empty((ring, width), dtype, dev) for width in (hidden, inter, inter, inter, hidden))
+    )
+    dz, dy_rows = empty((ring, hidden), dtype, dev), None
+    if ep:
+        dy_rows = empty((ring, hidden), dtype, dev)
+    else:
+        d_topk = empty((sched.num_tokens, sched.top_k), torch.float32, dev)
+    outputs = macrobatch_outputs(sched, ring, w.w_gate, w.w_up, w.w_down, dtype, by_window=ep)
+    shared = None
+    for first in range(0, sched.rows, ring):
+        window = row_window(sched, first, min(ring, sched.rows - first))
+        n = window.rows
+        acts = steps.replay_window(ctx, window, buffers)
+        launch = dict(
+            group_rows=config.minibatch_rows,
+            shared=_shared_inputs(ctx, dy) if first == 0 else None,
+            macrobatch=Macrobatch(outputs, sched, first),
+        )
+        weights = (w.w_gate, w.w_up, w.w_down)
+        if ep:
+            out = fused_backward_ep(
+                ws,
+                window,
+                ctx.slot_weights,
+                *acts[:4],
+                *weights,
+                dy_rows=dy_rows[:n],
+                dz=dz[:n],
+                **launch,
+            )
+            _, dw_rows = rows.route_grad_rows(
+                out.dy_rows, acts.z, ctx.slot_weights, window, dz=out.dz
+            )
+            comm.push_row_values(ws, dw_rows, window, programs=config.copy_programs)
+        else:
+            dz_w, _ = rows.route_grad(dy, acts.z, ctx.slot_weights, window, dz=dz[:n], dw=d_topk)
+            out = fused_backward(ws, window, dz_w, *acts[:4], *weights, **launch)
+        if first == 0:
+            shared = out
+    invalid = ctx.schedule.invalid
+    if ep:
+        yield from steps.barrier_point(ws)
+        dx = rows.combine_slots(
+            ws.dx_slots, ws.top_k, None, shared.dx_shared, x.dtype, invalid=invalid
+        )
+        # (NaN after a capacity overflow or bad ids: nobody pushed, the slots are stale)
+        d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k)
+    else:
+        dx = rows.combine(outputs.dxs, sched, None, shared.dx_shared, x.dtype, invalid)
+    d_topk = steps._nan_if(invalid, d_topk)  # (else stale values)
+    return MoEGrads(
+        dx,
+        d_topk,
+        outputs.d_w_gate,
+        outputs.d_w_up,
+        outputs.d_w_down,
+        shared.d_s_gate,
+        shared.d_s_up,
+        shared.d_s_down,
+    )
+
+
 def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads]:
     """``steps.backward_steps`` with the fused kernel (W > 1): publish dy -> barrier -> one
     launch (dy pull, route-grad dz, shared and routed dgrad and weight gradients, d_x push;
     ``kernels.fused.backward.fused_backward_ep``) -> the route-grad kernel on the pulled dy rows
     for d topk_weights (its reduction order) and their push -> barrier -> k-order combine of
-    the own d_x slots + shared d_x. A bounded ring's routed rows are replayed first
-    (``steps.replay_steps``). Bitwise ``steps.backward_steps``."""
+    the own d_x slots + shared d_x. After a bounded ring: one replay and launch per macrobatch
+    (:func:`_macrobatch_steps`). Bitwise ``steps.backward_steps``."""
     if ctx.routed is None:
-        ctx = yield from steps.replay_steps(ctx)
+        return (yield from _macrobatch_steps(ctx, dy, ctx.schedule.ep.workspace))
     schedule = ctx.schedule
     ws, sched, config = schedule.ep.workspace, schedule.routed, schedule.config
     routed, w = ctx.routed, ctx.weights
@@ -326,8 +439,8 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads
 def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrads:
     """Gradients of x (bf16), the router weights (fp32) and every weight (weight dtype): the
     fused backward when :func:`backward_kind` says so (W > 1: :func:`backward_steps`), else
-    ``steps.backward``. A bounded ring's dropped routed rows are replayed first
-    (``steps.replay_steps``), as there."""
+    ``steps.backward``. A bounded ring's dropped routed rows are replayed macrobatch by
+    macrobatch (:func:`_macrobatch_steps`; W > 1: in :func:`backward_steps`)."""
     if isinstance(ctx, EmptyContext) or backward_kind() != "fused":
         return steps.backward(ctx, grad_y)
     dy = grad_y.to(ctx.x.dtype).contiguous()
@@ -336,11 +449,12 @@ def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrad
         grads = steps.run_steps(backward_steps(ctx, dy), ws)
         checks.eager_check(ws)
         return grads
-    if ctx.routed is None:
-        ctx = steps.drain(steps.replay_steps(ctx))
     x = ctx.x  # the forward's private workspace (steps.single_rank)
     ws = local_workspace(x.shape[0], x.shape[1], ctx.schedule.routed.top_k, KERNEL_DTYPE, x.device)
-    grads = _local_backward(ctx, dy, ws)
+    if ctx.routed is None:  # a bounded ring: replayed and differentiated macrobatch by macrobatch
+        grads = steps.drain(_macrobatch_steps(ctx, dy, ws))
+    else:
+        grads = _local_backward(ctx, dy, ws)
     checks.eager_check(ws)
     checks.eager_check(checks.device_records(dy.device))
     return grads

@@ -25,9 +25,9 @@ from ..ep.workspace import (
     publish,
     publish_packed,
 )
-from ..kernels import comm, fp8, rows
+from ..kernels import comm, fp8, gemm, rows
 from ..kernels.checks import check_ids, limit_capacity
-from ..kernels.schedule import build_row_schedule
+from ..kernels.schedule import RowSchedule, build_row_schedule
 from ..types import ExpertWeights, MoEGrads, RoutedActivations, SharedActivations
 from . import experts
 from .requirements import KERNEL_DTYPE, check_supported
@@ -43,6 +43,7 @@ __all__ = [
     "forward_steps",
     "backward_steps",
     "replay_steps",
+    "replay_window",
     "routed_unfused",
     "experts_unfused",
     "run_steps",
@@ -319,6 +320,30 @@ def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:
         routed_rows(schedule, tokens), ctx.weights, schedule.routed, precision
     )
     return dataclasses.replace(ctx, routed=routed)
+
+
+def replay_window(
+    ctx: TritonContext, window: RowSchedule, into: RoutedActivations
+) -> RoutedActivations:
+    """:func:`replay_steps` for the rows of one row window of the layout
+    (``schedule.row_window``), written into the first ``window.rows`` rows of ``into``'s
+    buffers (reused from one window to the next): the gather (W > 1: the pull of the window's
+    rows from every rank's published x, after the barrier that follows the publish) and the
+    same GEMMs, so the forward's bits row by row. bf16 only (the precision of backend
+    "fused")."""
+    config = ctx.schedule.config
+    if config.precision != "bf16":
+        raise ValueError(f"replay_window replays bf16 rows, got precision {config.precision!r}")
+    n, w = window.rows, ctx.weights
+    xs, g, u, h, z = (t[:n] for t in into)
+    if ctx.schedule.ep is None:
+        rows.gather(ctx.x, window, out=xs)
+    else:
+        ws = ctx.schedule.ep.workspace
+        comm.dispatch_pull(ws, window, "x", out=xs, programs=config.copy_programs)
+    gemm.gate_up(xs, w.w_gate, w.w_up, window, out=(g, u, h))
+    gemm.grouped_mm(h, w.w_down, window, out=z)
+    return RoutedActivations(xs, g, u, h, z)
 
 
 # --------------------------------------------------------------------------------------------

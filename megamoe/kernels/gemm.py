@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import descriptor, empty, interpreting, launch_grid
+from .runtime import check_out, descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
 from .tiles import cast, load_weight_tile, mma, store_gate_up, store_mm, tile_of
 
@@ -39,6 +39,9 @@ __all__ = [
     "tiles_for",
     "wgrad_kind",
     "row_tile",
+    "CARRY_ACTIVE",
+    "CARRY_IN",
+    "CARRY_OUT",
 ]
 
 
@@ -89,6 +92,12 @@ INTERPRETER_TILES: dict[str, GemmTiles] = {
     name: GemmTiles(bn=32, bk=32, stages=1, warps=4, bm=32 if name.startswith("wgrad") else 0)
     for name in GPU_TILES
 }
+# Bits of a macrobatched weight-gradient tile's carry word (``wgrad_tile``'s ``CARRY``): the
+# launch sums some of the expert's rows (else the tile does nothing), its accumulator starts
+# from the fp32 carry (else from +0), it goes back to the carry (else into the gradient).
+CARRY_ACTIVE = tl.constexpr(1)
+CARRY_IN = tl.constexpr(2)
+CARRY_OUT = tl.constexpr(4)
 # Balanced rows per expert (``RowSchedule.balanced_rows``) at or below which the weight
 # gradients take the "wgrad_few_rows" tiles.
 FEW_ROWS_PER_EXPERT = 128
@@ -329,21 +338,40 @@ def wgrad_tile(
     n0,
     row_begin,
     row_end,
+    carry_desc,
+    carry,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    CARRY: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """The [BM, BN] tile at (m0, n0) of d_W[expert] = A^T B over the rows [row_begin, row_end)
     in order, BK rows a step (no split-K): one program per output tile.
 
+    ``CARRY`` (a macrobatched backward, which sums an expert's rows over several launches): the
+    fp32 accumulator starts from the tile of ``carry_desc`` (an fp32 [E, M, N] buffer) when
+    ``carry & CARRY_IN`` (else from +0, as without ``CARRY``) and goes back there when
+    ``carry & CARRY_OUT`` (else it is cast into ``c_desc``). With every launch's rows on K-step
+    multiples the tile takes the same ``mma`` steps from the same +0 as one launch over all the
+    rows: the same bits. Without ``CARRY`` ``carry_desc`` and ``carry`` are never read.
+
     Shared by the unfused kernel and the fused backward, so both give the same bits.
     """
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if CARRY:
+        if (carry & CARRY_IN) != 0:
+            acc = carry_desc.load([expert, m0, n0]).reshape([BM, BN])
     # All rows of this expert, in order: padding rows hold zeros in A and B.
     for r in range(row_begin, row_end, BK):
         acc = mma(acc, a_desc.load([r, m0]).T, b_desc.load([r, n0]), UPCAST)
-    c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
+    if CARRY:
+        if (carry & CARRY_OUT) != 0:
+            carry_desc.store([expert, m0, n0], acc.reshape([1, BM, BN]))
+        else:
+            c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
+    else:
+        c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
 
 
 @triton.jit
@@ -389,9 +417,12 @@ def _wgrad_kernel(
             nb * BN,
             row_begin,
             row_end,
+            c_desc,
+            0,
             BM,
             BN,
             BK,
+            False,
             UPCAST,
         )
 
@@ -430,15 +461,20 @@ def gate_up(
     w_up: torch.Tensor,
     sched: RowSchedule,
     programs: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(g, u, h), each [rows of a, I]: both projections and SwiGLU of every used row block.
     ``programs`` (every GEMM here): the SMs to fill, default all (the grid is the tiles'
-    ``programs_per_sm`` on each); the bits never depend on it."""
+    ``programs_per_sm`` on each); the bits never depend on it. ``out``: where to write
+    (g, u, h) (default: new tensors), each a contiguous [rows of a, I] tensor of a's dtype."""
     t = tiles_for("gate_up")
     bm, block_tiles = row_tile(t, sched.block_rows)
     rows, k = a.shape
     n = w_gate.shape[1]
-    g, u, h = (empty((rows, n), a.dtype, a.device) for _ in range(3))
+    if out is None:
+        g, u, h = (empty((rows, n), a.dtype, a.device) for _ in range(3))
+    else:
+        g, u, h = (check_out(name, o, (rows, n), a.dtype) for name, o in zip("guh", out))
     out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
     (wg, w_rows), (wu, _) = gate_up_2d(w_gate, w_up)
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
@@ -477,12 +513,16 @@ def _mm_launch(
     w2: torch.Tensor | None = None,
     gu: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     t = tiles_for(kind)
     bm, block_tiles = row_tile(t, sched.block_rows)
     rows, k = a.shape
     n = w.shape[2] if b_kn else w.shape[1]
-    outs = [empty((rows, n), a.dtype, a.device) for _ in range(2 if gu is not None else 1)]
+    if out is not None:
+        outs = [check_out("out", out, (rows, n), a.dtype)]
+    else:
+        outs = [empty((rows, n), a.dtype, a.device) for _ in range(2 if gu is not None else 1)]
     b_block = [t.bk, t.bn] if b_kn else [t.bn, t.bk]
     a_desc = descriptor(a, [bm, t.bk])
     (wb, w_rows), (wb2, w2_rows) = weight_2d(w), weight_2d(w if w2 is None else w2)
@@ -523,10 +563,15 @@ def _mm_launch(
 
 
 def grouped_mm(
-    a: torch.Tensor, w: torch.Tensor, sched: RowSchedule, programs: int | None = None
+    a: torch.Tensor,
+    w: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """C[r] = a[r] @ w[e(r)]^T for weights in ``nn.Linear`` layout [E, N, K] (forward down)."""
-    return _mm_launch("mm", a, w, sched, b_kn=False, programs=programs)[0]
+    """C[r] = a[r] @ w[e(r)]^T for weights in ``nn.Linear`` layout [E, N, K] (forward down).
+    ``out``: where to write C (default: a new tensor), a contiguous [rows of a, N] tensor."""
+    return _mm_launch("mm", a, w, sched, b_kn=False, programs=programs, out=out)[0]
 
 
 def dgrad_swiglu(

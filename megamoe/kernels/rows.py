@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import fp8
-from .runtime import empty, interpreting
+from .runtime import check_out, empty, interpreting
 from .schedule import RowSchedule
 from .tiles import load_rows, store_rows
 
@@ -159,10 +159,15 @@ def _route_grad_kernel(
     tl.store(dw_ptr + dw_at, dot, mask=real)
 
 
-def gather(x: torch.Tensor, sched: RowSchedule) -> torch.Tensor:
-    """x [T, H] -> rows [sched.rows, H] in the schedule's layout (rows past the used ones unset)."""
+def gather(x: torch.Tensor, sched: RowSchedule, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] -> rows [sched.rows, H] in the schedule's layout (rows past the used ones unset).
+    ``out``: where to write them (default: a new tensor), a contiguous [sched.rows, H] tensor
+    of x's dtype."""
     h = x.shape[1]
-    out = empty((sched.rows, h), x.dtype, x.device)
+    if out is None:
+        out = empty((sched.rows, h), x.dtype, x.device)
+    else:
+        check_out("out", out, (sched.rows, h), x.dtype)
     grid = (sched.rows // _ROWS, triton.cdiv(h, _COLS))
     _gather_kernel[grid](
         x,
@@ -268,29 +273,47 @@ def combine_slots(
 
 
 def route_grad(
-    dy: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
+    dy: torch.Tensor,
+    z: torch.Tensor,
+    weights: torch.Tensor,
+    sched: RowSchedule,
+    dz: torch.Tensor | None = None,
+    dw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz [rows, H] in the layout, zeros on padding rows; dw [T, K] fp32) of the tokens' output
     gradient ``dy``: ``[T, H]``, or its packed fp8 rows ``[T, fp8.packed_width(H)]`` int16
-    (``fp8.quantize_packed``), read dequantized (exact in fp32)."""
-    dw = empty((sched.num_tokens, sched.top_k), torch.float32, z.device)
-    return _launch_route_grad(dy, z, weights, sched, dw, by_row=False)
+    (``fp8.quantize_packed``), read dequantized (exact in fp32).
+
+    ``dz``, ``dw``: where to write them (default: new tensors; contiguous, of those shapes and
+    dtypes). Only the slots of the schedule's real rows are written into ``dw``: the row
+    windows of one layout (``schedule.row_window``) fill one ``dw`` between them."""
+    shape = (sched.num_tokens, sched.top_k)
+    if dw is None:
+        dw = empty(shape, torch.float32, z.device)
+    else:
+        check_out("dw", dw, shape, torch.float32)
+    return _launch_route_grad(dy, z, weights, sched, dw, by_row=False, dz=dz)
 
 
 def route_grad_rows(
-    dy_rows: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, sched: RowSchedule
+    dy_rows: torch.Tensor,
+    z: torch.Tensor,
+    weights: torch.Tensor,
+    sched: RowSchedule,
+    dz: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route_grad` with ``dy`` already in the row layout (pulled unscaled from the peers):
     ``[>= rows, H]``, or packed fp8 rows ``[>= rows, fp8.packed_width(H)]`` int16.
 
     ``weights`` is indexed by the global slot of each row (every rank's weights, concatenated).
     Returns (dz [rows, H], zeros on padding rows; dw [rows] fp32, set on real rows only), with
-    the bits :func:`route_grad` gives for the same rows.
+    the bits :func:`route_grad` gives for the same rows. ``dz``: where to write dz (default: a
+    new tensor; contiguous [rows, H] of z's dtype).
     """
     if dy_rows.shape[0] < sched.rows:
         raise ValueError(f"dy_rows must have >= {sched.rows} rows, got {dy_rows.shape[0]}")
     dw = empty(sched.rows, torch.float32, z.device)
-    return _launch_route_grad(dy_rows, z, weights, sched, dw, by_row=True)
+    return _launch_route_grad(dy_rows, z, weights, sched, dw, by_row=True, dz=dz)
 
 
 def _launch_route_grad(
@@ -300,6 +323,7 @@ def _launch_route_grad(
     sched: RowSchedule,
     dw: torch.Tensor,
     by_row: bool,
+    dz: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_route_grad_kernel`` over every row block: dy by token (``by_row`` False) or by row;
     int16 ``dy`` is packed fp8 rows (read through ``fp8.unpack_rows``' views)."""
@@ -311,7 +335,10 @@ def _launch_route_grad(
         raise ValueError(f"dy must have {h} contiguous columns (z's), got {list(dy.shape)}")
     else:
         dy_scale = dy
-    dz = empty((sched.rows, h), z.dtype, z.device)
+    if dz is None:
+        dz = empty((sched.rows, h), z.dtype, z.device)
+    else:
+        check_out("dz", dz, (sched.rows, h), z.dtype)
     _route_grad_kernel[(sched.rows // _ROWS,)](
         dy,
         dy_scale,

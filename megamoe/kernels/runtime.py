@@ -21,6 +21,7 @@ __all__ = [
     "assume_programs",
     "descriptor",
     "empty",
+    "check_out",
     "poisoned_buffers",
     "side_stream",
     "INTERPRETER_PROGRAMS",
@@ -123,6 +124,20 @@ def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device
             return torch.zeros(shape, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.full(shape, _poison(dtype), dtype=dtype, device=device)
+
+
+def check_out(
+    name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """An output buffer a caller passed to a launcher: ``t`` itself when it is a contiguous
+    ``dtype`` tensor of ``shape``, else a ValueError naming ``name``, what it got and what was
+    expected."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous {dtype} {list(shape)} tensor, got {t.dtype} "
+            f"{list(t.shape)} strides {t.stride()}"
+        )
+    return t
 
 
 def _poison(dtype: torch.dtype) -> float | int | bool:

@@ -12,6 +12,7 @@ static sizes, so the schedule can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from .runtime import empty
 
-__all__ = ["RowSchedule", "build_row_schedule", "max_rows", "uniform_schedule"]
+__all__ = ["RowSchedule", "build_row_schedule", "max_rows", "uniform_schedule", "row_window"]
 
 # Elements of the one-hot [chunk, experts] tile a program may hold (registers, not memory).
 _ONEHOT_ELEMS = 8192
@@ -264,6 +265,38 @@ def build_row_schedule(
         block_rows=block_rows,
         rows=rows,
         world_size=world_size,
+    )
+
+
+def row_window(sched: RowSchedule, first: int, rows: int) -> RowSchedule:
+    """The layout's rows ``[first, first + rows)`` as a schedule of their own: window row r is
+    layout row ``first + r``. Views and a few small device ops (no host read, capturable).
+
+    Each expert keeps the part of its padded rows inside the window (``row_start`` and
+    ``counts`` clipped to it: an expert outside has none), the used row blocks are the
+    window's (none when the window lies past the used rows: the kernels then do nothing), a
+    slot whose row lies outside has ``dest_row`` -1. ``first`` and ``rows``: multiples of the
+    block rows within the layout's rows (host-known, so the window never depends on the
+    routing)."""
+    bm = sched.block_rows
+    if first % bm or rows % bm or first < 0 or rows <= 0 or first + rows > sched.rows:
+        raise ValueError(
+            f"a row window must be whole blocks of {bm} rows inside the layout's {sched.rows}, "
+            f"got first {first}, rows {rows}"
+        )
+    end = first + rows
+    starts = (sched.row_start - first).clamp(0, rows)
+    real_ends = (sched.row_start[:-1] + sched.counts - first).clamp(0, rows)
+    inside = (sched.dest_row >= first) & (sched.dest_row < end)
+    return dataclasses.replace(
+        sched,
+        dest_row=torch.where(inside, sched.dest_row - first, -1),
+        row_src=sched.row_src[first:end],
+        row_start=starts,
+        counts=real_ends - starts[:-1],
+        block_expert=sched.block_expert[first // bm : end // bm],
+        num_blocks=(sched.num_blocks - first // bm).clamp(0, rows // bm),
+        rows=rows,
     )
 
 

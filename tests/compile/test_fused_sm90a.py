@@ -107,8 +107,9 @@ def test_comm_kernel_fits_beside_the_compute_kernel(compiled) -> None:
 # ------------------------------------------------------------------------------ fused backward
 
 # Records the fused backward's launches of backend "fused"'s training step at W = 1 (dsv3 with
-# and without its shared expert, and an odd shape) and rank 0's at W = 2 (dsv3: the exchange
-# inside the kernel), and compiles them (as compile_check does).
+# and without its shared expert, an odd shape, and dsv3 after a bounded ring: one launch per
+# macrobatch, the first with the shared expert) and rank 0's at W = 2 (dsv3: the exchange
+# inside the kernel; and after a bounded ring), and compiles them (as compile_check does).
 _BACKWARD_LAUNCHES = """
 import json, os
 from megamoe.backends import fused, steps
@@ -131,6 +132,19 @@ scenarios = {
     ),
 }
 label = ["?"]
+launch = fused.fused_backward
+
+
+def macrobatch(*args, **kwargs):  # (the first macrobatch has the shared expert, the others not)
+    mb = kwargs.get("macrobatch")
+    if mb is not None:
+        later = "later" if mb.first_row else "first"
+        label[0] = f"dsv3 ring, {later} macrobatch"
+    return launch(*args, **kwargs)
+
+
+fused.fused_backward = macrobatch
+scenarios["dsv3 ring"] = dsv3.replace(ring_rows=4 * dsv3.minibatch_rows)
 with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     for name, cfg in scenarios.items():
         label[0] = name
@@ -145,6 +159,18 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     sched = steps.run_steps(steps.schedule_steps(ids, cfg, ws), ws)
     _, ctx = steps.run_steps(steps.forward_steps(x, w, weights, sched), ws)
     steps.run_steps(fused.backward_steps(ctx, x), ws)
+    ep_launch = fused.fused_backward_ep
+
+    def ep_macrobatch(*args, **kwargs):
+        later = "later" if kwargs["macrobatch"].first_row else "first"
+        label[0] = f"dsv3 W=2 (rank 0) ring, {later} macrobatch"
+        return ep_launch(*args, **kwargs)
+
+    fused.fused_backward_ep = ep_macrobatch
+    ring = cfg.replace(ring_rows=4 * cfg.minibatch_rows)
+    sched = steps.run_steps(steps.schedule_steps(ids, ring, ws), ws)
+    _, ctx = steps.run_steps(fused.forward_steps(x, w, weights, sched), ws)
+    steps.run_steps(fused.backward_steps(ctx, x), ws)
 reports = [
     compile_launch(launch, keep_ptx=True)
     for launch in launches
@@ -152,7 +178,16 @@ reports = [
 ]
 print(json.dumps(reports))
 """
-BACKWARD_SCENARIOS = ("dsv3", "dsv3 no shared expert", "odd shape", "dsv3 W=2 (rank 0)")
+BACKWARD_SCENARIOS = (
+    "dsv3",
+    "dsv3 no shared expert",
+    "odd shape",
+    "dsv3 W=2 (rank 0)",
+    "dsv3 ring, first macrobatch",  # after a bounded ring: the carries (C.CARRY)
+    "dsv3 ring, later macrobatch",
+    "dsv3 W=2 (rank 0) ring, first macrobatch",
+    "dsv3 W=2 (rank 0) ring, later macrobatch",
+)
 # One marker per tile call site (backward.call_site): routed and shared, five tiles each.
 CALL_SITES = [
     f"// fused backward: {part} {tile}"
@@ -197,12 +232,14 @@ def test_backward_flags_use_release_and_acquire(backward_compiled) -> None:
 
 def test_backward_keeps_every_tile_call_site_apart(backward_compiled) -> None:
     for scenario, r in backward_compiled.items():
-        for marker in CALL_SITES if scenario != "dsv3 no shared expert" else CALL_SITES[:5]:
+        shared = not scenario.endswith(("expert", "later macrobatch"))
+        for marker in CALL_SITES if shared else CALL_SITES[:5]:
             assert marker in r["ptx"], (scenario, marker)
 
 
 def test_backward_exchange_copies_rows_with_16_byte_vectors(backward_compiled) -> None:
     """At W > 1 the kernel's comm roles pull dy rows and push d_x rows with 16-byte vectors."""
-    ptx = backward_compiled["dsv3 W=2 (rank 0)"]["ptx"]
-    assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
-    assert re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
+    for scenario in ("dsv3 W=2 (rank 0)", "dsv3 W=2 (rank 0) ring, later macrobatch"):
+        ptx = backward_compiled[scenario]["ptx"]
+        assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx), scenario
+        assert re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx), scenario

@@ -5,7 +5,8 @@
 
 Checked: outputs and every gradient (the fused forward's context through backend "triton"'s
 backward, and at W = 1 through the fused backward, MEGAMOE_FUSED_BACKWARD=1; with a ring
-smaller than the rows the backward replays the routed forward first) bitwise equal to backend
+smaller than the rows the backward replays the routed forward: backend "triton"'s all rows first,
+the fused one macrobatch by macrobatch) bitwise equal to backend
 "triton" for comm programs 4/16/32, minibatch sizes and ring sizes
 (smaller than the work: several macrobatches; holding every row); against the float64 reference
 (one GPU: presets and odd shapes; W = 2: via ep_vs_single); the watchdog turns a missing signal
@@ -139,7 +140,8 @@ def test_single_gpu_bits_do_not_depend_on_tunables(
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_single_gpu_fused_backward_gives_triton_bits(name: str, monkeypatch) -> None:
     """The fused backward kernel (opt-in) on the GPU: every gradient bitwise backend triton's,
-    also with a ring smaller than the rows (replayed first); it ran (backward_kind)."""
+    also with a ring smaller than the rows (replayed and differentiated per macrobatch); it ran
+    (backward_kind)."""
     monkeypatch.setenv(fused_backend.FUSED_BACKWARD_ENV, "1")
     assert fused_backend.backward_kind(1) == "fused"
     for ring_rows in (None, 2048):

@@ -39,6 +39,14 @@ expert's count too (dz is computed here). At W > 1 also ``ready`` (pulls; the ro
 waits), ``dz_done`` (route-grad task; the SwiGLU-backward tiles wait) and ``dx_done`` (gate+up
 dgrad tiles; the push waits). Every wait has the watchdog of ``sync.wait_count``.
 
+After a bounded ring the backward runs one launch per macrobatch at every W (``macrobatch=``,
+:class:`Macrobatch`): ``sched`` is a row window of the layout (``schedule.row_window``), the
+routed rows are the window's, and each routed weight-gradient tile sums the window's rows of its
+expert on from an fp32 carry and leaves it there for the next window (``C.CARRY``; the carry
+words of :func:`carry_words` say per expert which windows take part, start from +0 and store
+the gradient). Windows on K-step boundaries make the tile's ``mma`` sequence one launch's: the same
+bits.
+
 The tiles are the unfused kernels' device functions with their tile shapes and warps: the
 gate+up dgrad tile is ``gemm.grouped_mm_tile``, a weight-gradient tile ``gemm.wgrad_tile``, a
 SwiGLU-backward tile ``gemm.mm_acc`` followed by ``grouped_mm_tile``'s elementwise epilogue in
@@ -62,6 +70,9 @@ from ...errors import Stage
 from ...types import SharedActivations, stacked_gate_up
 from .. import comm
 from ..gemm import (
+    CARRY_ACTIVE,
+    CARRY_IN,
+    CARRY_OUT,
     expert_row_range,
     gate_up_2d,
     grouped_mm_tile,
@@ -69,7 +80,7 @@ from ..gemm import (
     weight_2d,
     wgrad_tile,
 )
-from ..runtime import descriptor, empty
+from ..runtime import check_out, descriptor, empty
 from ..schedule import RowSchedule
 from ..tiles import cast, load_rows, store_rows, swiglu_backward
 from .plan import BACKWARD_STAGES, FUSED_WARPS, BackwardPlan, plan_backward
@@ -83,7 +94,7 @@ from .sync import (
     signal,
     wait_count,
 )
-from .tasks import backward_counts, grouped_task, take_task, wgrad_task
+from .tasks import backward_counts, grouped_task, take_task, wgrad_part_length, wgrad_task
 
 __all__ = [
     "FusedGrads",
@@ -92,6 +103,10 @@ __all__ = [
     "fused_backward_ep",
     "fused_backward_kernel",
     "BACKWARD_STAGE_CODES",
+    "Macrobatch",
+    "MacrobatchOutputs",
+    "macrobatch_outputs",
+    "carry_words",
 ]
 
 # The stall-record codes of the backward's waits (``megamoe.errors.Stage``).
@@ -350,6 +365,7 @@ def wgrad_part_task(
     blocks,
     row_start_ptr,
     counts_ptr,
+    carry_ptr,
     T,
     descs,
     shape,
@@ -367,8 +383,15 @@ def wgrad_part_task(
     d_W_gate / d_W_up tiles first wait for the expert's SwiGLU-backward tiles (the shared part:
     every one of its ``blocks`` row blocks). With ``EX`` (the routed part at W > 1) d_W_down
     waits too: it reads dz, which the kernel computes (the expert's SwiGLU-backward tiles ran
-    after their blocks' dz). False if the wait gave up."""
+    after their blocks' dz). False if the wait gave up.
+
+    ``C.CARRY`` (the routed part of a macrobatch: the tables are the row window's): the tile
+    sums the expert's rows inside the window only, and ``carry_ptr[expert]`` (the carry word,
+    ``gemm.CARRY_*``) says whether it has rows to sum here (else it does nothing, waits for
+    nothing), whether its accumulator continues the fp32 carry of the last macrobatch and
+    whether it goes back there (``gemm.wgrad_tile``'s ``CARRY``)."""
     PART: tl.constexpr = "routed" if ROUTED else "shared"
+    CARRY: tl.constexpr = C.CARRY if ROUTED else False
     H, I = shape[0], shape[1]
     n_swiglu = tl.cdiv(I, C.BN_SWIGLU)
     expert, kind, mt, nt = wgrad_task(
@@ -388,8 +411,15 @@ def wgrad_part_task(
         wanted = blocks * n_swiglu
     m0 = mt * C.BM_WGRAD
     n0 = nt * C.BN_WGRAD
+    carry = 0
+    active = True
+    if CARRY:
+        carry = tl.load(carry_ptr + expert)
+        active = (carry & CARRY_ACTIVE) != 0
     alive = True
-    if kind == 2:  # d_W_down = a^T h: both there before the launch (W = 1)
+    if not active:
+        pass  # none of the expert's summed rows lie in this macrobatch
+    elif kind == 2:  # d_W_down = a^T h: both there before the launch (W = 1)
         if EX:
             alive = wait_count(all_done_ptr + expert, wanted, _STAGE_EXPERT, expert, watch)
             if alive:
@@ -404,9 +434,12 @@ def wgrad_part_task(
                 n0,
                 row_begin,
                 row_end,
+                descs[10],
+                carry,
                 C.BM_WGRAD,
                 C.BN_WGRAD,
                 C.BK_WGRAD,
+                CARRY,
                 C.UPCAST,
             )
             call_site(PART + " d_W_down", C.GPU)
@@ -427,9 +460,12 @@ def wgrad_part_task(
                     n0,
                     row_begin,
                     row_end,
+                    descs[8],
+                    carry,
                     C.BM_WGRAD,
                     C.BN_WGRAD,
                     C.BK_WGRAD,
+                    CARRY,
                     C.UPCAST,
                 )
                 call_site(PART + " d_W_gate", C.GPU)
@@ -443,9 +479,12 @@ def wgrad_part_task(
                     n0,
                     row_begin,
                     row_end,
+                    descs[9],
+                    carry,
                     C.BM_WGRAD,
                     C.BN_WGRAD,
                     C.BK_WGRAD,
+                    CARRY,
                     C.UPCAST,
                 )
                 call_site(PART + " d_W_up", C.GPU)
@@ -479,6 +518,10 @@ def fused_backward_kernel(
     dwg_desc,
     dwu_desc,
     dwd_desc,
+    # a macrobatch (C.CARRY): the fp32 carries of d_w_gate, d_w_up, d_w_down (else unused)
+    cwg_desc,
+    cwu_desc,
+    cwd_desc,
     # shared dgrad: dy, s_down, sg, su, dsg, dsu, dsg_a, s_gate, dsu_a, s_up, shared d_x
     dy_desc,
     sdw_desc,
@@ -500,7 +543,7 @@ def fused_backward_kernel(
     dsgw_desc,
     dsuw_desc,
     dsdw_desc,
-    tables,  # (row_start_ptr, block_expert_ptr, num_blocks_ptr, counts_ptr)
+    tables,  # (row_start_ptr, block_expert_ptr, num_blocks_ptr, counts_ptr, carry words [E])
     dims,  # (T, H, I, IS, E, max_blocks, w_down rows, gate/up rows, max minibatches)
     sync,  # (flags_ptr, err_ptr, rank, budget)
     exchange,  # W > 1: (dy table, dx table, dy_rows, dz, dxs, row_src, slot weights)
@@ -520,7 +563,19 @@ def fused_backward_kernel(
         wu_desc,
         dxs_desc,
     )
-    routed_w = (dg_w_desc, du_w_desc, xs_w_desc, dz_w_desc, h_w_desc, dwg_desc, dwu_desc, dwd_desc)
+    routed_w = (
+        dg_w_desc,
+        du_w_desc,
+        xs_w_desc,
+        dz_w_desc,
+        h_w_desc,
+        dwg_desc,
+        dwu_desc,
+        dwd_desc,
+        cwg_desc,
+        cwu_desc,
+        cwd_desc,
+    )
     shared = (
         dy_desc,
         sdw_desc,
@@ -543,8 +598,11 @@ def fused_backward_kernel(
         dsgw_desc,
         dsuw_desc,
         dsdw_desc,
+        dsgw_desc,  # (no carry: never read)
+        dsuw_desc,
+        dsdw_desc,
     )
-    row_start_ptr, block_expert_ptr, num_blocks_ptr, counts_ptr = tables
+    row_start_ptr, block_expert_ptr, num_blocks_ptr, counts_ptr, carry_ptr = tables
     T, H, I, IS, E, max_blocks, wd_rows, wgu_rows, max_mb = dims
     flags_ptr, err_ptr, rank, budget = sync
     watch = (err_ptr, rank, budget)
@@ -633,6 +691,7 @@ def fused_backward_kernel(
                 shared_blocks,
                 row_start_ptr,
                 counts_ptr,
+                carry_ptr,
                 T,
                 shared_w,
                 (H, IS),
@@ -661,12 +720,27 @@ def fused_backward_kernel(
         )
         if alive:
             task = take_task(ticket_ptr, total, C.INTERPRET)
+    first_task = routed_dgrad
+    if C.CARRY:
+        # A macrobatch's routed weight-gradient part: only the tiles of the experts the window
+        # holds rows of (consecutive: carry words [E, E + 2) name the first and their number).
+        # Loaded here, not with the counts: values live across the dgrad loops cost registers.
+        per_expert = wgrad_part_length(
+            1,
+            tl.cdiv(I, C.BM_WGRAD),
+            tl.cdiv(H, C.BN_WGRAD),
+            tl.cdiv(H, C.BM_WGRAD),
+            tl.cdiv(I, C.BN_WGRAD),
+        )
+        first_task = routed_dgrad - tl.load(carry_ptr + E) * per_expert
+        total = routed_dgrad + tl.load(carry_ptr + E + 1) * per_expert
     while (task < total) & alive:
         alive = wgrad_part_task(
-            task - routed_dgrad,
+            task - first_task,
             num_blocks,
             row_start_ptr,
             counts_ptr,
+            carry_ptr,
             T,
             routed_w,
             (H, I),
@@ -735,6 +809,94 @@ class FusedGrads:
     dz: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class MacrobatchOutputs:
+    """What the launches of a macrobatched backward (one per row window of the layout,
+    :class:`Macrobatch`) write between them: the d_x rows ``dxs`` (``by_window`` False, W = 1:
+    the layout's [rows, H], each launch its window's rows, which the combine reads after the
+    last; True, W > 1: [ring rows, H] reused by every launch, whose comm programs push them),
+    the routed weight gradients (as :class:`FusedGrads`), their fp32 carries ``carries``
+    (d_w_gate, d_w_up, d_w_down: each tile's accumulator from one macrobatch to the next; never
+    read before written) and the window's d_g, d_u rows [ring rows, I] (reused by every
+    launch)."""
+
+    by_window: bool
+    dxs: torch.Tensor
+    d_w_gate: torch.Tensor
+    d_w_up: torch.Tensor
+    d_w_down: torch.Tensor
+    carries: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    dg: torch.Tensor
+    du: torch.Tensor
+
+
+class Macrobatch(NamedTuple):
+    """One launch of a macrobatched backward: the row window ``[first_row, first_row + rows of
+    the launch's schedule)`` of ``layout`` (the launch's ``sched`` is
+    ``schedule.row_window(layout, first_row, rows)``), writing into ``outputs``."""
+
+    outputs: MacrobatchOutputs
+    layout: RowSchedule
+    first_row: int
+
+
+def macrobatch_outputs(
+    layout: RowSchedule,
+    ring_rows: int,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    dtype: torch.dtype,
+    by_window: bool = False,
+) -> MacrobatchOutputs:
+    """The buffers of a macrobatched backward of ``layout`` in windows of at most
+    ``ring_rows`` rows (gradients in ``dtype``, as :func:`fused_backward`); ``by_window``: d_x
+    rows of one window (W > 1, :func:`fused_backward_ep` pushes them), else of the layout."""
+    dev = w_gate.device
+    e, i, hidden = w_gate.shape
+    d_gate, d_up = _gate_up_grads(w_gate, w_up, dtype)
+    carries = tuple(empty(w.shape, torch.float32, dev) for w in (w_gate, w_up, w_down))
+    return MacrobatchOutputs(
+        by_window=by_window,
+        dxs=empty((ring_rows if by_window else layout.rows, hidden), dtype, dev),
+        d_w_gate=d_gate,
+        d_w_up=d_up,
+        d_w_down=empty(w_down.shape, dtype, dev),
+        carries=carries,
+        dg=empty((ring_rows, i), dtype, dev),
+        du=empty((ring_rows, i), dtype, dev),
+    )
+
+
+def carry_words(layout: RowSchedule, first: int, rows: int, bk: int) -> torch.Tensor:
+    """int32 [E + 2]: each expert's carry word (``gemm.CARRY_*``) in the window ``[first,
+    first + rows)`` of ``layout``, then the first active expert and the number of active ones
+    (small device ops, no host read). An expert's weight-gradient tiles sum its rows
+    ``[begin, end)`` (``gemm.expert_row_range``, K step ``bk``); a window that holds some of
+    them is active, takes the carry unless it holds ``begin``, and leaves it unless it holds the
+    last one. An expert with nothing to sum (no rows) is active once, in the window that holds
+    its ``begin`` (the last window when that is the layout's end): its tiles then store +0 as
+    one launch would. The experts' ranges follow one another in the layout, so the active ones
+    are consecutive: the launch's task list holds only their weight-gradient tiles (a window
+    past the used rows has almost none)."""
+    begin = layout.row_start[:-1]
+    end = torch.minimum(begin + (layout.counts + bk - 1) // bk * bk, layout.row_start[1:])
+    stop = first + rows
+    holds_begin = (begin >= first) & ((begin < stop) | (stop >= layout.rows))
+    nonempty = end > begin
+    active = torch.where(nonempty, (end > first) & (begin < stop), holds_begin)
+    carry_in = active & nonempty & (begin < first)
+    carry_out = active & nonempty & (end > stop)
+    words = (
+        active.to(torch.int32) * CARRY_ACTIVE.value
+        + carry_in.to(torch.int32) * CARRY_IN.value
+        + carry_out.to(torch.int32) * CARRY_OUT.value
+    )
+    count = active.to(torch.int32).sum(0, keepdim=True, dtype=torch.int32)
+    lo = (active.to(torch.int32).cumsum(0, dtype=torch.int32) == 0).to(torch.int32)
+    return torch.cat([words, lo.sum(0, keepdim=True, dtype=torch.int32), count])
+
+
 def _flags(plan: BackwardPlan, device: torch.device, flags: torch.Tensor | None) -> torch.Tensor:
     layout = backward_flag_layout(
         plan.max_blocks, plan.experts, plan.shared_blocks, plan.max_minibatches
@@ -760,6 +922,25 @@ def _gate_up_grads(
     d_stacked = empty(stacked.shape, dtype, w_gate.device)
     i = w_gate.shape[1]
     return d_stacked[:, :i], d_stacked[:, i:]
+
+
+def _check_macrobatch(
+    mo: MacrobatchOutputs, layout: RowSchedule, first: int, sched: RowSchedule
+) -> None:
+    """A :class:`Macrobatch` that fits its launch: the window inside the layout, on whole row
+    blocks, its rows within the outputs' (a ValueError naming what does not)."""
+    rows, bm = sched.rows, layout.block_rows
+    if sched.block_rows != bm or first % bm or first < 0 or first + rows > layout.rows:
+        raise ValueError(
+            f"macrobatch first_row {first} with {rows} rows must be whole {bm}-row blocks "
+            f"inside the layout's {layout.rows} rows"
+        )
+    dx_rows = rows if mo.by_window else layout.rows
+    if mo.dg.shape[0] < rows or mo.dxs.shape[0] < dx_rows:
+        raise ValueError(
+            f"macrobatch outputs hold {mo.dg.shape[0]} window rows and {mo.dxs.shape[0]} "
+            f"d_x rows, the launch needs >= {rows} and >= {dx_rows}"
+        )
 
 
 def _part_descriptors(
@@ -819,6 +1000,7 @@ def fused_backward(
     swiglu_split: int = 4,
     budget: int | None = None,
     flags: torch.Tensor | None = None,
+    macrobatch: Macrobatch | None = None,
 ) -> FusedGrads:
     """The expert GEMMs of a one-process backward in one launch (no host sync): the shared
     expert's and the routed experts' dgrad and weight gradients.
@@ -840,9 +1022,15 @@ def fused_backward(
         budget: polls of every wait (None: ``comm.spin_budget()``).
         flags: a zeroed int32 flag buffer (``sync.backward_flag_layout``); a test hook: a
             pre-set counter reproduces a missing signal.
+        macrobatch: one launch of a macrobatched backward (:class:`Macrobatch`): ``sched`` is
+            a row window of its layout and the routed rows are the window's; the routed d_x
+            rows, d_g and d_u and the weight gradients go into its outputs, each
+            weight-gradient tile summing the window's rows of its expert on from the carry.
+            After the launches of every window in order the outputs hold one launch's bits.
 
     Returns:
-        :class:`FusedGrads`.
+        :class:`FusedGrads` (with ``macrobatch``: its outputs' d_x rows and weight gradients,
+        final after the last window).
     """
     return _launch(
         ws,
@@ -854,6 +1042,7 @@ def fused_backward(
         dict(lag=lag, programs=programs, swiglu_split=swiglu_split),
         budget,
         flags,
+        macrobatch=macrobatch,
     )
 
 
@@ -876,6 +1065,9 @@ def fused_backward_ep(
     swiglu_split: int = 4,
     budget: int | None = None,
     flags: torch.Tensor | None = None,
+    macrobatch: Macrobatch | None = None,
+    dy_rows: torch.Tensor | None = None,
+    dz: torch.Tensor | None = None,
 ) -> FusedGrads:
     """:func:`fused_backward` at W > 1 with its communication inside the launch (no host sync):
     comm programs pull the dy rows of this rank's experts from the source ranks' ``dy_buffer``
@@ -887,8 +1079,11 @@ def fused_backward_ep(
     their ``dx_slots`` after the next barrier. ``sched``: the schedule built from every rank's
     ids; ``slot_weights`` ``[W*T*K]`` fp32: every rank's router weights by global slot
     (``comm.gather_routing``); ``num_comm``: comm programs (None: ``plan.comm_programs_for`` of
-    the grid); the other arguments as :func:`fused_backward`. d topk_weights is not computed
-    here: ``rows.route_grad_rows`` on the returned ``dy_rows`` gives it (its reduction order).
+    the grid); the other arguments as :func:`fused_backward` (``macrobatch``: with d_x rows
+    ``by_window``, each launch pushing its window's). ``dy_rows``, ``dz``: where the pulled dy
+    rows and dz go (default: new tensors; contiguous [sched.rows, H]). d topk_weights is not
+    computed here: ``rows.route_grad_rows`` on the returned ``dy_rows`` gives it (its reduction
+    order).
     """
     comm.check_schedule(ws, sched)
     if not ws.backward:
@@ -900,8 +1095,15 @@ def fused_backward_ep(
             f"{slot_weights.dtype} with {slot_weights.numel()}"
         )
     rows, hidden = sched.rows, ws.hidden
-    dy_rows = empty((rows, hidden), ws.dtype, ws.device)
-    dz = empty((rows, hidden), ws.dtype, ws.device)
+    if macrobatch is not None and not macrobatch.outputs.by_window:
+        raise ValueError("fused_backward_ep pushes d_x by window: macrobatch outputs by_window")
+    bufs = []
+    for name, t in (("dy_rows", dy_rows), ("dz", dz)):
+        if t is None:
+            bufs.append(empty((rows, hidden), ws.dtype, ws.device))
+        else:
+            bufs.append(check_out(name, t, (rows, hidden), ws.dtype))
+    dy_rows, dz = bufs
     exchange = (ws.peers.dy, ws.peers.dx, dy_rows, dz, slot_weights.contiguous())
     return _launch(
         ws,
@@ -914,6 +1116,7 @@ def fused_backward_ep(
         budget,
         flags,
         exchange,
+        macrobatch,
     )
 
 
@@ -928,9 +1131,10 @@ def _launch(
     budget: int | None,
     flags: torch.Tensor | None,
     exchange: tuple | None = None,
+    macrobatch: Macrobatch | None = None,
 ) -> FusedGrads:
     """Check, plan, allocate and launch (``exchange``: W > 1's (dy table, dx table, dy_rows,
-    dz, slot weights), else None)."""
+    dz, slot weights), else None; ``macrobatch``: see :func:`fused_backward`)."""
     dz, xs, g, u, h = routed_rows
     w_gate, w_up, w_down = weights
     dev, dtype = dz.device, dz.dtype
@@ -960,19 +1164,34 @@ def _launch(
         world_size=ws.world_size,
         top_k=sched.top_k,
         itemsize=dtype.itemsize,
+        carry=macrobatch is not None,
         **tunables,
     )
-    dg, du = empty((rows, i), dtype, dev), empty((rows, i), dtype, dev)
-    dxs = empty((rows, hidden), dtype, dev)
-    # (the gradients in the activations' dtype, as gemm.wgrad)
-    d_gate, d_up = _gate_up_grads(w_gate, w_up, dtype)
-    d_down = empty(w_down.shape, dtype, dev)
+    if macrobatch is None:
+        dg, du = empty((rows, i), dtype, dev), empty((rows, i), dtype, dev)
+        dxs = empty((rows, hidden), dtype, dev)
+        # (the gradients in the activations' dtype, as gemm.wgrad)
+        d_gate, d_up = _gate_up_grads(w_gate, w_up, dtype)
+        d_down = empty(w_down.shape, dtype, dev)
+        out_dxs = dxs
+        carries = (d_gate, d_up, d_down)  # (never read: C.CARRY False)
+        words = sched.counts
+    else:
+        mo, layout, first = macrobatch
+        _check_macrobatch(mo, layout, first, sched)
+        dg, du = mo.dg[:rows], mo.du[:rows]
+        dxs = mo.dxs[:rows] if mo.by_window else mo.dxs[first : first + rows]
+        d_gate, d_up, d_down = mo.d_w_gate, mo.d_w_up, mo.d_w_down
+        out_dxs = mo.dxs
+        carries = mo.carries
+        words = carry_words(layout, first, rows, plan.meta.BK_WGRAD)
     (wg, wgu_rows), (wu, _) = gate_up_2d(w_gate, w_up)
     wd, wd_rows = weight_2d(w_down)
     routed_descs = _part_descriptors(
         plan, dz, xs, g, u, h, (wd, wg, wu), (dg, du, dxs, d_gate, d_up, d_down)
     )
-    out = dict(dxs=dxs, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down)
+    carry_descs = tuple(descriptor(c, [1, plan.meta.BM_WGRAD, plan.meta.BN_WGRAD]) for c in carries)
+    out = dict(dxs=out_dxs, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down)
     if shared is None:  # never read (C.SHARED False removes the shared branch)
         shared_descs = routed_descs
     else:
@@ -998,8 +1217,9 @@ def _launch(
     budget = comm.spin_budget(budget)
     fused_backward_kernel[(plan.grid,)](
         *routed_descs,
+        *carry_descs,
         *shared_descs,
-        (sched.row_start, sched.block_expert, sched.num_blocks, sched.counts),
+        (sched.row_start, sched.block_expert, sched.num_blocks, sched.counts, words),
         (
             t_rows,
             hidden,

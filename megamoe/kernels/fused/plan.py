@@ -377,6 +377,9 @@ class BackwardMeta(NamedTuple):
     COLS: int
     RG_ROWS: int  # tile of the route-grad task (elementwise: any shape gives the same dz)
     RG_COLS: int
+    # A macrobatch (a launch over one row window of the layout): the routed weight-gradient
+    # tiles continue and leave fp32 carries (``gemm.wgrad_tile``'s ``CARRY``)
+    CARRY: bool = False
 
     def as_constexprs(self) -> "BackwardMeta":
         return BackwardMeta(*(tl.constexpr(v) for v in self))
@@ -428,6 +431,7 @@ def plan_backward(
     num_comm: int | None = None,
     top_k: int = 1,
     itemsize: int = 2,
+    carry: bool = False,
 ) -> BackwardPlan:
     """The plan of one fused backward launch; a bad value is a ValueError naming it.
 
@@ -436,7 +440,9 @@ def plan_backward(
     :func:`backward_lag_for`; ``programs`` None: one per SM (the interpreter: one);
     ``swiglu_split``: column pieces of the SwiGLU-backward epilogue (1, 2 or 4: the same bits,
     fewer registers). ``exchange`` (W > 1): ``num_comm`` programs pull dy and push d_x (None:
-    :func:`comm_programs_for` of the grid; they leave at least one program computing)."""
+    :func:`comm_programs_for` of the grid; they leave at least one program computing).
+    ``carry``: a macrobatch of the layout (``rows``: the window's), whose routed weight
+    gradients continue from and leave fp32 carries."""
     from .. import comm
 
     bm = block_rows
@@ -500,7 +506,13 @@ def plan_backward(
         COLS=copy_cols,
         RG_ROWS=math.gcd(bm, ROUTE_GRAD_ROWS),
         RG_COLS=min(ROUTE_GRAD_COLS, triton.next_power_of_2(hidden)),
+        CARRY=carry,
     )
+    if carry and bm % meta.BK_WGRAD:
+        raise ValueError(
+            f"a macrobatch needs the weight gradients' K step ({meta.BK_WGRAD}) to divide the "
+            f"block rows ({bm})"
+        )
     return BackwardPlan(
         grid=grid,
         group_rows=group_rows,
