@@ -99,10 +99,9 @@ def main() -> None:
             )
         del mods, grads
         torch.cuda.empty_cache()
-    out = dict(gpu=torch.cuda.get_device_name(), records=records)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        if args.out:  # (after every preset: a run cut short keeps what it measured)
+            with open(args.out, "w") as f:
+                json.dump(dict(gpu=torch.cuda.get_device_name(), records=records), f, indent=1)
 
 
 if __name__ == "__main__":
