@@ -42,6 +42,7 @@ __all__ = [
     "CARRY_ACTIVE",
     "CARRY_IN",
     "CARRY_OUT",
+    "CARRY_SLOT",
 ]
 
 
@@ -94,10 +95,13 @@ INTERPRETER_TILES: dict[str, GemmTiles] = {
 }
 # Bits of a macrobatched weight-gradient tile's carry word (``wgrad_tile``'s ``CARRY``): the
 # launch sums some of the expert's rows (else the tile does nothing), its accumulator starts
-# from the fp32 carry (else from +0), it goes back to the carry (else into the gradient).
+# from the fp32 carry (else from +0), it goes back to the carry (else into the gradient), and
+# the carry slot it goes to: 1 with ``CARRY_SLOT`` (an odd window), else 0; it starts from the
+# other slot (the one the last window left it in).
 CARRY_ACTIVE = tl.constexpr(1)
 CARRY_IN = tl.constexpr(2)
 CARRY_OUT = tl.constexpr(4)
+CARRY_SLOT = tl.constexpr(8)
 # Balanced rows per expert (``RowSchedule.balanced_rows``) at or below which the weight
 # gradients take the "wgrad_few_rows" tiles.
 FEW_ROWS_PER_EXPERT = 128
@@ -350,24 +354,31 @@ def wgrad_tile(
     in order, BK rows a step (no split-K): one program per output tile.
 
     ``CARRY`` (a macrobatched backward, which sums an expert's rows over several launches): the
-    fp32 accumulator starts from the tile of ``carry_desc`` (an fp32 [E, M, N] buffer) when
-    ``carry & CARRY_IN`` (else from +0, as without ``CARRY``) and goes back there when
-    ``carry & CARRY_OUT`` (else it is cast into ``c_desc``). With every launch's rows on K-step
-    multiples the tile takes the same ``mma`` steps from the same +0 as one launch over all the
-    rows: the same bits. Without ``CARRY`` ``carry_desc`` and ``carry`` are never read.
+    fp32 accumulator starts from the tile of slot ``1 - s`` of ``carry_desc`` (an fp32 [2, M, N]
+    buffer: two slots, whatever the expert) when ``carry & CARRY_IN`` (else from +0, as without
+    ``CARRY``) and goes to slot ``s`` when ``carry & CARRY_OUT`` (else it is cast into
+    ``c_desc``), ``s`` = 1 when ``carry & CARRY_SLOT`` else 0. With every launch's rows on
+    K-step multiples the tile takes the same ``mma`` steps from the same +0 as one launch over
+    all the rows, and an fp32 value goes through memory unchanged: the same bits. Without
+    ``CARRY`` ``carry_desc`` and ``carry`` are never read.
 
     Shared by the unfused kernel and the fused backward, so both give the same bits.
     """
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    out_at = -1
     if CARRY:
         if (carry & CARRY_IN) != 0:
-            acc = carry_desc.load([expert, m0, n0]).reshape([BM, BN])
+            slot_in = 1 - (carry & CARRY_SLOT) // CARRY_SLOT
+            acc = carry_desc.load([slot_in, m0, n0]).reshape([BM, BN])
+        # the slot it goes to (-1: into c_desc), worked out here: only it stays live across the
+        # loop, not the word (a temporary after the loop spilled 4 B in the fused kernel at W = 2)
+        out_at = tl.where((carry & CARRY_OUT) != 0, (carry & CARRY_SLOT) // CARRY_SLOT, -1)
     # All rows of this expert, in order: padding rows hold zeros in A and B.
     for r in range(row_begin, row_end, BK):
         acc = mma(acc, a_desc.load([r, m0]).T, b_desc.load([r, n0]), UPCAST)
     if CARRY:
-        if (carry & CARRY_OUT) != 0:
-            carry_desc.store([expert, m0, n0], acc.reshape([1, BM, BN]))
+        if out_at >= 0:
+            carry_desc.store([out_at, m0, n0], acc.reshape([1, BM, BN]))
         else:
             c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
     else:

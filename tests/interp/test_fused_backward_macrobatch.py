@@ -5,13 +5,16 @@ The layout's rows are cut into host-known windows of the ring's rows; each is re
 (gather or pull, gate/up + SwiGLU, down) and differentiated by one fused launch whose
 weight-gradient tiles continue in fp32 carries. Checked: every gradient bitwise equal to backend
 "triton"'s for rings of 1, 2 and 3 row blocks and of every row (one window), with experts
-without rows, an expert straddling several windows, padding rows, windows past the used rows,
+without rows, an expert straddling several windows (up to 5), consecutive windows each with
+one expert carried in and another out, padding rows, windows past the used rows,
 a shared expert or none, stacked gate/up weights and a K step below the block rows (poisoned
 buffers: an element no launch wrote stays NaN), at W = 1 and at W = 2 and 3 emulated in
 lockstep (poisoned d_x / d_w slots), and after a capacity overflow (NaN, zeros, the error); the
-launches' windows; the carry words' sequence per expert and the window's expert range; no
-routed activation buffer of more than the ring's rows allocated during the backward (and the
-full replay does allocate them); bad arguments refused by name.
+launches' windows; the carries' two slots; the carry words' sequence per expert (the slots
+alternate: a carry in reads what the window before wrote, no window reads the slot it writes)
+and the window's expert range; no routed activation buffer of more than the ring's rows and no
+fp32 buffer of every expert's weight gradients allocated during the backward (and the full
+replay does allocate the former); bad arguments refused by name.
 """
 
 from __future__ import annotations
@@ -81,8 +84,12 @@ def _step(p, weights: ExpertWeights, mod, drop_routed: bool = False):
 # context without them: one window of every row), stacked gate/up). T48-E6 empty_experts: only
 # experts 0-2 get rows (expert 0: 3 row blocks, so it straddles 3, 2 and 1 windows of 1, 2, 3
 # blocks), padding rows in its last block and windows past the used rows. B64: the weight
-# gradients' K step (32) is below the block rows.
+# gradients' K step (32) is below the block rows. T70 one_expert: expert 0 has 5 row blocks (it
+# spans 5 windows of 1 block: both carry slots alternate, its middle windows take and leave a
+# carry), experts 1-3 2 each (in windows of 2 blocks consecutive windows each take one expert's
+# carry and leave another's).
 EMPTY = Case(48, 64, 40, 6, 2, shared=16, routing="empty_experts")
+ONE = Case(70, 64, 40, 4, 2, routing="one_expert")
 CASES = [
     (EMPTY, 3, 1, False),
     (EMPTY, 3, 2, True),
@@ -90,7 +97,20 @@ CASES = [
     (EMPTY, 3, None, False),
     (Case(29, 64, 40, 4, 2, routing="zipf"), 17, 2, False),
     (Case(50, 64, 48, 4, 2, shared=24, routing="zipf", block_rows=64), 23, 1, False),
+    (ONE, 4, 1, False),
+    (ONE, 4, 2, False),
 ]
+
+
+def _straddling(sched, window: int) -> list[int | None]:
+    """Per boundary between windows of ``window`` rows: the expert whose real rows lie on both
+    sides of it (its tiles carry across it), else None."""
+    starts, counts = sched.row_start.tolist(), sched.counts.tolist()
+    out = []
+    for b in range(window, sched.rows, window):
+        e = [e for e, (a, n) in enumerate(zip(starts, counts)) if a < b < a + n]
+        out.append(e[0] if e else None)
+    return out
 
 
 @pytest.mark.parametrize(
@@ -125,30 +145,61 @@ def test_macrobatch_backward_is_bitwise_triton(
     if case is EMPTY and ring is not None:
         assert max(spans) == (3 if window == bm else 2), spans
         assert used_rows(sched) + window <= sched.rows, "meant to have a window past the used"
+    if case is ONE:
+        straddle = _straddling(sched, window)
+        if ring_blocks == 1:
+            assert max(spans) >= 4 and straddle[:4] == [0] * 4, (spans, straddle)
+        else:  # windows 2 and 3: one expert's carry in, another's out
+            assert straddle[1:4] == [0, 1, 2], straddle
     if stacked:
         assert g.w_gate.data_ptr() + case.intermediate * case.hidden * 2 == g.w_up.data_ptr()
+    # the carries: two slots of each routed weight gradient, whatever the number of experts
+    carries = launches[0][1].outputs.carries
+    shapes = [(2, *getattr(weights, n).shape[1:]) for n in ("w_gate", "w_up", "w_down")]
+    assert [(tuple(c.shape), c.dtype) for c in carries] == [(s, torch.float32) for s in shapes]
+    if case is ONE:  # both slots of every tile written (allocated poisoned: NaN until then)
+        assert not any(c.isnan().any() for c in carries)
+
+
+def _slots(word: int) -> tuple[int, int]:
+    """(the carry slot a tile of this word reads, the one it writes), as ``gemm.wgrad_tile``."""
+    out = 1 if word & int(gemm.CARRY_SLOT) else 0
+    return 1 - out, out
 
 
 def test_carry_words_chain_every_tile_across_the_windows() -> None:
     """Per expert, over the windows in order: the active ones are consecutive and hold exactly
-    the rows its tiles sum, the first starts from +0, each later one takes the carry, the last
-    one stores the gradient; an expert without rows is active once, storing +0. Per window the
-    active experts are consecutive, from the first one the words name, as many as they say."""
+    the rows its tiles sum, the first starts from +0, each later one takes the carry from the
+    slot the window before left it in, the last one stores the gradient; an expert without
+    rows is active once, storing +0. Per window the active experts are consecutive, from the
+    first one the words name, as many as they say; at most one carries in and one out, and the
+    slot read is never the slot written (the experts of 2 blocks after one of 5 make consecutive
+    windows of 2 blocks each carry one expert in and another out; the one of 5 blocks spans up
+    to 5 windows)."""
     gen = torch.Generator().manual_seed(5)
     bm = 16
-    ids = torch.cat([torch.zeros(40, dtype=torch.int64), torch.full((9,), 2)])
+    counts = {0: 70, 2: 20, 4: 25, 5: 30}  # 5, 2, 2 and 2 blocks
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int64) for e, n in counts.items()])
     ids = ids[torch.randperm(ids.numel(), generator=gen)].view(-1, 1)  # experts 1, 3 empty
-    sched = build_row_schedule(ids, 4, bm)
+    sched = build_row_schedule(ids, 6, bm)
     starts, counts = sched.row_start.tolist(), sched.counts.tolist()
+    spans_max, both = 0, 0  # (the case is what it means to be)
     for bk in (8, 16):
         for window in (16, 32, 48):
             firsts = range(0, sched.rows, window)
-            words = [carry_words(sched, f, min(window, sched.rows - f), bk) for f in firsts]
-            for f, w in zip(firsts, words):
-                active = [e for e in range(4) if int(w[e]) & int(gemm.CARRY_ACTIVE)]
-                lo, n = int(w[4]), int(w[5])
-                assert active == list(range(lo, lo + n)), (bk, window, f, w.tolist())
-            for e in range(4):
+            words = [carry_words(sched, j, window, bk) for j in range(len(firsts))]
+            for j, (f, w) in enumerate(zip(firsts, words)):
+                active = [e for e in range(6) if int(w[e]) & int(gemm.CARRY_ACTIVE)]
+                lo, n = int(w[6]), int(w[7])
+                what = (bk, window, f, w.tolist())
+                assert active == list(range(lo, lo + n)), what
+                ins = [e for e in active if int(w[e]) & int(gemm.CARRY_IN)]
+                outs = [e for e in active if int(w[e]) & int(gemm.CARRY_OUT)]
+                assert len(ins) <= 1 and len(outs) <= 1, what
+                # window j writes slot j % 2 and reads the other one
+                assert all(_slots(int(w[e])) == (1 - j % 2, j % 2) for e in active), what
+                both += len(ins) == len(outs) == 1 and ins != outs
+            for e in range(6):
                 begin = starts[e]
                 end = min(begin + -(-counts[e] // bk) * bk, starts[e + 1])
                 seq = [int(w[e]) for w in words]
@@ -156,13 +207,17 @@ def test_carry_words_chain_every_tile_across_the_windows() -> None:
                 what = f"bk {bk}, window {window}, expert {e}: {seq}"
                 if end == begin:
                     assert act == [min(begin // window, len(seq) - 1)], what
-                    assert seq[act[0]] == int(gemm.CARRY_ACTIVE), what
+                    assert seq[act[0]] & ~int(gemm.CARRY_SLOT) == int(gemm.CARRY_ACTIVE), what
                     continue
                 assert act == list(range(begin // window, (end - 1) // window + 1)), what
+                spans_max = max(spans_max, len(act))
                 for i in act:
                     assert bool(seq[i] & int(gemm.CARRY_IN)) == (i != act[0]), what
                     assert bool(seq[i] & int(gemm.CARRY_OUT)) == (i != act[-1]), what
+                    if i != act[0]:  # takes the carry where the window before left it
+                        assert _slots(seq[i])[0] == _slots(seq[i - 1])[1], what
                 assert all(seq[i] == 0 for i in range(len(seq)) if i not in act), what
+    assert spans_max == 5 and both >= 3, (spans_max, both)
 
 
 def test_row_window_is_the_layouts_rows() -> None:
@@ -197,6 +252,7 @@ class _Allocations(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[torch.dtype] = []  # (of each of ``shapes``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -209,6 +265,7 @@ class _Allocations(TorchDispatchMode):
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.shapes.append(tuple(t.shape))
+                self.dtypes.append(t.dtype)
         return out
 
 
@@ -221,7 +278,9 @@ def _routed_shapes(shapes, case: Case, ring: int) -> list[tuple[int, ...]]:
 def test_routed_buffers_never_exceed_the_ring() -> None:
     """With a ring of a quarter of the rows, nothing of more than the ring's rows and a
     routed activation's width is made during the backward but the layout's d_x rows (the
-    combine's input, as the forward's combine buffer); the full replay makes several."""
+    combine's input, as the forward's combine buffer); the full replay makes several. The fp32
+    tensors shaped like the routed weights: the carries' two slots of each, nothing of every
+    expert (the gradients themselves are bf16)."""
     case = Case(48, 64, 40, 6, 2, shared=24, routing="empty_experts")
     bm = case.block_rows
     rows = max_rows(case.tokens * case.top_k, case.experts, bm)
@@ -238,6 +297,13 @@ def test_routed_buffers_never_exceed_the_ring() -> None:
         grads = fused_backend.backward(ctx, dy)
     big = _routed_shapes(rec.shapes, case, ring)
     assert big == [(rows, case.hidden)], big
+    h, i = case.hidden, case.intermediate
+    weight_like = [
+        s
+        for s, dt in zip(rec.shapes, rec.dtypes)
+        if dt == torch.float32 and len(s) == 3 and s[1:] in ((i, h), (h, i))
+    ]
+    assert case.experts > 2 and sorted(weight_like) == sorted([(2, i, h)] * 2 + [(2, h, i)])
     _, g_ref = _step(p, p.weights, backend)
     assert_same_grads(grads, g_ref, "ring of a quarter")
     # the check can fail: the replay of every row makes xs, g, u, h, z of every row
@@ -342,6 +408,8 @@ def test_bad_macrobatch_arguments_are_refused() -> None:
     window = row_window(sched, 16, 32)
     rows_ = [torch.zeros(32, n, dtype=torch.bfloat16) for n in (64, 64, 40, 40, 40)]
     outs = macrobatch_outputs(sched, 32, wts.w_gate, wts.w_up, wts.w_down, torch.bfloat16)
+    outs_64 = macrobatch_outputs(sched, 64, wts.w_gate, wts.w_up, wts.w_down, torch.bfloat16)
+    not_a_window = "with 32 rows must be a window of the outputs' {} ring rows"
     launch = (ws, window, *rows_[:1], *rows_[1:], wts.w_gate, wts.w_up, wts.w_down)
     for mb, match in (
         (Macrobatch(outs, sched, 8), "macrobatch first_row 8 with 32 rows must be whole 16-row"),
@@ -350,6 +418,8 @@ def test_bad_macrobatch_arguments_are_refused() -> None:
             Macrobatch(dataclasses.replace(outs, dg=outs.dg[:16]), sched, 16),
             "macrobatch outputs hold 16 window rows",
         ),
+        (Macrobatch(outs, sched, 16), "first_row 16 " + not_a_window.format(32)),
+        (Macrobatch(outs_64, sched, 0), "first_row 0 " + not_a_window.format(64)),
     ):
         with pytest.raises(ValueError, match=match):
             ff.fused_backward(*launch, group_rows=16, macrobatch=mb)

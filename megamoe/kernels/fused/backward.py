@@ -44,8 +44,9 @@ After a bounded ring the backward runs one launch per macrobatch at every W (``m
 routed rows are the window's, and each routed weight-gradient tile sums the window's rows of its
 expert on from an fp32 carry and leaves it there for the next window (``C.CARRY``; the carry
 words of :func:`carry_words` say per expert which windows take part, start from +0 and store
-the gradient). Windows on K-step boundaries make the tile's ``mma`` sequence one launch's: the same
-bits.
+the gradient, and per window which of the two carry slots it reads and writes: only an expert
+straddling a window boundary carries, at most one per boundary). Windows on K-step boundaries
+make the tile's ``mma`` sequence one launch's: the same bits.
 
 The tiles are the unfused kernels' device functions with their tile shapes and warps: the
 gate+up dgrad tile is ``gemm.grouped_mm_tile``, a weight-gradient tile ``gemm.wgrad_tile``, a
@@ -73,6 +74,7 @@ from ..gemm import (
     CARRY_ACTIVE,
     CARRY_IN,
     CARRY_OUT,
+    CARRY_SLOT,
     expert_row_range,
     gate_up_2d,
     grouped_mm_tile,
@@ -388,8 +390,9 @@ def wgrad_part_task(
     ``C.CARRY`` (the routed part of a macrobatch: the tables are the row window's): the tile
     sums the expert's rows inside the window only, and ``carry_ptr[expert]`` (the carry word,
     ``gemm.CARRY_*``) says whether it has rows to sum here (else it does nothing, waits for
-    nothing), whether its accumulator continues the fp32 carry of the last macrobatch and
-    whether it goes back there (``gemm.wgrad_tile``'s ``CARRY``)."""
+    nothing), whether its accumulator continues the fp32 carry of the last macrobatch, whether
+    it goes back to a carry and which slots it reads and writes (``gemm.wgrad_tile``'s
+    ``CARRY``)."""
     PART: tl.constexpr = "routed" if ROUTED else "shared"
     CARRY: tl.constexpr = C.CARRY if ROUTED else False
     H, I = shape[0], shape[1]
@@ -518,7 +521,8 @@ def fused_backward_kernel(
     dwg_desc,
     dwu_desc,
     dwd_desc,
-    # a macrobatch (C.CARRY): the fp32 carries of d_w_gate, d_w_up, d_w_down (else unused)
+    # a macrobatch (C.CARRY): the fp32 carries [2, ...] of d_w_gate, d_w_up, d_w_down (else
+    # unused)
     cwg_desc,
     cwu_desc,
     cwd_desc,
@@ -812,14 +816,18 @@ class FusedGrads:
 @dataclass(frozen=True)
 class MacrobatchOutputs:
     """What the launches of a macrobatched backward (one per row window of the layout,
-    :class:`Macrobatch`) write between them: the d_x rows ``dxs`` (``by_window`` False, W = 1:
-    the layout's [rows, H], each launch its window's rows, which the combine reads after the
-    last; True, W > 1: [ring rows, H] reused by every launch, whose comm programs push them),
-    the routed weight gradients (as :class:`FusedGrads`), their fp32 carries ``carries``
-    (d_w_gate, d_w_up, d_w_down: each tile's accumulator from one macrobatch to the next; never
+    :class:`Macrobatch`: window j holds the rows ``[j * ring_rows, (j + 1) * ring_rows)``, the
+    last one up to the layout's end) write between them: the d_x rows ``dxs`` (``by_window``
+    False, W = 1: the layout's [rows, H], each launch its window's rows, which the combine
+    reads after the last; True, W > 1: [ring rows, H] reused by every launch, whose comm
+    programs push them), the routed weight gradients (as :class:`FusedGrads`), their fp32
+    carries ``carries`` (d_w_gate, d_w_up [2, I, H], d_w_down [2, H, I]: two slots, each
+    holding the accumulators of the expert that straddles one window boundary from one
+    macrobatch to the next, window j writing slot j % 2 and reading slot (j - 1) % 2; never
     read before written) and the window's d_g, d_u rows [ring rows, I] (reused by every
     launch)."""
 
+    ring_rows: int
     by_window: bool
     dxs: torch.Tensor
     d_w_gate: torch.Tensor
@@ -855,8 +863,10 @@ def macrobatch_outputs(
     dev = w_gate.device
     e, i, hidden = w_gate.shape
     d_gate, d_up = _gate_up_grads(w_gate, w_up, dtype)
-    carries = tuple(empty(w.shape, torch.float32, dev) for w in (w_gate, w_up, w_down))
+    # two slots: at most one expert straddles each window boundary
+    carries = tuple(empty((2, *w.shape[1:]), torch.float32, dev) for w in (w_gate, w_up, w_down))
     return MacrobatchOutputs(
+        ring_rows=ring_rows,
         by_window=by_window,
         dxs=empty((ring_rows if by_window else layout.rows, hidden), dtype, dev),
         d_w_gate=d_gate,
@@ -868,20 +878,24 @@ def macrobatch_outputs(
     )
 
 
-def carry_words(layout: RowSchedule, first: int, rows: int, bk: int) -> torch.Tensor:
-    """int32 [E + 2]: each expert's carry word (``gemm.CARRY_*``) in the window ``[first,
-    first + rows)`` of ``layout``, then the first active expert and the number of active ones
-    (small device ops, no host read). An expert's weight-gradient tiles sum its rows
-    ``[begin, end)`` (``gemm.expert_row_range``, K step ``bk``); a window that holds some of
-    them is active, takes the carry unless it holds ``begin``, and leaves it unless it holds the
-    last one. An expert with nothing to sum (no rows) is active once, in the window that holds
-    its ``begin`` (the last window when that is the layout's end): its tiles then store +0 as
-    one launch would. The experts' ranges follow one another in the layout, so the active ones
-    are consecutive: the launch's task list holds only their weight-gradient tiles (a window
-    past the used rows has almost none)."""
+def carry_words(layout: RowSchedule, window: int, ring: int, bk: int) -> torch.Tensor:
+    """int32 [E + 2]: each expert's carry word (``gemm.CARRY_*``) in window ``window`` of
+    ``layout`` in windows of ``ring`` rows (its rows ``[window * ring, (window + 1) * ring)``,
+    up to the layout's end), then the first active expert and the number of active ones (small
+    device ops, no host read). An expert's weight-gradient tiles sum its rows ``[begin, end)``
+    (``gemm.expert_row_range``, K step ``bk``); a window that holds some of them is active,
+    takes the carry unless it holds ``begin``, and leaves it unless it holds the last one. An
+    expert with nothing to sum (no rows) is active once, in the window that holds its
+    ``begin`` (the last window when that is the layout's end): its tiles then store +0 as one
+    launch would. The experts' ranges follow one another in the layout, so the active ones are
+    consecutive (the launch's task list holds only their weight-gradient tiles: a window past
+    the used rows has almost none), and at most one expert carries across each boundary: the
+    active words of an odd window hold ``CARRY_SLOT`` (the carry out goes to slot
+    ``window % 2``, the carry in comes from the other one, which the window before wrote)."""
     begin = layout.row_start[:-1]
     end = torch.minimum(begin + (layout.counts + bk - 1) // bk * bk, layout.row_start[1:])
-    stop = first + rows
+    first = window * ring
+    stop = min(first + ring, layout.rows)
     holds_begin = (begin >= first) & ((begin < stop) | (stop >= layout.rows))
     nonempty = end > begin
     active = torch.where(nonempty, (end > first) & (begin < stop), holds_begin)
@@ -891,6 +905,7 @@ def carry_words(layout: RowSchedule, first: int, rows: int, bk: int) -> torch.Te
         active.to(torch.int32) * CARRY_ACTIVE.value
         + carry_in.to(torch.int32) * CARRY_IN.value
         + carry_out.to(torch.int32) * CARRY_OUT.value
+        + active.to(torch.int32) * (window % 2 * CARRY_SLOT.value)
     )
     count = active.to(torch.int32).sum(0, keepdim=True, dtype=torch.int32)
     lo = (active.to(torch.int32).cumsum(0, dtype=torch.int32) == 0).to(torch.int32)
@@ -928,7 +943,8 @@ def _check_macrobatch(
     mo: MacrobatchOutputs, layout: RowSchedule, first: int, sched: RowSchedule
 ) -> None:
     """A :class:`Macrobatch` that fits its launch: the window inside the layout, on whole row
-    blocks, its rows within the outputs' (a ValueError naming what does not)."""
+    blocks, its rows within the outputs', one of the outputs' windows of their ring rows (a
+    ValueError naming what does not)."""
     rows, bm = sched.rows, layout.block_rows
     if sched.block_rows != bm or first % bm or first < 0 or first + rows > layout.rows:
         raise ValueError(
@@ -940,6 +956,12 @@ def _check_macrobatch(
         raise ValueError(
             f"macrobatch outputs hold {mo.dg.shape[0]} window rows and {mo.dxs.shape[0]} "
             f"d_x rows, the launch needs >= {rows} and >= {dx_rows}"
+        )
+    ring = mo.ring_rows
+    if first % ring or rows != min(ring, layout.rows - first):
+        raise ValueError(
+            f"macrobatch first_row {first} with {rows} rows must be a window of the outputs' "
+            f"{ring} ring rows (first_row a multiple, rows up to the next or the layout's end)"
         )
 
 
@@ -1184,7 +1206,7 @@ def _launch(
         d_gate, d_up, d_down = mo.d_w_gate, mo.d_w_up, mo.d_w_down
         out_dxs = mo.dxs
         carries = mo.carries
-        words = carry_words(layout, first, rows, plan.meta.BK_WGRAD)
+        words = carry_words(layout, first // mo.ring_rows, mo.ring_rows, plan.meta.BK_WGRAD)
     (wg, wgu_rows), (wu, _) = gate_up_2d(w_gate, w_up)
     wd, wd_rows = weight_2d(w_down)
     routed_descs = _part_descriptors(
