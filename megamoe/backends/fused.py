@@ -272,7 +272,7 @@ def _local_backward(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> MoEG
     )
     invalid = ctx.schedule.invalid
     dx = rows.combine(out.dxs, sched, None, out.dx_shared, x.dtype, invalid)
-    d_topk = torch.where(invalid != 0, float("nan"), d_topk)  # (else stale values)
+    d_topk = steps.nan_if(invalid, d_topk)  # (else stale values)
     return MoEGrads(
         dx,
         d_topk,
@@ -374,7 +374,7 @@ def _macrobatch_steps(ctx: TritonContext, dy: torch.Tensor, ws: Workspace) -> st
         d_topk = ws.dw_slots.view(ws.num_tokens, ws.top_k)
     else:
         dx = rows.combine(outputs.dxs, sched, None, shared.dx_shared, x.dtype, invalid)
-    d_topk = steps._nan_if(invalid, d_topk)  # (else stale values)
+    d_topk = steps.nan_if(invalid, d_topk)  # (else stale values)
     return MoEGrads(
         dx,
         d_topk,
@@ -423,7 +423,7 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads
         ws.dx_slots, ws.top_k, None, out.dx_shared, ctx.x.dtype, invalid=invalid
     )
     # (NaN after a capacity overflow or bad ids: nobody pushed, the slots are stale)
-    d_topk = steps._nan_if(invalid, ws.dw_slots.view(ws.num_tokens, ws.top_k))
+    d_topk = steps.nan_if(invalid, ws.dw_slots.view(ws.num_tokens, ws.top_k))
     return MoEGrads(
         dx,
         d_topk,

@@ -44,6 +44,7 @@ __all__ = [
     "backward_steps",
     "replay_steps",
     "replay_window",
+    "nan_if",
     "routed_unfused",
     "experts_unfused",
     "run_steps",
@@ -398,11 +399,11 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
     yield from barrier_point(ws)
     invalid = schedule.invalid
     dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype, invalid=invalid)
-    d_topk = _nan_if(invalid, ws.dw_slots.view(ws.num_tokens, ws.top_k))  # (else stale slots)
+    d_topk = nan_if(invalid, ws.dw_slots.view(ws.num_tokens, ws.top_k))  # (else stale slots)
     return MoEGrads(dx, d_topk, d_w_gate, d_w_up, d_w_down, *shared_grads)
 
 
-def _nan_if(invalid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def nan_if(invalid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t``, NaN everywhere when the step's ``invalid`` word is set (no host read)."""
     return torch.where(invalid != 0, float("nan"), t)
 
@@ -420,7 +421,7 @@ def local_backward(ctx: TritonContext, dy: torch.Tensor) -> MoEGrads:
     dx_shared = None if shared_dgrad is None else shared_dgrad[0]
     invalid = ctx.schedule.invalid
     dx = rows.combine(dxs, sched, None, dx_shared, ctx.x.dtype, invalid)
-    return MoEGrads(dx, _nan_if(invalid, d_topk), d_w_gate, d_w_up, d_w_down, *shared_grads)
+    return MoEGrads(dx, nan_if(invalid, d_topk), d_w_gate, d_w_up, d_w_down, *shared_grads)
 
 
 def empty_backward(ctx: EmptyContext) -> MoEGrads:

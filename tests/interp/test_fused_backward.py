@@ -41,7 +41,7 @@ from megamoe.kernels.runtime import poisoned_buffers
 from megamoe.types import ExpertWeights
 from support.bits import assert_same_grads, used_rows
 from support.lockstep import ep_step, lockstep
-from support.problems import Case, make_problem
+from support.problems import Case, make_problem, stacked_gate_up
 
 # Tiny spin budget of the watchdog tests: the missing signal never comes, so fail fast.
 STALL_BUDGET = 64
@@ -65,12 +65,6 @@ def fused_launches(monkeypatch) -> list:
 
     monkeypatch.setattr(fused_backend, "fused_backward", counted)
     return calls
-
-
-def _stacked(weights: ExpertWeights) -> ExpertWeights:
-    """The same weights with gate and up stacked in one [E, 2I, H] tensor (as the ops pass)."""
-    stacked = torch.cat([weights.w_gate, weights.w_up], dim=1)
-    return ExpertWeights.from_gate_up(stacked, *weights[2:]).split_gate_up()
 
 
 def _train_step(p, weights: ExpertWeights, name: str):
@@ -106,7 +100,7 @@ def test_backward_is_bitwise_triton(
     bm = case.block_rows
     ring = (ring_blocks or 1024) * group_blocks * bm
     p = make_problem(case, 3, minibatch_rows=group_blocks * bm, ring_rows=ring)
-    weights = _stacked(p.weights) if stacked else p.weights
+    weights = stacked_gate_up(p.weights) if stacked else p.weights
     assert fused_backend.backward_kind() == "fused"
     y_ref, ctx_ref, g_ref = _train_step(p, weights, "triton")
     y, ctx, g = _train_step(p, weights, "fused")

@@ -40,7 +40,7 @@ from megamoe.kernels.schedule import build_row_schedule, max_rows, row_window
 from megamoe.types import ExpertWeights
 from support.bits import assert_same_grads, used_rows
 from support.lockstep import ep_step, lockstep
-from support.problems import Case, make_problem
+from support.problems import Case, make_problem, stacked_gate_up
 
 
 @pytest.fixture(autouse=True)
@@ -60,11 +60,6 @@ def launches(monkeypatch) -> list:
 
     monkeypatch.setattr(fused_backend, "fused_backward", recorded)
     return calls
-
-
-def _stacked(weights: ExpertWeights) -> ExpertWeights:
-    stacked = torch.cat([weights.w_gate, weights.w_up], dim=1)
-    return ExpertWeights.from_gate_up(stacked, *weights[2:]).split_gate_up()
 
 
 def _step(p, weights: ExpertWeights, mod, drop_routed: bool = False):
@@ -122,7 +117,7 @@ def test_macrobatch_backward_is_bitwise_triton(
     bm = case.block_rows
     ring = None if ring_blocks is None else ring_blocks * bm
     p = make_problem(case, seed, minibatch_rows=bm, ring_rows=ring)
-    weights = _stacked(p.weights) if stacked else p.weights
+    weights = stacked_gate_up(p.weights) if stacked else p.weights
     ctx_ref, g_ref = _step(p, weights, backend)
     ctx, g = _step(p, weights, fused_backend, drop_routed=ring is None)
     assert_same_grads(g, g_ref, case.id)

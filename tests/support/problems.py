@@ -135,6 +135,13 @@ def random_weights(
     )
 
 
+def stacked_gate_up(weights: ExpertWeights) -> ExpertWeights:
+    """The same weights with gate and up stacked in one [E, 2I, H] tensor (as the ops pass
+    them): ``w_gate`` and ``w_up`` become its halves."""
+    stacked = torch.cat([weights.w_gate, weights.w_up], dim=1)
+    return ExpertWeights.from_gate_up(stacked, *weights[2:]).split_gate_up()
+
+
 def slice_weights(weights: ExpertWeights, rank: int, world_size: int) -> ExpertWeights:
     """The experts rank ``rank`` of ``world_size`` owns: ``[rank*E/W, (rank+1)*E/W)``."""
     e_local = weights.w_gate.shape[0] // world_size
