@@ -82,7 +82,7 @@ __all__ = [
 
 # Any expert-parallel world size, like backend "triton".
 MAX_WORLD_SIZE = None
-# "0": the backward is backend "triton"'s at every world size (an A/B switch; default "1").
+# "1": the fused backward kernel; "0" (the default): backend "triton"'s backward (backward_kind).
 FUSED_BACKWARD_ENV = "MEGAMOE_FUSED_BACKWARD"
 
 

@@ -1,6 +1,8 @@
 """Backends "triton" and "fused" on one Hopper GPU through the custom ops: a training step of
 router + MoE compiled with fullgraph gives eager's bits, captured in a CUDA graph it replays to
-them (also on new routing written into the captured inputs), and inductor compiles it too.
+them (also on new routing written into the captured inputs), and inductor compiles it too. Also
+backend "fused" with its fused backward after a ring of a quarter of the rows (the backward
+replays one macrobatch per launch and carries the weight gradients across them).
 
 Run on the device: ``python -m pytest tests/gpu/test_compile.py``.
 """
@@ -20,10 +22,16 @@ from support.problems import Case, make_problem  # noqa: E402
 DEV = torch.device("cuda")
 # a Qwen3-30B-like layer (one rank's share of the experts), with a shared expert
 CASE = Case(2048, 2048, 768, 32, 8, shared=512, block_rows=128)
+# name: (backend, ring rows (None: every row), MEGAMOE_FUSED_BACKWARD)
+VARIANTS = {
+    "triton": ("triton", None, "0"),
+    "fused": ("fused", None, "0"),
+    "fused backward, ring of 4096 of 16384 rows": ("fused", 4096, "1"),
+}
 
 
-def _block(backend: str):
-    cfg = CASE.config(minibatch_rows=1024, ring_rows=None)
+def _block(backend: str, ring_rows: int | None = None):
+    cfg = CASE.config(minibatch_rows=1024, ring_rows=ring_rows)
     torch.manual_seed(0)
     router = megamoe.TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, device=DEV)
     moe = megamoe.MoE(cfg, backend=backend, device=DEV, seed=1)
@@ -49,9 +57,11 @@ def _run(step, x, params) -> list[torch.Tensor]:
     return [loss.detach().clone(), x.grad.clone(), *(p.grad.clone() for p in params)]
 
 
-@pytest.mark.parametrize("backend", ["triton", "fused"])
-def test_compiled_step_and_its_cuda_graph_give_eager_bits(backend: str) -> None:
-    router, moe, step = _block(backend)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_compiled_step_and_its_cuda_graph_give_eager_bits(variant: str, monkeypatch) -> None:
+    backend, ring_rows, fused_backward = VARIANTS[variant]
+    monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", fused_backward)
+    router, moe, step = _block(backend, ring_rows)
     params = _params(router, moe)
     x = make_problem(CASE, seed=2, device=DEV).x.requires_grad_(True)
     eager = _run(step, x, params)
