@@ -64,9 +64,10 @@
 #                        fresh machine compiling dominates the tests (the fused kernel compiles
 #                        once per tunable set: the EP tests took > 5 min there). If
 #                        $ROOT/.triton_cache.tgz or the pieces $ROOT/.triton_cache_parts/
-#                        triton_cache.tgz.part-* exist (git-ignored; carry them to the machine)
-#                        they are unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the cache
-#                        into $OUT/triton_cache.tgz.part-* at the end, pieces of 15 MiB (the
+#                        triton_cache.t{x,g}z.part-* exist (git-ignored; carry them to the
+#                        machine) they are unpacked first; MEGAMOE_SAVE_TRITON_CACHE=1 packs the
+#                        cache into $OUT/triton_cache.txz.part-* at the end, xz (a third of gzip's
+#                        size: the carry limit is 64 MiB with the tree), pieces of 15 MiB (the
 #                        device tool brings back files of up to 16 MiB; bring them back into
 #                        .triton_cache_parts/)
 #   MEGAMOE_PACK         1: at the end, pack every file under $OUT into $OUT/gpu_check.tgz (and
@@ -137,10 +138,13 @@ trap pack_out EXIT
 if [ -f "$ROOT/.triton_cache.tgz" ]; then
     tar xzf "$ROOT/.triton_cache.tgz" -C "$TRITON_CACHE_DIR" && echo "Triton cache: unpacked $ROOT/.triton_cache.tgz"
 fi
-if compgen -G "$ROOT/.triton_cache_parts/triton_cache.tgz.part-*" >/dev/null; then
-    cat "$ROOT"/.triton_cache_parts/triton_cache.tgz.part-* | tar xz -C "$TRITON_CACHE_DIR" \
-        && echo "Triton cache: unpacked $ROOT/.triton_cache_parts/"
-fi
+for z in tgz:z txz:J; do  # (name: tar's decompression flag)
+    if compgen -G "$ROOT/.triton_cache_parts/triton_cache.${z%:*}.part-*" >/dev/null; then
+        cat "$ROOT"/.triton_cache_parts/triton_cache."${z%:*}".part-* \
+            | tar "x${z#*:}" -C "$TRITON_CACHE_DIR" \
+            && echo "Triton cache: unpacked $ROOT/.triton_cache_parts/triton_cache.${z%:*}.part-*"
+    fi
+done
 
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -319,8 +323,8 @@ if want train; then
 fi
 
 if [ "${MEGAMOE_SAVE_TRITON_CACHE:-0}" = 1 ]; then
-    tar cz -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton_cache.tgz.part-" \
-        && echo "Triton cache: $(du -ch "$OUT"/triton_cache.tgz.part-* | tail -1 | cut -f1) in $OUT/triton_cache.tgz.part-*"
+    tar c -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/triton_cache.txz.part-" \
+        && echo "Triton cache: $(du -ch "$OUT"/triton_cache.txz.part-* | tail -1 | cut -f1) in $OUT/triton_cache.txz.part-*"
 fi
 echo "--- summary ($failures failed step(s)); files in $OUT:"
 cat "$SUMMARY"
