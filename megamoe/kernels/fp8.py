@@ -79,6 +79,10 @@ PACK_WORDS = 16
 # change).
 _ROWS = {False: 32, True: 128}
 _REQUANT_COLS = {False: 64, True: 128}
+# Warps of a 128x128 weight block's program: 16 quantize (both layouts) at 3.4-3.5 TB/s on an
+# H200, 82-83% of a bf16 copy_ of the weight, 1.03-1.05x 8 warps, 1.3x 4
+# (benchmarks/probes/quantize_weights.py; same bits).
+_WEIGHT_WARPS = 16
 
 
 class Fp8Weight(NamedTuple):
@@ -531,6 +535,6 @@ def quantize_weight(w: torch.Tensor, *, transposed: bool = False) -> Fp8Weight:
             w.stride(2),
             TRANSPOSED=transposed,
             UPCAST=interpreting(),
-            num_warps=8,
+            num_warps=_WEIGHT_WARPS,
         )
     return Fp8Weight(q, scale, q_t, scale_t)
