@@ -1,14 +1,21 @@
 """Probe (one GPU): what does the block-scale promotion cost an fp8 tile? The library's fp8
 GEMMs run at ~750-850 TFLOP/s, 40% of the fp8 peak, against cuBLAS's ~1250-1400 with one scale
 per row. Each variant here runs one persistent tile of a dense C = A W^T at dsv3's gate/up and
-down sizes three ways:
+down sizes:
 
 - ``plain``: no block scales, the tensor core accumulates over all of K (``tl.dot(a, b, acc)``):
   the tile's own ceiling (operand bytes, pipeline), whatever the promotion does;
 - ``promote, scales once``: the promotion ``acc += dot(a, b) * scale`` every 128 of K, with one
   scale per row loaded once per tile: the promotion's cost without the per-step scale loads;
 - ``promote`` (the library's ``fp8_gemm.fp8_mma`` with ``row_scales`` / ``weight_scales`` per K
-  step): what the library runs.
+  step): what the library runs;
+- ``promote, two 64-row halves``: a 128 x 128 tile in one warpgroup (4 warps, two programs per
+  SM) as two 64-row halves sharing each B tile, each half promoted before the other's MMA: the
+  128 x 128 tile's operand bytes per FLOP, and the other program's MMAs run while this one
+  promotes. As written, ptxas sets up the second half's zero accumulator while the first half's
+  partial product is live (255 registers, spills); ``late zero`` makes that zero from the
+  first half's promoted accumulator (an opaque ``mov``), so it cannot be hoisted: 234
+  registers, no spills.
 
     PYTHONPATH=. python benchmarks/probes/fp8_promotion_cost.py [--out probe.json]
 
