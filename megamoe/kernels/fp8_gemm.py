@@ -50,6 +50,8 @@ __all__ = [
     "tiles_for",
     "fp8_mma",
     "fp8_mm_acc",
+    "fp8_mm_acc_split",
+    "opaque_zero",
     "fp8_gate_up_tile",
     "fp8_grouped_mm_tile",
     "fp8_wgrad_tile",
@@ -83,15 +85,31 @@ def tiles_for(kind: str) -> GemmTiles:
 
 
 @triton.jit
-def fp8_mma(acc, a, b, a_scale, b_scale, UPCAST: tl.constexpr):
+def opaque_zero(like, UPCAST: tl.constexpr):
+    """Zeros of ``like``'s shape computed from ``like`` (an opaque ``mov``), so that the compiler
+    cannot set them up before ``like`` exists: a WGMMA accumulator started from them is not
+    live while an earlier partial product is."""
+    if UPCAST:
+        return tl.zeros(like.shape, dtype=tl.float32)
+    else:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, 0;", "=r,r", [like], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def fp8_mma(acc, a, b, a_scale, b_scale, UPCAST: tl.constexpr, after=None):
     """``acc += (a @ b) * a_scale * b_scale`` for one 128-deep K step of fp8 tiles: the product
     is accumulated in fp32 (float64 under the interpreter) and promoted with its scales
-    (powers of two: both multiplications are exact)."""
+    (powers of two: both multiplications are exact). With ``after`` the product's accumulator
+    starts from ``opaque_zero(after)`` (the same sum: +0 plus the products)."""
     if UPCAST:
         a64 = from_e4m3(a, UPCAST).to(tl.float64)
         d = tl.dot(a64, from_e4m3(b, UPCAST).to(tl.float64)).to(tl.float32)
-    else:
+    elif after is None:
         d = tl.dot(a, b)
+    else:
+        d = tl.dot(a, b, opaque_zero(after, UPCAST))
     if len(b_scale.shape) == 0:
         # one weight scale for the tile: the two scales' product per row first, then one FMA
         # per element, rounding as below would (products of powers of two are exact here)
@@ -153,6 +171,47 @@ def fp8_mm_acc(
         b = b_desc.load([expert * w_rows + col, k]).T
         acc = fp8_mma(acc, a, b, sa, sb, UPCAST)
     return acc
+
+
+@triton.jit
+def fp8_mm_acc_split(
+    acc0,
+    acc1,
+    a_desc,
+    a_s_ptr,
+    b_desc,
+    b_s_ptr,
+    expert,
+    row,
+    col,
+    w_rows,
+    M,
+    N,
+    K,
+    s_am,
+    s_ak,
+    s_be,
+    s_bn,
+    s_bk,
+    HM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``fp8_mm_acc`` of a 2*HM-row tile as two HM-row halves (accumulators ``acc0``, ``acc1``)
+    sharing each K step's B tile: the operand bytes per FLOP of the 2*HM-row tile with one
+    half's partial product live at a time (each half's product accumulator is started from the
+    other half's last promoted result, so it cannot be set up earlier). The same sums as two
+    ``fp8_mm_acc`` tiles."""
+    for kb in range(tl.cdiv(K, BK)):
+        k = kb * BK
+        sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+        b = b_desc.load([expert * w_rows + col, k]).T
+        sa0 = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, HM)
+        acc0 = fp8_mma(acc0, a_desc.load([row, k]), b, sa0, sb, UPCAST, acc1)
+        sa1 = row_scales(a_s_ptr, row + HM, kb, M, s_am, s_ak, HM)
+        acc1 = fp8_mma(acc1, a_desc.load([row + HM, k]), b, sa1, sb, UPCAST, acc0)
+    return acc0, acc1
 
 
 @triton.jit
@@ -231,59 +290,57 @@ def fp8_grouped_mm_tile(
     BK: tl.constexpr,
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
+    SPLIT_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One [BM, BN] output tile at (row, col): C = A W_e^T; with ``TWO_PAIRS`` C = A W_e^T +
     A2 W2_e^T in one accumulator (the pairs share their scales' strides); with ``SWIGLU_BWD``
-    the accumulator is d_h and the tile stores (d_g, d_u) into (c, c2) from the saved (g, u)."""
-    acc = fp8_mm_acc(
-        tl.zeros([BM, BN], dtype=tl.float32),
-        a_desc,
-        a_s_ptr,
-        b_desc,
-        b_s_ptr,
-        expert,
-        row,
-        col,
-        w_rows,
-        M,
-        N,
-        K,
-        s_am,
-        s_ak,
-        s_be,
-        s_bn,
-        s_bk,
-        BM,
-        BN,
-        BK,
-        UPCAST,
-    )
-    if TWO_PAIRS:
-        acc = fp8_mm_acc(
-            acc,
-            a2_desc,
-            a2_s_ptr,
-            b2_desc,
-            b2_s_ptr,
-            expert,
-            row,
-            col,
-            w2_rows,
-            M,
-            N,
-            K,
-            s_am,
-            s_ak,
-            s_be,
-            s_bn,
-            s_bk,
-            BM,
-            BN,
-            BK,
-            UPCAST,
-        )
-    store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc, SWIGLU_BWD, UPCAST)
+    the accumulator is d_h and the tile stores (d_g, d_u) into (c, c2) from the saved (g, u).
+    ``SPLIT_M`` 2: as two BM/2-row halves (``fp8_mm_acc_split``; the descriptors of A, A2, C,
+    C2, g and u then have BM/2-row blocks)."""
+    HM: tl.constexpr = BM // SPLIT_M
+    scales = (M, N, K, s_am, s_ak, s_be, s_bn, s_bk)
+    pair = (a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows)
+    pair2 = (a2_desc, a2_s_ptr, b2_desc, b2_s_ptr, w2_rows)
+    acc0 = tl.zeros([HM, BN], dtype=tl.float32)
+    if SPLIT_M == 2:
+        acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+        acc0, acc1 = _split_pass(acc0, acc1, pair, expert, row, col, scales, HM, BN, BK, UPCAST)
+        if TWO_PAIRS:
+            acc0, acc1 = _split_pass(
+                acc0, acc1, pair2, expert, row, col, scales, HM, BN, BK, UPCAST
+            )
+        store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc0, SWIGLU_BWD, UPCAST)
+        store_mm(c_desc, c2_desc, g_desc, u_desc, row + HM, col, acc1, SWIGLU_BWD, UPCAST)
+    else:
+        acc0 = _pass(acc0, pair, expert, row, col, scales, BM, BN, BK, UPCAST)
+        if TWO_PAIRS:
+            acc0 = _pass(acc0, pair2, expert, row, col, scales, BM, BN, BK, UPCAST)
+        store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc0, SWIGLU_BWD, UPCAST)
+
+
+@triton.jit
+def _pass(acc, pair, expert, row, col, scales, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """``fp8_mm_acc`` of one (A, W) pair, its arguments grouped as the tile holds them."""
+    a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows = pair
+    M, N, K, s_am, s_ak, s_be, s_bn, s_bk = scales
+    return fp8_mm_acc(
+        acc, a_desc, a_s_ptr, b_desc, b_s_ptr, expert, row, col, w_rows, M, N, K, s_am, s_ak,
+        s_be, s_bn, s_bk, BM, BN, BK, UPCAST,
+    )  # fmt: skip
+
+
+@triton.jit
+def _split_pass(acc0, acc1, pair, expert, row, col, scales, HM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """``fp8_mm_acc_split`` of one (A, W) pair, its arguments grouped as the tile holds them."""
+    a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows = pair
+    M, N, K, s_am, s_ak, s_be, s_bn, s_bk = scales
+    return fp8_mm_acc_split(
+        acc0, acc1, a_desc, a_s_ptr, b_desc, b_s_ptr, expert, row, col, w_rows, M, N, K, s_am,
+        s_ak, s_be, s_bn, s_bk, HM, BN, BK, UPCAST,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -414,6 +471,7 @@ def _fp8_grouped_mm_kernel(
     BK: tl.constexpr,
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
+    SPLIT_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -453,6 +511,7 @@ def _fp8_grouped_mm_kernel(
             BK,
             TWO_PAIRS,
             SWIGLU_BWD,
+            SPLIT_M,
             UPCAST,
         )
 
@@ -644,8 +703,14 @@ def _mm_launch(
     n = q.shape[1]
     t = tiles_for(kind)
     bm, block_tiles = row_tile(t, sched.block_rows)
+    if t.split_m not in (1, 2) or bm % (8 * t.split_m):
+        raise ValueError(
+            f"tiles[{kind!r}].split_m = {t.split_m} must be 1 or 2 and split the tile's {bm} rows "
+            "into sub-tiles of a multiple of 8 rows"
+        )
+    hm = bm // t.split_m  # the rows of the A and output blocks
     wb, w_rows = weight_2d(q)
-    a_desc = descriptor(a, [bm, t.bk])
+    a_desc = descriptor(a, [hm, t.bk])
     b_desc = descriptor(wb, [t.bn, t.bk])
     a2_desc, a2_s, b2_desc, s2, w2_rows = a_desc, a_scale, b_desc, s, w_rows
     if a2 is not None:
@@ -656,15 +721,15 @@ def _mm_launch(
         if q2.shape != q.shape:
             raise ValueError(f"{names2[1]} is {list(q2.shape)}, {names[1]} is {list(q.shape)}")
         wb2, w2_rows = weight_2d(q2)
-        a2_desc, b2_desc = descriptor(a2_q, [bm, t.bk]), descriptor(wb2, [t.bn, t.bk])
+        a2_desc, b2_desc = descriptor(a2_q, [hm, t.bk]), descriptor(wb2, [t.bn, t.bk])
         a2_s, s2 = _like(a2_scale, a_scale), _like(s2, s)
     outs = [empty((rows, n), out_dtype, a.device) for _ in range(2 if gu is not None else 1)]
-    c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
+    c_descs = [descriptor(o, [hm, t.bn]) for o in outs]
     if gu is not None:
         for name, x in zip(("g", "u"), gu):
             if tuple(x.shape) != (rows, n):
                 raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
-    gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
+    gu_descs = [descriptor(x, [hm, t.bn]) for x in gu] if gu is not None else c_descs * 2
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _fp8_grouped_mm_kernel[grid](
@@ -694,6 +759,7 @@ def _mm_launch(
         BK=t.bk,
         TWO_PAIRS=a2 is not None,
         SWIGLU_BWD=gu is not None,
+        SPLIT_M=t.split_m,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),

@@ -57,6 +57,10 @@ _FP8_ROW = [
     T(bn=128, bk=128, stages=3, warps=8),
     T(bn=128, bk=128, stages=2, warps=4, bm=64, programs_per_sm=3),
     T(bn=64, bk=128, stages=4, warps=4, bm=64, programs_per_sm=3),
+    # 128-row tiles in one warpgroup as two 64-row halves (``fp8_gemm.fp8_mm_acc_split``): the
+    # 128 x 128 tile's operand bytes, promotions hidden by the other program's MMAs
+    T(bn=128, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2),
+    T(bn=128, bk=128, stages=2, warps=4, bm=128, programs_per_sm=2, split_m=2),
 ]
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
@@ -109,13 +113,14 @@ _BLOCK_RESERVED_BYTES = 1024
 
 def fits_shared_memory(tile_kind: str, t: GemmTiles, precision: str, block_rows: int = 128) -> bool:
     """An estimate of whether ``programs_per_sm`` programs of these tiles fit one SM's shared
-    memory: the operand stages plus one bf16 epilogue tile (Triton reuses it for the others).
+    memory: the operand stages plus one bf16 epilogue tile (Triton reuses it for the others;
+    a split tile stores one sub-tile at a time).
     A compile that does not fit fails anyway; this keeps the sweep from compiling it."""
     a_bytes = 1 if precision == "fp8" else 2
     bm = t.bm or block_rows
     b_tiles = 2 if tile_kind == "gate_up" else 1
     stage = (bm * t.bk + b_tiles * t.bn * t.bk) * a_bytes
-    per_program = t.stages * stage + bm * t.bn * 2 + _BLOCK_RESERVED_BYTES
+    per_program = t.stages * stage + bm // t.split_m * t.bn * 2 + _BLOCK_RESERVED_BYTES
     return per_program * t.programs_per_sm <= _SM_SHARED_BYTES
 
 
@@ -343,7 +348,7 @@ def _line(rec: dict) -> str:
     t = rec["tiles"]
     tiles = (
         f"{t['bm'] or 'blk'}x{t['bn']}x{t['bk']} s{t['stages']} w{t['warps']}"
-        f" p{t['programs_per_sm']}"
+        f" p{t['programs_per_sm']}" + (f" split{t['split_m']}" if t.get("split_m", 1) > 1 else "")
     )
     head = f"{rec['shape']:16s} {rec['precision']:4s} {rec['kernel']:14s} {tiles:28s}"
     if "error" in rec:

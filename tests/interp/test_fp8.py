@@ -523,8 +523,8 @@ def test_gemms_match_float64_of_the_quantized_operands(
 def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkeypatch) -> None:
     """Every GEMM, run to run, for every grid, output tile width (16 to 256: the weight scales
     as one scalar or one per column; the weight gradient's tile height too), row tile height
-    (a 128-row block in two tiles), programs per SM and activation scale layout (MN-major or
-    row-major)."""
+    (a 128-row block in two tiles), a row tile as two halves (``split_m``), programs per SM
+    and activation scale layout (MN-major or row-major)."""
     p = make_problem(128, seed=5)
     s = p.sched
     gen = torch.Generator().manual_seed(8)
@@ -553,10 +553,20 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
     for what, kw in (("a repeat", {}), ("1 program", dict(programs=1))):
         for name, got in every_gemm(**kw).items():
             assert torch.equal(got, want[name]), f"{name} changed: {what}"
-    for bn, bm, row_bm, per_sm in ((16, 16, 0, 1), (256, 64, 0, 1), (32, 32, 64, 2)):
+    for bn, bm, row_bm, per_sm, split in (
+        (16, 16, 0, 1, 1),
+        (256, 64, 0, 1, 1),
+        (32, 32, 64, 2, 1),
+        (32, 32, 0, 2, 2),  # the row-block GEMMs' tiles as two halves (fp8_mm_acc_split)
+        (16, 32, 32, 1, 2),
+    ):
         tiles = {
             kind: dataclasses.replace(
-                t, bn=bn, bm=bm if kind == "wgrad" else row_bm, programs_per_sm=per_sm
+                t,
+                bn=bn,
+                bm=bm if kind == "wgrad" else row_bm,
+                programs_per_sm=per_sm,
+                split_m=split if kind in ("mm", "swiglu_bwd") else 1,
             )
             for kind, t in fp8_gemm.INTERPRETER_TILES.items()
         }
