@@ -30,7 +30,8 @@ from .bench_kernels import KERNELS, _flops, _gpu_name, event_times_ms, gemm_shap
 
 __all__ = ["CANDIDATES", "TILE_KIND", "sweep_tiles", "fits_shared_memory"]
 
-# The tile table entry each kernel of the bench reads.
+# The tile table entry each kernel of the bench reads (fp8's dgrad of gate/up has its own:
+# ``FP8_TILE_KIND``).
 TILE_KIND = {
     "gate_up": "gate_up",
     "down": "mm",
@@ -39,6 +40,7 @@ TILE_KIND = {
     "wgrad_down": "wgrad",
     "wgrad_gate_up": "wgrad",
 }
+FP8_TILE_KIND = {**TILE_KIND, "dgrad_pair": "pair"}
 
 T = GemmTiles
 # Candidates beside the defaults: narrower tiles, other depths, two programs per SM with
@@ -57,6 +59,7 @@ _FP8_ROW = [
     T(bn=128, bk=128, stages=3, warps=8),
     T(bn=128, bk=128, stages=2, warps=4, bm=64, programs_per_sm=3),
     T(bn=64, bk=128, stages=4, warps=4, bm=64, programs_per_sm=3),
+    T(bn=128, bk=128, stages=3, warps=4, bm=64, programs_per_sm=2),
     # 128-row tiles in one warpgroup as two 64-row halves (``fp8_gemm.fp8_mm_acc_split``): the
     # 128 x 128 tile's operand bytes, promotions hidden by the other program's MMAs
     T(bn=128, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2),
@@ -98,6 +101,7 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             T(bn=64, bk=128, stages=4, warps=4, bm=64, programs_per_sm=2),
         ],
         "mm": _FP8_ROW,
+        "pair": _FP8_ROW,
         "swiglu_bwd": _FP8_ROW,
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
@@ -213,7 +217,7 @@ def sweep_tiles(
             module = modules[precision]
             fns = calls["triton-fp8" if precision == "fp8" else "triton"]
             for kind in kernels:
-                tile_kind = TILE_KIND[kind]
+                tile_kind = (FP8_TILE_KIND if precision == "fp8" else TILE_KIND)[kind]
                 if tile_kind == "wgrad" and hasattr(module, "wgrad_kind"):
                     tile_kind = module.wgrad_kind(sched)  # the entry this shape's rule takes
                 cands = [module.GPU_TILES[tile_kind]] + [
@@ -279,6 +283,7 @@ def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int)
 _KERNEL_OF_TILE_KIND = {
     "gate_up": ("_gate_up_kernel", "_fp8_gate_up_kernel"),
     "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
+    "pair": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
     "wgrad_few_rows": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
@@ -312,15 +317,12 @@ def compile_candidates(
                 ):
                     _meta_gemms(precision, 7168, 2048, 32, 512, 8)
                 names = _KERNEL_OF_TILE_KIND[tile_kind]
-                # the launches this tile kind's entry shapes (swiglu_bwd: the SwiGLU epilogue)
+                # the launches this tile kind's entry shapes (swiglu_bwd: the SwiGLU epilogue;
+                # fp8's pair: two (A, W) pairs)
                 mine = [
                     launch
                     for launch in launches
-                    if launch.name in names
-                    and (
-                        tile_kind not in ("mm", "swiglu_bwd")
-                        or _is_swiglu(launch) == (tile_kind == "swiglu_bwd")
-                    )
+                    if launch.name in names and _row_kind(launch, precision) in (None, tile_kind)
                 ]
                 for launch in mine:
                     rec = dict(
@@ -339,9 +341,15 @@ def compile_candidates(
     return records
 
 
-def _is_swiglu(launch) -> bool:
+def _row_kind(launch, precision: str) -> str | None:
+    """The tile entry a grouped-mm launch read ("mm", "pair" or "swiglu_bwd"), else None."""
     names = launch.fn.arg_names
-    return any(names[k[0]] == "SWIGLU_BWD" and v for k, v in launch.constexprs.items())
+    flags = {names[k[0]] for k, v in launch.constexprs.items() if v is True}
+    if "SWIGLU_BWD" in flags:
+        return "swiglu_bwd"
+    if "TWO_PAIRS" in flags and precision == "fp8":
+        return "pair"
+    return "mm" if launch.name.endswith("grouped_mm_kernel") else None
 
 
 def _line(rec: dict) -> str:

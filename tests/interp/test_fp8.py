@@ -559,6 +559,7 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
         (32, 32, 64, 2, 1),
         (32, 32, 0, 2, 2),  # the row-block GEMMs' tiles as two halves (fp8_mm_acc_split)
         (16, 32, 32, 1, 2),
+        (32, 32, 0, 1, 1),  # every row-block GEMM unsplit
     ):
         tiles = {
             kind: dataclasses.replace(
@@ -566,7 +567,7 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
                 bn=bn,
                 bm=bm if kind == "wgrad" else row_bm,
                 programs_per_sm=per_sm,
-                split_m=split if kind in ("mm", "swiglu_bwd") else 1,
+                split_m=split if kind in ("mm", "pair", "swiglu_bwd") else 1,
             )
             for kind, t in fp8_gemm.INTERPRETER_TILES.items()
         }

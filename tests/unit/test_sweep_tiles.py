@@ -17,11 +17,12 @@ MODULES = {"bf16": gemm, "fp8": fp8_gemm}
 
 
 def test_every_kernel_has_a_tile_kind_with_candidates() -> None:
-    assert set(sweep_tiles.TILE_KIND) == set(KERNELS)
+    assert set(sweep_tiles.TILE_KIND) == set(sweep_tiles.FP8_TILE_KIND) == set(KERNELS)
     for precision, module in MODULES.items():
         assert set(sweep_tiles.CANDIDATES[precision]) == set(module.GPU_TILES)
         # the kernels' entries, plus the ones a rule picks by shape in their place
-        by_rule = set(module.GPU_TILES) - set(sweep_tiles.TILE_KIND.values())
+        kinds = sweep_tiles.FP8_TILE_KIND if module is fp8_gemm else sweep_tiles.TILE_KIND
+        by_rule = set(module.GPU_TILES) - set(kinds.values())
         assert by_rule == ({"wgrad_few_rows"} if module is gemm else set())
 
 
