@@ -185,22 +185,11 @@ def fp8_mm_acc(
 def fp8_mm_acc_split(
     acc0,
     acc1,
-    a_desc,
-    a_s_ptr,
-    b_desc,
-    b_s_ptr,
+    pair,
     expert,
     row,
     col,
-    w_rows,
-    M,
-    N,
-    K,
-    s_am,
-    s_ak,
-    s_be,
-    s_bn,
-    s_bk,
+    scales,
     HM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -210,7 +199,10 @@ def fp8_mm_acc_split(
     sharing each K step's B tile: the operand bytes per FLOP of the 2*HM-row tile with one
     half's partial product live at a time (each half's product accumulator is started from the
     other half's last promoted result, so it cannot be set up earlier). The same sums as two
-    ``fp8_mm_acc`` tiles."""
+    ``fp8_mm_acc`` tiles. ``pair`` = (A's descriptor, its scales, W's descriptor, its scales,
+    W's rows per expert), ``scales`` = (M, N, K and the scales' strides)."""
+    a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows = pair
+    M, N, K, s_am, s_ak, s_be, s_bn, s_bk = scales
     for kb in range(tl.cdiv(K, BK)):
         k = kb * BK
         sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
@@ -313,9 +305,11 @@ def fp8_grouped_mm_tile(
     acc0 = tl.zeros([HM, BN], dtype=tl.float32)
     if SPLIT_M == 2:
         acc1 = tl.zeros([HM, BN], dtype=tl.float32)
-        acc0, acc1 = _split_pass(acc0, acc1, pair, expert, row, col, scales, HM, BN, BK, UPCAST)
+        acc0, acc1 = fp8_mm_acc_split(
+            acc0, acc1, pair, expert, row, col, scales, HM, BN, BK, UPCAST
+        )
         if TWO_PAIRS:
-            acc0, acc1 = _split_pass(
+            acc0, acc1 = fp8_mm_acc_split(
                 acc0, acc1, pair2, expert, row, col, scales, HM, BN, BK, UPCAST
             )
         store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc0, SWIGLU_BWD, UPCAST)
@@ -336,18 +330,6 @@ def _pass(acc, pair, expert, row, col, scales, BM: tl.constexpr, BN: tl.constexp
     return fp8_mm_acc(
         acc, a_desc, a_s_ptr, b_desc, b_s_ptr, expert, row, col, w_rows, M, N, K, s_am, s_ak,
         s_be, s_bn, s_bk, BM, BN, BK, UPCAST,
-    )  # fmt: skip
-
-
-@triton.jit
-def _split_pass(acc0, acc1, pair, expert, row, col, scales, HM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """``fp8_mm_acc_split`` of one (A, W) pair, its arguments grouped as the tile holds them."""
-    a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows = pair
-    M, N, K, s_am, s_ak, s_be, s_bn, s_bk = scales
-    return fp8_mm_acc_split(
-        acc0, acc1, a_desc, a_s_ptr, b_desc, b_s_ptr, expert, row, col, w_rows, M, N, K, s_am,
-        s_ak, s_be, s_bn, s_bk, HM, BN, BK, UPCAST,
     )  # fmt: skip
 
 
