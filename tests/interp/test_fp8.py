@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import NamedTuple
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -619,4 +620,12 @@ def test_gemms_name_bad_arguments() -> None:
         fp8_gemm.wgrad(*fp8.quantize_cols(p.x[:, :128]), *fp8.quantize_cols(p.x[:, :100]), s128)
     with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
         fp8_gemm.grouped_mm(xq, xs, p.w_up, s, programs=0)
+    for split in (3, 4):  # 3 is not a split; 16 rows do not halve into 8-row multiples of 2
+        tiles = dict(fp8_gemm.INTERPRETER_TILES)
+        tiles["mm"] = dataclasses.replace(tiles["mm"], split_m=split)
+        with mock.patch.object(fp8_gemm, "INTERPRETER_TILES", tiles):
+            with pytest.raises(
+                ValueError, match=rf"tiles\['mm'\].split_m = {split} must be 1 or 2"
+            ):
+                fp8_gemm.grouped_mm(xq, xs, p.w_up, s)
     assert math.isclose(fp8.E4M3_MAX, torch.finfo(FP8).max)
