@@ -203,15 +203,26 @@ def fp8_mm_acc_split(
     W's rows per expert), ``scales`` = (M, N, K and the scales' strides)."""
     a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows = pair
     M, N, K, s_am, s_ak, s_be, s_bn, s_bk = scales
+    a_rows = (a_desc, a_s_ptr, M, s_am, s_ak)
     for kb in range(tl.cdiv(K, BK)):
         k = kb * BK
         sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
         b = b_desc.load([expert * w_rows + col, k]).T
-        sa0 = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, HM)
-        acc0 = fp8_mma(acc0, a_desc.load([row, k]), b, sa0, sb, UPCAST, acc1)
-        sa1 = row_scales(a_s_ptr, row + HM, kb, M, s_am, s_ak, HM)
-        acc1 = fp8_mma(acc1, a_desc.load([row + HM, k]), b, sa1, sb, UPCAST, acc0)
+        acc0 = fp8_half_mma(acc0, a_rows, row, k, b, sb, acc1, HM, BK, UPCAST)
+        acc1 = fp8_half_mma(acc1, a_rows, row + HM, k, b, sb, acc0, HM, BK, UPCAST)
     return acc0, acc1
+
+
+@triton.jit
+def fp8_half_mma(acc, a_rows, row, k, b, sb, after, HM: tl.constexpr, BK: tl.constexpr,
+                 UPCAST: tl.constexpr):  # fmt: skip
+    """One half of a split tile's K step: ``acc`` += rows row..row+HM of A (``a_rows`` = its
+    descriptor, scales, rows and the scales' strides) at K offset k times the shared B tile,
+    the product's accumulator started from ``opaque_zero(after)``, the other half's latest
+    promoted result, so that one half's partial product is live at a time."""
+    a_desc, a_s_ptr, M, s_am, s_ak = a_rows
+    sa = row_scales(a_s_ptr, row, k // BK, M, s_am, s_ak, HM)
+    return fp8_mma(acc, a_desc.load([row, k]), b, sa, sb, UPCAST, after)
 
 
 @triton.jit
@@ -240,22 +251,46 @@ def fp8_gate_up_tile(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SPLIT_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One [BM, BN] tile of g = A Wg^T, u = A Wu^T and h = silu(g) * u at (row, col), from
     one pass over A (the gate and up scales share their strides). A device function, so a
-    fused kernel can run the same tiles with the same bits."""
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(tl.cdiv(K, BK)):
-        k = kb * BK
-        sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, BM)
-        sg = weight_scales(bg_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-        su = weight_scales(bu_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-        a = a_desc.load([row, k])
-        acc_g = fp8_mma(acc_g, a, bg_desc.load([expert * w_rows + col, k]).T, sa, sg, UPCAST)
-        acc_u = fp8_mma(acc_u, a, bu_desc.load([expert * w_rows + col, k]).T, sa, su, UPCAST)
-    store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
+    fused kernel can run the same tiles with the same bits. ``SPLIT_M`` 2: as two BM/2-row
+    halves sharing each step's two B tiles, the four products started one after the other
+    (``opaque_zero``; the descriptors of A, g, u and h then have BM/2-row blocks)."""
+    HM: tl.constexpr = BM // SPLIT_M
+    acc_g = tl.zeros([HM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([HM, BN], dtype=tl.float32)
+    if SPLIT_M == 2:
+        acc_g1 = tl.zeros([HM, BN], dtype=tl.float32)
+        acc_u1 = tl.zeros([HM, BN], dtype=tl.float32)
+        for kb in range(tl.cdiv(K, BK)):
+            k = kb * BK
+            sg = weight_scales(bg_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+            su = weight_scales(bu_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+            bg = bg_desc.load([expert * w_rows + col, k]).T
+            bu = bu_desc.load([expert * w_rows + col, k]).T
+            sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, HM)
+            a = a_desc.load([row, k])
+            acc_g = fp8_mma(acc_g, a, bg, sa, sg, UPCAST, acc_u1)
+            acc_u = fp8_mma(acc_u, a, bu, sa, su, UPCAST, acc_g)
+            sa1 = row_scales(a_s_ptr, row + HM, kb, M, s_am, s_ak, HM)
+            a1 = a_desc.load([row + HM, k])
+            acc_g1 = fp8_mma(acc_g1, a1, bg, sa1, sg, UPCAST, acc_u)
+            acc_u1 = fp8_mma(acc_u1, a1, bu, sa1, su, UPCAST, acc_g1)
+        store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
+        store_gate_up(g_desc, u_desc, h_desc, row + HM, col, acc_g1, acc_u1, UPCAST)
+    else:
+        for kb in range(tl.cdiv(K, BK)):
+            k = kb * BK
+            sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, BM)
+            sg = weight_scales(bg_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+            su = weight_scales(bu_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+            a = a_desc.load([row, k])
+            acc_g = fp8_mma(acc_g, a, bg_desc.load([expert * w_rows + col, k]).T, sa, sg, UPCAST)
+            acc_u = fp8_mma(acc_u, a, bu_desc.load([expert * w_rows + col, k]).T, sa, su, UPCAST)
+        store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
 
 
 @triton.jit
@@ -354,18 +389,35 @@ def fp8_wgrad_tile(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SPLIT_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """The [BM, BN] tile at (m0, n0) of d_W[expert] = A^T B over the rows [row_begin,
     row_end) in order, 128 a step (padding rows hold zeros), from the transposed operands
-    A^T [M, rows] and B^T [N, rows] and their 1x128 scales along the rows."""
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for r in range(row_begin, row_end, BK):
-        kb = r // BK
-        sa = row_scales(at_s_ptr, m0, kb, M, s_am, s_ak, BM)
-        sb = tl.reshape(row_scales(bt_s_ptr, n0, kb, N, s_bn, s_bk, BN), [1, BN])
-        acc = fp8_mma(acc, at_desc.load([m0, r]), bt_desc.load([n0, r]).T, sa, sb, UPCAST)
-    c_desc.store([expert, m0, n0], cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
+    A^T [M, rows] and B^T [N, rows] and their 1x128 scales along the rows. ``SPLIT_M`` 2: as
+    two BM/2-high halves sharing each step's B tile (``fp8_half_mma``; the descriptors of A^T
+    and d_W then have BM/2-row blocks)."""
+    HM: tl.constexpr = BM // SPLIT_M
+    acc0 = tl.zeros([HM, BN], dtype=tl.float32)
+    if SPLIT_M == 2:
+        acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+        a_rows = (at_desc, at_s_ptr, M, s_am, s_ak)
+        for r in range(row_begin, row_end, BK):
+            sb = tl.reshape(row_scales(bt_s_ptr, n0, r // BK, N, s_bn, s_bk, BN), [1, BN])
+            b = bt_desc.load([n0, r]).T
+            acc0 = fp8_half_mma(acc0, a_rows, m0, r, b, sb, acc1, HM, BK, UPCAST)
+            acc1 = fp8_half_mma(acc1, a_rows, m0 + HM, r, b, sb, acc0, HM, BK, UPCAST)
+        c_desc.store([expert, m0, n0], cast(acc0, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
+        c_desc.store(
+            [expert, m0 + HM, n0], cast(acc1, c_desc.dtype, UPCAST).reshape([1, HM, BN])
+        )
+    else:
+        for r in range(row_begin, row_end, BK):
+            kb = r // BK
+            sa = row_scales(at_s_ptr, m0, kb, M, s_am, s_ak, BM)
+            sb = tl.reshape(row_scales(bt_s_ptr, n0, kb, N, s_bn, s_bk, BN), [1, BN])
+            acc0 = fp8_mma(acc0, at_desc.load([m0, r]), bt_desc.load([n0, r]).T, sa, sb, UPCAST)
+        c_desc.store([expert, m0, n0], cast(acc0, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
 
 
 @triton.jit
@@ -393,6 +445,7 @@ def _fp8_gate_up_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SPLIT_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -426,6 +479,7 @@ def _fp8_gate_up_kernel(
             BM,
             BN,
             BK,
+            SPLIT_M,
             UPCAST,
         )
 
@@ -524,6 +578,7 @@ def _fp8_wgrad_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SPLIT_M: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -552,6 +607,7 @@ def _fp8_wgrad_kernel(
             BM,
             BN,
             BK,
+            SPLIT_M,
             UPCAST,
         )
 
@@ -640,19 +696,20 @@ def gate_up(
     su = _like(su, sg)
     t = tiles_for("gate_up")
     bm, block_tiles = row_tile(t, sched.block_rows)
+    hm = _sub_rows("gate_up", t, bm)  # the rows of the A and output blocks
     n = qg.shape[1]
     g, u, h = (empty((rows, n), out_dtype, a.device) for _ in range(3))
     (wg, w_rows), (wu, _) = weight_2d(qg), weight_2d(qu)
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _fp8_gate_up_kernel[grid](
-        descriptor(a, [bm, t.bk]),
+        descriptor(a, [hm, t.bk]),
         a_scale,
         descriptor(wg, [t.bn, t.bk]),
         sg,
         descriptor(wu, [t.bn, t.bk]),
         su,
-        *(descriptor(o, [bm, t.bn]) for o in (g, u, h)),
+        *(descriptor(o, [hm, t.bn]) for o in (g, u, h)),
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -664,6 +721,7 @@ def gate_up(
         BM=bm,
         BN=t.bn,
         BK=t.bk,
+        SPLIT_M=t.split_m,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
@@ -671,6 +729,18 @@ def gate_up(
         num_stages=t.stages,
     )
     return g, u, h
+
+
+def _sub_rows(kind: str, t: GemmTiles, bm: int) -> int:
+    """The rows of one sub-tile of a ``bm``-row tile with ``t.split_m``, checked: on the GPU a
+    sub-tile is whole 64-row WGMMAs (with 32-row halves the GPU's bits changed)."""
+    sub_rows = 8 if interpreting() else 64
+    if t.split_m not in (1, 2) or (t.split_m > 1 and bm % (sub_rows * t.split_m)):
+        raise ValueError(
+            f"tiles[{kind!r}].split_m = {t.split_m} must be 1 or 2 and split the tile's {bm} rows "
+            f"into sub-tiles of a multiple of {sub_rows} rows"
+        )
+    return bm // t.split_m
 
 
 def _mm_launch(
@@ -693,13 +763,7 @@ def _mm_launch(
     n = q.shape[1]
     t = tiles_for(kind)
     bm, block_tiles = row_tile(t, sched.block_rows)
-    sub_rows = 8 if interpreting() else 64  # on the GPU a sub-tile is whole 64-row WGMMAs
-    if t.split_m not in (1, 2) or (t.split_m > 1 and bm % (sub_rows * t.split_m)):
-        raise ValueError(
-            f"tiles[{kind!r}].split_m = {t.split_m} must be 1 or 2 and split the tile's {bm} rows "
-            f"into sub-tiles of a multiple of {sub_rows} rows"
-        )
-    hm = bm // t.split_m  # the rows of the A and output blocks
+    hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
     wb, w_rows = weight_2d(q)
     a_desc = descriptor(a, [hm, t.bk])
     b_desc = descriptor(wb, [t.bn, t.bk])
@@ -867,14 +931,15 @@ def wgrad(
             f"out must be a floating [{e}, {m}, {n}] tensor with contiguous rows, got "
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
+    hm = _sub_rows("wgrad", t, t.bm)
     work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a_t.device, programs, t.programs_per_sm)
     _fp8_wgrad_kernel[grid](
-        descriptor(a_t, [t.bm, t.bk]),
+        descriptor(a_t, [hm, t.bk]),
         a_t_scale,
         descriptor(b_t, [t.bn, t.bk]),
         b_t_scale,
-        descriptor(out, [1, t.bm, t.bn]),
+        descriptor(out, [1, hm, t.bn]),
         sched.row_start,
         e,
         m,
@@ -884,6 +949,7 @@ def wgrad(
         BM=t.bm,
         BN=t.bn,
         BK=t.bk,
+        SPLIT_M=t.split_m,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
         num_warps=t.warps,

@@ -61,9 +61,8 @@ class GemmTiles:
     bm: int = 0
     flatten: bool = False  # fuse the persistent tile loop with the K loop (software pipelining)
     programs_per_sm: int = 1  # persistent programs per SM (2: small tiles hide each other)
-    # fp8 row-block GEMMs (``fp8_gemm``'s "mm", "pair", "swiglu_bwd"): the tile's rows as this many
-    # sub-tiles of bm // split_m rows sharing each B tile in one warpgroup, each promoted before
-    # the next one's MMA (1 or 2)
+    # fp8 GEMMs (``fp8_gemm``): the tile's rows as this many sub-tiles of bm // split_m rows
+    # sharing each B tile in one warpgroup, each promoted before the next one's MMA (1 or 2)
     split_m: int = 1
 
 

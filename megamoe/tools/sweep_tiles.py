@@ -99,6 +99,9 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         "gate_up": [
             T(bn=64, bk=128, stages=4, warps=8),
             T(bn=64, bk=128, stages=4, warps=4, bm=64, programs_per_sm=2),
+            # 128-row tiles as two 64-row halves (four 64 x 64 accumulators)
+            T(bn=64, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2),
+            T(bn=64, bk=128, stages=2, warps=4, bm=128, programs_per_sm=2, split_m=2),
         ],
         "mm": _FP8_ROW,
         "pair": _FP8_ROW,
@@ -106,6 +109,8 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
             T(bm=128, bn=64, bk=128, stages=4, warps=4, programs_per_sm=2),
+            T(bm=128, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2, split_m=2),
+            T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2),
         ],
     },
 }
@@ -203,8 +208,10 @@ def sweep_tiles(
     rounds: int = 3,
     kernels: tuple[str, ...] = KERNELS,
     progress: Callable[[str], None] = print,
+    split_only: bool = False,
 ) -> list[dict]:
-    """The records of the module docstring at each shape of ``models`` with ``tokens`` tokens."""
+    """The records of the module docstring at each shape of ``models`` with ``tokens`` tokens;
+    ``split_only``: of the candidates only the split tiles (``split_m`` > 1) beside the default."""
     from ..kernels import fp8_gemm, gemm
 
     modules = {"bf16": gemm, "fp8": fp8_gemm}
@@ -224,6 +231,7 @@ def sweep_tiles(
                     t
                     for t in CANDIDATES[precision][tile_kind]
                     if t != module.GPU_TILES[tile_kind]
+                    and (t.split_m > 1 or not split_only)
                     and fits_shared_memory(tile_kind, t, precision)
                 ]
                 recs = _sweep_kernel(module, tile_kind, fns[kind], cands, iters, rounds, written)
@@ -307,9 +315,11 @@ def compile_candidates(
         module = modules[precision]
         for tile_kind, cands in CANDIDATES[precision].items():
             for t in [module.GPU_TILES[tile_kind], *cands]:
-                if (precision, _KERNEL_OF_TILE_KIND[tile_kind], t) in seen:
-                    continue  # (the weight-gradient entries share their candidates)
-                seen.add((precision, _KERNEL_OF_TILE_KIND[tile_kind], t))
+                # (the weight-gradient entries share their candidates and their launches)
+                key = (precision, "wgrad" if tile_kind.startswith("wgrad") else tile_kind, t)
+                if key in seen:
+                    continue
+                seen.add(key)
                 with (
                     _tiles(module, tile_kind, t),
                     assume_programs(cc.H200_SMS),
@@ -378,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", help="write the records as JSON here")
     parser.add_argument(
+        "--split-only",
+        action="store_true",
+        help="of the candidates time only the split tiles (split_m > 1) beside the default",
+    )
+    parser.add_argument(
         "--compile-only",
         action="store_true",
         help="no GPU: compile each candidate for sm_90a and report registers, spills, shared",
@@ -396,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         args.iters,
         args.rounds,
         tuple(args.kernels),
+        split_only=args.split_only,
     )
     if args.out:
         with open(args.out, "w") as f:

@@ -558,9 +558,9 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
         (16, 16, 0, 1, 1),
         (256, 64, 0, 1, 1),
         (32, 32, 64, 2, 1),
-        (32, 32, 0, 2, 2),  # the row-block GEMMs' tiles as two halves (fp8_mm_acc_split)
+        (32, 32, 0, 2, 2),  # every GEMM's tiles as two halves (fp8_half_mma)
         (16, 32, 32, 1, 2),
-        (32, 32, 0, 1, 1),  # every row-block GEMM unsplit
+        (32, 32, 0, 1, 1),  # every GEMM unsplit
     ):
         tiles = {
             kind: dataclasses.replace(
@@ -568,7 +568,7 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
                 bn=bn,
                 bm=bm if kind == "wgrad" else row_bm,
                 programs_per_sm=per_sm,
-                split_m=split if kind in ("mm", "pair", "swiglu_bwd") else 1,
+                split_m=split,
             )
             for kind, t in fp8_gemm.INTERPRETER_TILES.items()
         }
@@ -628,4 +628,9 @@ def test_gemms_name_bad_arguments() -> None:
                 ValueError, match=rf"tiles\['mm'\].split_m = {split} must be 1 or 2"
             ):
                 fp8_gemm.grouped_mm(xq, xs, p.w_up, s)
+    tiles = dict(fp8_gemm.INTERPRETER_TILES)
+    tiles["wgrad"] = dataclasses.replace(tiles["wgrad"], bm=8, split_m=2)  # 4-row halves
+    with mock.patch.object(fp8_gemm, "INTERPRETER_TILES", tiles):
+        with pytest.raises(ValueError, match=r"tiles\['wgrad'\].split_m = 2 must be 1 or 2"):
+            fp8_gemm.wgrad(*fp8.quantize_cols(p.x[:, :128]), *fp8.quantize_cols(p.x), s128)
     assert math.isclose(fp8.E4M3_MAX, torch.finfo(FP8).max)
