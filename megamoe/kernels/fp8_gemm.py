@@ -79,12 +79,14 @@ GPU_TILES: dict[str, GemmTiles] = {
     "pair": _SPLIT,  # the dgrad of gate/up: two (A, W) pairs into one accumulator
     "swiglu_bwd": _SPLIT,
     "wgrad": _SPLIT,
+    # into fp32 (``out_dtype``): its [64, 128] fp32 epilogue tile takes a stage's shared memory
+    "wgrad_fp32": dataclasses.replace(_SPLIT, stages=2),
 }
 # Narrow tiles keep interpreter runs (CPU tests) fast; the K step stays 128, and the split
 # tiles stay split (their halves' indexing is tested wherever the GPU runs it).
 INTERPRETER_TILES: dict[str, GemmTiles] = {
     name: GemmTiles(
-        bn=32, bk=BLOCK, stages=1, warps=4, bm=32 if name == "wgrad" else 0, split_m=t.split_m
+        bn=32, bk=BLOCK, stages=1, warps=4, bm=32 if name.startswith("wgrad") else 0, split_m=t.split_m
     )
     for name, t in GPU_TILES.items()
 }
@@ -925,7 +927,6 @@ def wgrad(
     n, b_rows = _check_rows("b_t", b_t, b_t_scale)
     if b_rows != rows:
         raise ValueError(f"b_t has {b_rows} rows (columns of b_t), a_t has {rows}")
-    t = tiles_for("wgrad")
     e = sched.num_experts
     if n % 8:
         raise ValueError(
@@ -938,7 +939,9 @@ def wgrad(
             f"out must be a floating [{e}, {m}, {n}] tensor with contiguous rows, got "
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
-    hm = _sub_rows("wgrad", t, t.bm)
+    kind = "wgrad_fp32" if out.element_size() == 4 else "wgrad"
+    t = tiles_for(kind)
+    hm = _sub_rows(kind, t, t.bm)
     work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a_t.device, programs, t.programs_per_sm)
     _fp8_wgrad_kernel[grid](

@@ -566,7 +566,7 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
             kind: dataclasses.replace(
                 t,
                 bn=bn,
-                bm=bm if kind == "wgrad" else row_bm,
+                bm=bm if kind.startswith("wgrad") else row_bm,
                 programs_per_sm=per_sm,
                 split_m=split,
             )
