@@ -106,6 +106,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "gemm_peak_tflops",
     "routing",
     "iters",
+    "micro_batches",
     "check",
     "speedup_vs_torch_a2a",
     "check_rel",
@@ -182,6 +183,9 @@ class BenchOptions:
     tune: dict[str, list[int]] = field(default_factory=dict)  # tunable -> values to sweep
     modes: list[str] = field(default_factory=lambda: ["throughput"])  # see TIMING_MODES
     precisions: list[str] = field(default_factory=lambda: ["bf16"])  # MoEConfig.precision
+    # timed iterations per optimizer step: fp8 runs quantize their weights again once every
+    # this many iterations (as after each optimizer step with gradient accumulation)
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         self.shapes = [resolve_shape(s) for s in self.shapes]  # raises with the valid names
@@ -203,6 +207,8 @@ class BenchOptions:
                 raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {p!r}")
         if not self.precisions:
             raise ValueError("precisions: give at least one of " + ", ".join(PRECISIONS))
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.routing not in ROUTING_KINDS:
             raise ValueError(f"routing must be one of {list(ROUTING_KINDS)}, got {self.routing!r}")
         if self.iters < 1:
@@ -395,14 +401,17 @@ def forget_fp8_weights() -> None:
     fp8_weights.clear()
 
 
-def _iteration(fn: MoEFn, case: Case, env: DistEnv, clock: _Clock, sync: bool) -> tuple:
+def _iteration(
+    fn: MoEFn, case: Case, env: DistEnv, clock: _Clock, sync: bool, step_starts: bool = True
+) -> tuple:
     """One training iteration (grads reset, forward, backward): device marks (forward start,
     forward end, step start, step end) and the host seconds of the forward and the backward
-    call. ``sync``: wait for the device first (latency mode). An fp8 run's weights are quantized
-    again in every forward, as after each optimizer step (:func:`forget_fp8_weights`)."""
+    call. ``sync``: wait for the device first (latency mode). ``step_starts``: the iteration
+    is the first micro-batch of an optimizer step, so an fp8 run's forward quantizes its
+    weights again (:func:`forget_fp8_weights`)."""
     for t in case.leaves():
         t.grad = None
-    if case.config.precision == "fp8":
+    if case.config.precision == "fp8" and step_starts:
         forget_fp8_weights()
     if sync:
         clock.sync()
@@ -505,7 +514,7 @@ def time_interleaved(
                 if graphs[i] is not None:
                     m = graphs[i].iteration(clock)
                 else:
-                    m = _iteration(fn, case, env, clock, sync)
+                    m = _iteration(fn, case, env, clock, sync, it % opts.micro_batches == 0)
             except Exception as exc:  # the caller records it and goes on with the others
                 results[i] = exc
                 _free_memory(env.device)
@@ -645,6 +654,7 @@ def base_record(
         precision=c.precision,
         routing=opts.routing,
         iters=opts.iters,
+        micro_batches=opts.micro_batches,
         warmup=opts.warmup,
         status="ok",
         note="",

@@ -134,6 +134,7 @@ def _options(args: argparse.Namespace, device: torch.device) -> BenchOptions:
         tune={**parse_tune(args.set), **parse_tune(args.tune)},
         modes=args.mode,
         precisions=args.precision,
+        micro_batches=args.micro_batches,
     )
 
 
@@ -243,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=["bf16"],
         help="MoEConfig.precision of the megamoe runs (default bf16; several: a run of each, "
         "interleaved; fp8 runs on the backends that have it, the baseline stays bf16)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="iterations per optimizer step: fp8 runs quantize their weights once every this "
+        "many timed iterations, as with gradient accumulation (default 1: every iteration)",
     )
     p.add_argument("--out", help="write the records as a JSON list here (rank 0)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 accuracy check")

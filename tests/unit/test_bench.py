@@ -321,3 +321,35 @@ def test_precisions_run_interleaved_with_their_bf16_runs(monkeypatch):
     assert cleared[0] >= 2  # every timed fp8 iteration starts from an empty weight cache
     with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8'\], got 'fp4'"):
         bench.BenchOptions(shapes=["tiny"], backends=["reference"], precisions=["fp4"])
+
+
+def test_micro_batches_quantize_fp8_weights_once_per_optimizer_step(monkeypatch):
+    """--micro-batches N: an fp8 run empties its weight cache in every N-th timed iteration
+    only (the first micro-batch of each optimizer step), and the records say N."""
+    from megamoe.tools import bench
+    from megamoe.tools.harness import DistEnv
+
+    cleared = [0]
+    real_forget = bench.forget_fp8_weights
+
+    def forget():
+        cleared[0] += 1
+        real_forget()
+
+    monkeypatch.setattr(bench, "forget_fp8_weights", forget)
+    for micro_batches, want in ((1, 4), (2, 2), (4, 1)):
+        cleared[0] = 0
+        opts = bench.BenchOptions(
+            shapes=["tiny"],
+            backends=["reference"],
+            iters=4,
+            warmup=0,
+            check=False,
+            precisions=["fp8"],
+            micro_batches=micro_batches,
+        )
+        (rec,) = bench.run_bench(opts, DistEnv())
+        assert rec["status"] == "ok" and rec["micro_batches"] == micro_batches
+        assert cleared[0] == want, (micro_batches, cleared[0])
+    with pytest.raises(ValueError, match="micro_batches must be >= 1, got 0"):
+        bench.BenchOptions(shapes=["tiny"], backends=["reference"], micro_batches=0)

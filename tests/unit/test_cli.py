@@ -36,7 +36,7 @@ DESIGN_FIELDS = (
     "fwdbwd_tflops",
     "gemm_peak_tflops",
 )
-EXTRA_FIELDS = ("routing", "iters", "check", "speedup_vs_torch_a2a")
+EXTRA_FIELDS = ("routing", "iters", "micro_batches", "check", "speedup_vs_torch_a2a")
 # The "where they apply" fields (+ the backward copies): null unless triton runs at W > 1.
 COMM_FIELDS = (
     "dispatch_gbps",
