@@ -44,7 +44,8 @@ def _pad16(x: torch.Tensor) -> torch.Tensor:
     """``x`` with zero rows up to a multiple of 16 rows (16-byte rows of the transposed weight
     gradient operand for TMA; only the shared expert's token count needs it): zero rows leave
     every scale and sum unchanged (packed zero rows are zero values with scale 0)."""
-    return fp8_gemm.pad_rows(x, 16)
+    pad = -x.shape[0] % 16
+    return torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
 
 
 def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,17 +68,11 @@ def _fp8_wgrad(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``gemm.wgrad(a, b, ...)`` in fp8: d_W[e] = a_e^T b_e; ``a``, ``b`` the bf16 rows, their
-    :func:`_cols` (to quantize a shared operand once) or an ``Fp8Grad`` (its 128x1 part)."""
-    a_t, a_s = _as_cols(a)
-    b_t, b_s = _as_cols(b)
+    """``gemm.wgrad(a, b, ...)`` in fp8: d_W[e] = a_e^T b_e; ``a``, ``b`` the bf16 rows or their
+    :func:`_cols` (to quantize a shared operand once)."""
+    a_t, a_s = _cols(a) if isinstance(a, torch.Tensor) else a
+    b_t, b_s = _cols(b) if isinstance(b, torch.Tensor) else b
     return fp8_gemm.wgrad(a_t, a_s, b_t, b_s, sched, programs, out=out, out_dtype=out_dtype)
-
-
-def _as_cols(x) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(x, fp8_gemm.Fp8Grad):
-        return x.q_t, x.scale_t
-    return _cols(x) if isinstance(x, torch.Tensor) else x
 
 
 def routed_forward(
@@ -145,16 +140,15 @@ def _fp8_dgrad(
     sched: RowSchedule,
     programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_x, d_g, d_u) in fp8: dz quantized 1x128, the weights' transposed copies; d_g and d_u
-    as ``Fp8Grad`` (quantized both ways by the SwiGLU backward's epilogue), which the data
-    gradient and the weight gradients read."""
+    """(d_x, d_g, d_u) in fp8: dz, d_g and d_u quantized 1x128, the weights' transposed copies."""
     dzq, dzq_s = fp8.quantize_rows(dz)
     dg, du = fp8_gemm.dgrad_swiglu(
-        dzq, dzq_s, fp8_weights.get(w_down), g, u, sched, programs, dz.dtype, quantize=True
+        dzq, dzq_s, fp8_weights.get(w_down), g, u, sched, programs, out_dtype=dz.dtype
     )
+    (dgq, dgq_s), (duq, duq_s) = fp8.quantize_rows(dg), fp8.quantize_rows(du)
     w_gate8, w_up8 = fp8_weights.get(w_gate), fp8_weights.get(w_up)
     dx = fp8_gemm.dgrad_pair(
-        dg.q, dg.scale, w_gate8, du.q, du.scale, w_up8, sched, programs, out_dtype=dz.dtype
+        dgq, dgq_s, w_gate8, duq, duq_s, w_up8, sched, programs, out_dtype=dz.dtype
     )
     return dx, dg, du
 
@@ -167,14 +161,14 @@ def routed_wgrad(
     sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
     if _is_fp8(ctx.schedule.config):
         xs = _x_cols(routed.xs, w.w_gate.shape[-1])
-        wgrad = functools.partial(_fp8_wgrad, out_dtype=dz.dtype)
+        wgrad = functools.partial(_fp8_wgrad, out_dtype=dg.dtype)
     else:
         xs, wgrad = routed.xs, gemm.wgrad
     stacked = stacked_gate_up(w.w_gate, w.w_up)
     if stacked is None:
         d_gate, d_up = wgrad(dg, xs, sched), wgrad(du, xs, sched)
     else:
-        d_stacked = empty(stacked.shape, dz.dtype, dz.device)
+        d_stacked = empty(stacked.shape, dg.dtype, dg.device)
         i = w.w_gate.shape[1]
         d_gate = wgrad(dg, xs, sched, out=d_stacked[:, :i])
         d_up = wgrad(du, xs, sched, out=d_stacked[:, i:])

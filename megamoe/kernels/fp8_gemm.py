@@ -35,31 +35,18 @@ one expert and one 128x1 scale block). Each is checked with an error naming the 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .fp8 import (
-    BLOCK,
-    FP8,
-    Fp8Weight,
-    block_amax,
-    from_e4m3,
-    pow2_scale,
-    quantize_cols,
-    quantize_rows,
-    source_f32,
-    to_e4m3,
-)
+from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
 from .gemm import GemmTiles, row_tile, weight_2d
 from .runtime import descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
-from .tiles import cast, store_gate_up, store_mm, swiglu_backward_at, tile_of
+from .tiles import cast, store_gate_up, store_mm, tile_of
 
 __all__ = [
-    "Fp8Grad",
     "GPU_TILES",
     "INTERPRETER_TILES",
     "tiles_for",
@@ -99,7 +86,7 @@ GPU_TILES: dict[str, GemmTiles] = {
 # tiles stay split (their halves' indexing is tested wherever the GPU runs it).
 INTERPRETER_TILES: dict[str, GemmTiles] = {
     name: GemmTiles(
-        bn=BLOCK if name == "swiglu_bwd" else 32,  # (the quantizing epilogue's whole blocks)
+        bn=32,
         bk=BLOCK,
         stages=1,
         warps=4,
@@ -112,21 +99,6 @@ INTERPRETER_TILES: dict[str, GemmTiles] = {
 
 def tiles_for(kind: str) -> GemmTiles:
     return (INTERPRETER_TILES if interpreting() else GPU_TILES)[kind]
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-class Fp8Grad(NamedTuple):
-    """A [rows, N] output quantized both ways, as a backward consumes it: ``q, scale`` 1x128
-    along its rows (``fp8.quantize_rows``: the A of a data gradient) and ``q_t, scale_t``
-    128x1 along its columns, transposed (``fp8.quantize_cols`` of it with zero rows up to a
-    multiple of 16: an operand of the weight gradient)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    q_t: torch.Tensor
-    scale_t: torch.Tensor
 
 
 @triton.jit
@@ -344,7 +316,6 @@ def fp8_grouped_mm_tile(
     c2_desc,
     g_desc,
     u_desc,
-    quant,
     expert,
     row,
     col,
@@ -363,18 +334,14 @@ def fp8_grouped_mm_tile(
     BK: tl.constexpr,
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
     SPLIT_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One [BM, BN] output tile at (row, col): C = A W_e^T; with ``TWO_PAIRS`` C = A W_e^T +
     A2 W2_e^T in one accumulator (the pairs share their scales' strides); with ``SWIGLU_BWD``
-    the accumulator is d_h and the tile stores (d_g, d_u) into (c, c2) from the saved (g, u),
-    or with ``QUANT_OUT`` (split 128 x 128 tiles) the fp8 quantizations of their
-    ``OUT_DTYPE`` values into ``quant`` (:func:`store_swiglu_bwd_quantized`). ``SPLIT_M`` 2: as two BM/2-row halves
-    (``fp8_mm_acc_split``; the descriptors of A, A2, C, C2, g and u then have BM/2-row
-    blocks)."""
+    the accumulator is d_h and the tile stores (d_g, d_u) into (c, c2) from the saved (g, u).
+    ``SPLIT_M`` 2: as two BM/2-row halves (``fp8_mm_acc_split``; the descriptors of A, A2, C,
+    C2, g and u then have BM/2-row blocks)."""
     HM: tl.constexpr = BM // SPLIT_M
     scales = (M, N, K, s_am, s_ak, s_be, s_bn, s_bk)
     pair = (a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows)
@@ -389,13 +356,8 @@ def fp8_grouped_mm_tile(
             acc0, acc1 = fp8_mm_acc_split(
                 acc0, acc1, pair2, expert, row, col, scales, HM, BN, BK, UPCAST
             )
-        if QUANT_OUT:
-            store_swiglu_bwd_quantized(
-                quant, g_desc, u_desc, row, col, acc0, acc1, M, N, HM, BN, OUT_DTYPE, UPCAST
-            )
-        else:
-            store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc0, SWIGLU_BWD, UPCAST)
-            store_mm(c_desc, c2_desc, g_desc, u_desc, row + HM, col, acc1, SWIGLU_BWD, UPCAST)
+        store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc0, SWIGLU_BWD, UPCAST)
+        store_mm(c_desc, c2_desc, g_desc, u_desc, row + HM, col, acc1, SWIGLU_BWD, UPCAST)
     else:
         acc0 = _pass(acc0, pair, expert, row, col, scales, BM, BN, BK, UPCAST)
         if TWO_PAIRS:
@@ -413,59 +375,6 @@ def _pass(acc, pair, expert, row, col, scales, BM: tl.constexpr, BN: tl.constexp
         acc, a_desc, a_s_ptr, b_desc, b_s_ptr, expert, row, col, w_rows, M, N, K, s_am, s_ak,
         s_be, s_bn, s_bk, BM, BN, BK, UPCAST,
     )  # fmt: skip
-
-
-@triton.jit
-def store_swiglu_bwd_quantized(quant, g_desc, u_desc, row, col, acc0, acc1, M, N,
-                               HM: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr,
-                               UPCAST: tl.constexpr):  # fmt: skip
-    """The SwiGLU backward of a split 128 x 128 tile (d_h in the halves ``acc0``, ``acc1``):
-    d_g and d_u rounded to ``DTYPE`` (what the unfused tile stores) and quantized both ways,
-    bit for bit ``quantize_rows`` and ``quantize_cols`` of those values: 1x128 along each row
-    and 128x1 along each column of the tile's 128 rows (one block of both kinds: ``col`` and
-    ``row`` are multiples of 128). ``quant`` = (q [2, M, N], its scales [2, M, N/128], q_t
-    [2, N, Mp], its scales [2, N, Mp/128], Mp): index 0 d_g, 1 d_u; the scales MN-major.
-    One output at a time, each half's values computed again once its columns' 128x1 scales
-    are known (from the saved g, u: few registers beside the two accumulators)."""
-    q_ptr, s_ptr, qt_ptr, st_ptr, Mp = quant
-    cols = col + tl.arange(0, BN)
-    for which in tl.static_range(2):
-        amax = tl.maximum(
-            block_amax(_swiglu_bwd_out(g_desc, u_desc, row, col, acc0, which, DTYPE, UPCAST), 0),
-            block_amax(_swiglu_bwd_out(g_desc, u_desc, row + HM, col, acc1, which, DTYPE, UPCAST), 0),
-        )  # fmt: skip
-        scale_c, inv_c = pow2_scale(amax)  # 128x1: a column's block is the tile's 128 rows
-        tl.store(st_ptr + (which * tl.cdiv(Mp, 128) + row // 128) * N + cols, scale_c, mask=cols < N)
-        for half in tl.static_range(2):
-            acc = acc0 if half == 0 else acc1
-            rows = row + half * HM + tl.arange(0, HM)
-            x = _swiglu_bwd_out(g_desc, u_desc, row + half * HM, col, acc, which, DTYPE, UPCAST)
-            _store_quantized(quant, which, x, rows, col, cols, inv_c, M, N, UPCAST)
-
-
-@triton.jit
-def _swiglu_bwd_out(g_desc, u_desc, row, col, dh, which: tl.constexpr, DTYPE: tl.constexpr,
-                    UPCAST: tl.constexpr):  # fmt: skip
-    """d_g (``which`` 0) or d_u (1) of the tile at (row, col), rounded to ``DTYPE``, in fp32."""
-    out = swiglu_backward_at(g_desc, u_desc, row, col, dh)[which]
-    return source_f32(cast(out, DTYPE, UPCAST), UPCAST)
-
-
-@triton.jit
-def _store_quantized(quant, which, x, rows, col, cols, inv_c, M, N, UPCAST: tl.constexpr):
-    """Rows ``rows`` of output ``which`` of ``quant`` (:func:`store_swiglu_bwd_quantized`):
-    their 128x1 values (the columns' inverse scales ``inv_c``) written transposed, and their
-    1x128 quantization. Rows past M and columns past N hold zeros."""
-    q_ptr, s_ptr, qt_ptr, st_ptr, Mp = quant
-    n_ok = cols < N
-    q_t = tl.trans(to_e4m3(x * inv_c[None, :], UPCAST))  # [BN, rows]
-    qt = qt_ptr + (which * N + cols.to(tl.int64))[:, None] * Mp + rows[None, :]
-    tl.store(qt, q_t, mask=n_ok[:, None] & (rows < Mp)[None, :])
-    scale_r, inv_r = pow2_scale(block_amax(x, 1))
-    r_ok = rows < M
-    tl.store(s_ptr + (which * tl.cdiv(N, 128) + col // 128) * M + rows, scale_r, mask=r_ok)
-    q = q_ptr + (which * M + rows.to(tl.int64))[:, None] * N + cols[None, :]
-    tl.store(q, to_e4m3(x * inv_r[:, None], UPCAST), mask=r_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -598,11 +507,6 @@ def _fp8_grouped_mm_kernel(
     c2_desc,
     g_desc,
     u_desc,
-    dq_ptr,
-    ds_ptr,
-    dqt_ptr,
-    dst_ptr,
-    Mp,
     block_expert_ptr,
     num_blocks_ptr,
     M,
@@ -620,8 +524,6 @@ def _fp8_grouped_mm_kernel(
     BK: tl.constexpr,
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
     SPLIT_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
@@ -629,7 +531,6 @@ def _fp8_grouped_mm_kernel(
 ):
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
-    quant = (dq_ptr, ds_ptr, dqt_ptr, dst_ptr, Mp)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
         mb, nb = tile_of(tile, tiles_n)
         fp8_grouped_mm_tile(
@@ -645,7 +546,6 @@ def _fp8_grouped_mm_kernel(
             c2_desc,
             g_desc,
             u_desc,
-            quant,
             tl.load(block_expert_ptr + mb // BLOCK_TILES),
             mb * BM,
             nb * BN,
@@ -664,8 +564,6 @@ def _fp8_grouped_mm_kernel(
             BK,
             TWO_PAIRS,
             SWIGLU_BWD,
-            QUANT_OUT,
-            OUT_DTYPE,
             SPLIT_M,
             UPCAST,
         )
@@ -866,10 +764,9 @@ def _mm_launch(
     a2: tuple[torch.Tensor, torch.Tensor, Fp8Weight] | None = None,
     names2: tuple[str, str] = ("a2", "w2"),
     gu: tuple[torch.Tensor, torch.Tensor] | None = None,
-    quantize: bool = False,
     programs: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-) -> list:
+) -> list[torch.Tensor]:
     rows, k = _check_rows(names[0], a, a_scale)
     q, s = _check_weight(names[1], w, sched.num_experts, k, transposed)
     n = q.shape[1]
@@ -890,17 +787,13 @@ def _mm_launch(
         wb2, w2_rows = weight_2d(q2)
         a2_desc, b2_desc = descriptor(a2_q, [hm, t.bk]), descriptor(wb2, [t.bn, t.bk])
         a2_s, s2 = _like(a2_scale, a_scale), _like(s2, s)
+    outs = [empty((rows, n), out_dtype, a.device) for _ in range(2 if gu is not None else 1)]
+    c_descs = [descriptor(o, [hm, t.bn]) for o in outs]
     if gu is not None:
         for name, x in zip(("g", "u"), gu):
             if tuple(x.shape) != (rows, n):
                 raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
-    mp = rows + -rows % 16  # q_t's rows: 16-byte TMA rows for the weight gradient
-    quant = _quantized_pair(rows, n, mp, a.device) if quantize else None
-    outs = [] if quantize else [empty((rows, n), out_dtype, a.device) for _ in range(1 + bool(gu))]
-    gu_descs = [descriptor(x, [hm, t.bn]) for x in gu] if gu is not None else []
-    c_descs = [descriptor(o, [hm, t.bn]) for o in outs] or gu_descs  # (unused when quantizing)
-    gu_descs = gu_descs or c_descs * 2
-    qp = quant or (a_scale,) * 4  # (unused pointers without ``quantize``)
+    gu_descs = [descriptor(x, [hm, t.bn]) for x in gu] if gu is not None else c_descs * 2
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _fp8_grouped_mm_kernel[grid](
@@ -916,8 +809,6 @@ def _mm_launch(
         c_descs[-1],
         gu_descs[0],
         gu_descs[1],
-        *qp,
-        mp,
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -932,8 +823,6 @@ def _mm_launch(
         BK=t.bk,
         TWO_PAIRS=a2 is not None,
         SWIGLU_BWD=gu is not None,
-        QUANT_OUT=quantize,
-        OUT_DTYPE=_TL_DTYPES[out_dtype],
         SPLIT_M=t.split_m,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
@@ -941,21 +830,7 @@ def _mm_launch(
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    if quantize:
-        q, scale, q_t, scale_t = quant
-        return [Fp8Grad(q[i], scale[i], q_t[i], scale_t[i]) for i in range(2)]
     return outs
-
-
-def _quantized_pair(rows: int, n: int, mp: int, device: torch.device) -> tuple:
-    """The buffers of two [rows, N] outputs quantized both ways (``Fp8Grad``, stacked): q
-    [2, rows, N] with MN-major 1x128 scales, q_t [2, N, mp] with MN-major 128x1 scales."""
-    return (
-        empty((2, rows, n), FP8, device),
-        empty((2, triton.cdiv(n, BLOCK), rows), torch.float32, device).transpose(1, 2),
-        empty((2, n, mp), FP8, device),
-        empty((2, triton.cdiv(mp, BLOCK), n), torch.float32, device).transpose(1, 2),
-    )
 
 
 def grouped_mm(
@@ -981,19 +856,10 @@ def dgrad_swiglu(
     sched: RowSchedule,
     programs: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    quantize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor] | tuple[Fp8Grad, Fp8Grad]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_g, d_u) = SwiGLU backward of d_h = dz @ w_down[e] (w_down [E, H, I] with its
-    transposed copy ``q_t`` [E, I, H]; ``dz`` [rows, H] 1x128-quantized; g, u [rows, I]).
-
-    ``quantize``: each as an ``Fp8Grad`` instead, the quantizations of its ``out_dtype``
-    values, which the next GEMMs read: written by the tiles' epilogue where they are split
-    128 x 128 tiles (each tile holds whole 1x128 and 128x1 blocks; no [rows, I] output in
-    ``out_dtype`` is written), else by quantizing the outputs (the same bits)."""
-    t = tiles_for("swiglu_bwd")
-    fused = quantize and t.split_m == 2 and t.bn == BLOCK
-    fused = fused and row_tile(t, sched.block_rows)[0] == BLOCK
-    outs = _mm_launch(
+    transposed copy ``q_t`` [E, I, H]; ``dz`` [rows, H] 1x128-quantized; g, u [rows, I])."""
+    dg, du = _mm_launch(
         "swiglu_bwd",
         dz,
         dz_scale,
@@ -1002,20 +868,10 @@ def dgrad_swiglu(
         transposed=True,
         names=("dz", "w_down"),
         gu=(g, u),
-        quantize=fused,
         programs=programs,
         out_dtype=out_dtype,
     )
-    if quantize and not fused:
-        outs = [Fp8Grad(*quantize_rows(x), *quantize_cols(pad_rows(x, 16))) for x in outs]
-    return outs[0], outs[1]
-
-
-def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``x`` with zero rows appended up to a multiple of ``multiple`` rows (no copy when it
-    has them): zero rows change no scale and no sum."""
-    pad = -x.shape[0] % multiple
-    return torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+    return dg, du
 
 
 def dgrad_pair(

@@ -102,21 +102,15 @@ def store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST: tl.con
 
 
 @triton.jit
-def swiglu_backward_at(g_desc, u_desc, row, col, dh):
-    """(d_g, d_u) in fp32 of the tile at (row, col) from its d_h and the saved (g, u)."""
-    g = g_desc.load([row, col]).to(tl.float32)
-    u = u_desc.load([row, col]).to(tl.float32)
-    return swiglu_backward(dh, g, u)
-
-
-@triton.jit
 def store_mm(
     c_desc, c2_desc, g_desc, u_desc, row, col, acc, SWIGLU: tl.constexpr, UPCAST: tl.constexpr
 ):
     """The grouped-mm epilogue of one tile at (row, col): ``acc`` into c, or with ``SWIGLU``
     (``acc`` is d_h) the SwiGLU backward from the saved (g, u): d_g into c, d_u into c2."""
     if SWIGLU:
-        dg, du = swiglu_backward_at(g_desc, u_desc, row, col, acc)
+        g = g_desc.load([row, col]).to(tl.float32)
+        u = u_desc.load([row, col]).to(tl.float32)
+        dg, du = swiglu_backward(acc, g, u)
         c_desc.store([row, col], cast(dg, c_desc.dtype, UPCAST))
         c2_desc.store([row, col], cast(du, c2_desc.dtype, UPCAST))
     else:

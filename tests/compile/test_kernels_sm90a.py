@@ -19,8 +19,6 @@ GEMMS = ("_gate_up_kernel", "_grouped_mm_kernel", "_wgrad_kernel", "fused_forwar
 SPILL_LIMITS = {
     "_scan_kernel": 160,  # the one-program scan of the schedule
     "_grouped_mm_kernel": 68,  # its SwiGLU-backward epilogue (dgrad of down)
-    # the SwiGLU-backward epilogue that quantizes d_g and d_u both ways (after the K loop)
-    "_fp8_grouped_mm_kernel": 500,
     "_pull_tokens_kernel": 140,  # 32 warps, 128 KB copy tiles
     "_pull_kernel": 24,
     "fused_comm_kernel": 120,  # capped at 80 registers; only at a row width off the copy tile

@@ -582,53 +582,6 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
     assert torch.equal(g[: p.used], want["g"])
 
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_dgrad_swiglu_quantizes_its_outputs_as_the_quantizers_do(monkeypatch, out_dtype) -> None:
-    """``dgrad_swiglu(quantize=True)``: d_g and d_u quantized both ways in the epilogue of the
-    split 128 x 128 tiles, bit for bit ``quantize_rows`` and ``quantize_cols`` (zero rows up
-    to 16) of the unquantized outputs, every used element written (poisoned buffers; q_t's
-    padding columns too); the same from 64-wide tiles, which quantize with separate passes;
-    and over a token count that is not a multiple of 16 (the shared expert's layout)."""
-    from megamoe.kernels.schedule import uniform_schedule
-
-    p = make_problem(128, seed=9)
-    gen = torch.Generator().manual_seed(10)
-    tokens = 29
-    shared = uniform_schedule(tokens, 128, torch.device("cpu"))
-    shared_w = fp8.quantize_weight(torch.randn(1, H, I, generator=gen) / 16, transposed=True)
-
-    def rows_of(n: int, width: int) -> torch.Tensor:
-        return torch.randn(n, width, generator=gen).to(torch.bfloat16)
-
-    cases = (
-        (p.sched, p.used, p.w_down, p.dz, *(rows_of(p.sched.rows, I) for _ in range(2))),
-        (shared, tokens, shared_w, rows_of(tokens, H), rows_of(tokens, I), rows_of(tokens, I)),
-    )
-    for sched, used, w, dz, g, u in cases:
-        dzq = fp8.quantize_rows(dz)
-        want = fp8_gemm.dgrad_swiglu(*dzq, w, g, u, sched, out_dtype=out_dtype)
-        for bn in (128, 64):  # the fused epilogue, then the separate passes
-            tiles = dict(fp8_gemm.INTERPRETER_TILES)
-            tiles["swiglu_bwd"] = dataclasses.replace(tiles["swiglu_bwd"], bn=bn)
-            monkeypatch.setattr(fp8_gemm, "INTERPRETER_TILES", tiles)
-            with poisoned_buffers():
-                got = fp8_gemm.dgrad_swiglu(
-                    *dzq, w, g, u, sched, out_dtype=out_dtype, quantize=True
-                )
-            for name, x, q in zip(("d_g", "d_u"), want, got):
-                what = f"{name}, {bn}-wide tiles, {sched.rows} rows"
-                q_rows, s_rows = fp8.quantize_rows(x[:used])
-                assert same_bytes(q.q[:used], q_rows), what
-                assert torch.equal(q.scale[:used], s_rows), what
-                q_cols, s_cols = fp8.quantize_cols(fp8_gemm.pad_rows(x[:used], 16))
-                if used % 16:  # (the shared expert: every row of q_t, padding included)
-                    assert same_bytes(q.q_t, q_cols) and torch.equal(q.scale_t, s_cols), what
-                else:  # (rows past the used blocks are never read)
-                    assert same_bytes(q.q_t[:, :used], q_cols), what
-                    assert torch.equal(q.scale_t[:, : used // 128], s_cols), what
-                assert q.q.shape == (dz.shape[0], I) and q.q_t.shape[0] == I, what
-
-
 def test_nan_rows_stay_nan() -> None:
     """A NaN in one activation row makes that row's outputs NaN and no other's."""
     p = make_problem(16, seed=6)
