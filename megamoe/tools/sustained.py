@@ -12,6 +12,7 @@ the median power (W) and SM clock (MHz) sampled by ``nvidia-smi`` (the phase's f
 ``SETTLE_FRACTION`` left out: the clock follows the load with a lag). Per backend: the median over
 rounds, and the speedup of every backend over the first. At the 700 W cap of an H200 the clock
 drops as the draw rises; a backend that overlaps more work per second can lose clock for it.
+``--precision bf16 fp8`` runs each backend in both (fp8's weights quantized once and cached).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def format_summary(summary: dict[str, dict[str, Any]], header: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from . import harness
-    from .bench import device_name, git_commit
+    from .bench import device_name, git_commit, precision_status
 
     parser = argparse.ArgumentParser(
         prog="python -m megamoe.tools.sustained", description=__doc__.splitlines()[0]
@@ -211,6 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         default=["triton", "fused"],
         help=f"backends (or {harness.BASELINE}), in turn; speedups are over the first",
+    )
+    parser.add_argument(
+        "--precision",
+        nargs="+",
+        choices=["bf16", "fp8"],
+        default=["bf16"],
+        help="each backend in each precision (a run \"triton fp8\"); fp8 runs keep their weights' "
+        "fp8 copies cached, quantized once (as after an optimizer step, over many micro-batches)",
     )
     parser.add_argument("--backward", action="store_true", help="training steps (fwd + bwd)")
     parser.add_argument("--seconds", type=float, default=2.5, help="length of one phase")
@@ -233,7 +242,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     env = harness.init_distributed()
     shape, case, config = harness.case_of_args(args, parser, env)
-    calls = {b: harness.layer_call(b, case, config, env.group, args.backward) for b in args.backend}
+    runs = [(b, config.replace(precision=p)) for b in args.backend for p in args.precision]
+    for b, c in runs:
+        ok, why = precision_status(b, c)
+        if not ok:  # (the baseline, or a backend without fp8: it would time bf16 as fp8)
+            parser.error(f"--precision {c.precision}: {why}")
+    calls = {
+        b if c.precision == "bf16" else f"{b} {c.precision}": harness.layer_call(
+            b, case, c, env.group, args.backward
+        )
+        for b, c in runs
+    }
     for call in calls.values():
         for _ in range(args.warmup):
             call()

@@ -95,6 +95,20 @@ def test_sustained_runs_on_the_cpu_and_writes_a_record(tmp_path, torchrun):
     assert "torch-a2a" in proc.stdout and "no telemetry" in proc.stdout
 
 
+def test_each_backend_runs_in_each_precision():
+    proc = _run(
+        "-m", "megamoe.tools.sustained", "--preset", "tiny", "--backend", "reference",
+        "--precision", "bf16", "fp8", "--seconds", "0.1", "--rounds", "1", "--warmup", "0",
+    )  # fmt: skip
+    _assert_ok(proc)
+    assert "reference fp8" in proc.stdout and "round 1/1 reference:" in proc.stdout
+    proc = _run(
+        "-m", "megamoe.tools.sustained", "--preset", "tiny", "--backend", "torch-a2a",
+        "--precision", "fp8",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--precision fp8: " in proc.stderr, proc.stderr
+
+
 def test_bad_arguments_are_named():
     proc = _run("-m", "megamoe.tools.sustained", "--preset", "tiny", "--seconds", "0")
     assert proc.returncode == 2 and "--seconds must be > 0, got 0.0" in proc.stderr
