@@ -12,7 +12,8 @@ the median power (W) and SM clock (MHz) sampled by ``nvidia-smi`` (the phase's f
 ``SETTLE_FRACTION`` left out: the clock follows the load with a lag). Per backend: the median over
 rounds, and the speedup of every backend over the first. At the 700 W cap of an H200 the clock
 drops as the draw rises; a backend that overlaps more work per second can lose clock for it.
-``--precision bf16 fp8`` runs each backend in both (fp8's weights quantized once and cached).
+``--precision bf16 fp8`` runs each backend in both; fp8 runs quantize their weights every
+``--micro-batches`` calls (0: once).
 """
 
 from __future__ import annotations
@@ -199,6 +200,24 @@ def format_summary(summary: dict[str, dict[str, Any]], header: str) -> str:
     return "\n".join(lines)
 
 
+def _steps(call: Callable[[], None], micro_batches: int) -> Callable[[], None]:
+    """``call`` with the fp8 weight cache emptied before every ``micro_batches``-th call (the
+    first micro-batch of an optimizer step); 0: never."""
+    from .bench import forget_fp8_weights
+
+    if not micro_batches:
+        return call
+    count = [0]
+
+    def step() -> None:
+        if count[0] % micro_batches == 0:
+            forget_fp8_weights()
+        count[0] += 1
+        call()
+
+    return step
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from . import harness
     from .bench import device_name, git_commit, precision_status
@@ -218,8 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=["bf16", "fp8"],
         default=["bf16"],
-        help="each backend in each precision (a run \"triton fp8\"); fp8 runs keep their weights' "
-        "fp8 copies cached, quantized once (as after an optimizer step, over many micro-batches)",
+        help="each backend in each precision (a run \"triton fp8\")",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="calls per optimizer step: fp8 runs quantize their weights once every this many "
+        "calls (default 1: every call; 0: once, then cached)",
     )
     parser.add_argument("--backward", action="store_true", help="training steps (fwd + bwd)")
     parser.add_argument("--seconds", type=float, default=2.5, help="length of one phase")
@@ -229,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.seconds > 0:
         parser.error(f"--seconds must be > 0, got {args.seconds}")
+    if args.micro_batches < 0:
+        parser.error(f"--micro-batches must be >= 0, got {args.micro_batches}")
     if args.rounds < 1 or args.warmup < 0:
         parser.error(
             f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}"
@@ -248,8 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not ok:  # (the baseline, or a backend without fp8: it would time bf16 as fp8)
             parser.error(f"--precision {c.precision}: {why}")
     calls = {
-        b if c.precision == "bf16" else f"{b} {c.precision}": harness.layer_call(
-            b, case, c, env.group, args.backward
+        b if c.precision == "bf16" else f"{b} {c.precision}": _steps(
+            harness.layer_call(b, case, c, env.group, args.backward),
+            args.micro_batches if c.precision == "fp8" else 0,
         )
         for b, c in runs
     }
@@ -297,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mode=what,
                 seconds=args.seconds,
                 rounds=args.rounds,
+                micro_batches=args.micro_batches,
                 telemetry=telemetry.available,
                 settle_fraction=SETTLE_FRACTION,
                 summary=summary,

@@ -95,13 +95,27 @@ def test_sustained_runs_on_the_cpu_and_writes_a_record(tmp_path, torchrun):
     assert "torch-a2a" in proc.stdout and "no telemetry" in proc.stdout
 
 
-def test_each_backend_runs_in_each_precision():
+def test_each_backend_runs_in_each_precision(monkeypatch):
+    from megamoe.tools import bench
+
     proc = _run(
         "-m", "megamoe.tools.sustained", "--preset", "tiny", "--backend", "reference",
         "--precision", "bf16", "fp8", "--seconds", "0.1", "--rounds", "1", "--warmup", "0",
     )  # fmt: skip
     _assert_ok(proc)
     assert "reference fp8" in proc.stdout and "round 1/1 reference:" in proc.stdout
+    from megamoe.tools import sustained
+
+    calls, cleared = [], []
+    monkeypatch.setattr(bench, "forget_fp8_weights", lambda: cleared.append(len(calls)))
+    step = sustained._steps(lambda: calls.append(1), 3)
+    for _ in range(7):
+        step()
+    assert cleared == [0, 3, 6]  # before the first call of every optimizer step
+    def call() -> None:
+        calls.append(1)
+
+    assert sustained._steps(call, 0) is call  # 0: quantized once, then cached
     proc = _run(
         "-m", "megamoe.tools.sustained", "--preset", "tiny", "--backend", "torch-a2a",
         "--precision", "fp8",
