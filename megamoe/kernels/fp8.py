@@ -181,18 +181,23 @@ def block_amax(x, axis: tl.constexpr):
 
 @triton.jit
 def load_quantized_rows(
-    q_ptr, s_ptr, rows, cols, stride_q, stride_s, row_mask, col_mask, UPCAST: tl.constexpr
-):
-    """A [len(rows), len(cols)] fp32 tile of 1x128-quantized rows, dequantized (``q * scale``,
-    exact): fp8 ``q`` rows ``stride_q`` apart, their scales ``[rows, ceil(K/128)]`` ``stride_s``
-    apart (e.g. :func:`unpack_rows`' views of packed rows); masked entries are 0."""
-    mask = row_mask[:, None] & col_mask[None, :]
+    q_ptr, s_ptr, rows, c0, K, stride_q, stride_s, row_mask, COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The [len(rows), COLS] fp32 tile at columns c0.. (c0 and COLS multiples of 128) of
+    1x128-quantized rows of K columns, dequantized (``q * scale``, exact): fp8 ``q`` rows
+    ``stride_q`` apart, their scales ``[rows, ceil(K/128)]`` ``stride_s`` apart (e.g.
+    :func:`unpack_rows`' views of packed rows); masked entries are 0. Each row's COLS / 128
+    scales are loaded once and broadcast over their blocks."""
+    cols = c0 + tl.arange(0, COLS)
+    mask = row_mask[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
     q = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
-    scale = tl.load(
-        s_ptr + rows64[:, None] * stride_s + (cols // 128)[None, :], mask=mask, other=0.0
-    )
-    return from_e4m3(q, UPCAST) * scale
+    blocks = c0 // 128 + tl.arange(0, COLS // 128)
+    s_mask = row_mask[:, None] & (blocks * 128 < K)[None, :]
+    scale = tl.load(s_ptr + rows64[:, None] * stride_s + blocks[None, :], mask=s_mask, other=0.0)
+    x = tl.reshape(from_e4m3(q, UPCAST), [rows.shape[0], COLS // 128, 128])
+    return tl.reshape(x * scale[:, :, None], [rows.shape[0], COLS])
 
 
 @triton.jit

@@ -142,16 +142,9 @@ def _route_grad_kernel(
         col_mask = cols < H
         if PACKED:  # fp8 rows with 1x128 scales (packed rows' views): dequantized, exact
             dy = fp8.load_quantized_rows(
-                dy_ptr,
-                dy_scale_ptr,
-                dy_row,
-                cols,
-                stride_dy,
-                stride_dy_scale,
-                real,
-                col_mask,
+                dy_ptr, dy_scale_ptr, dy_row, c0, H, stride_dy, stride_dy_scale, real, COLS,
                 UPCAST,
-            )
+            )  # fmt: skip
         else:
             dy = load_rows(dy_ptr, dy_row, cols, stride_dy, real, col_mask)
         dot += tl.sum(dy * load_rows(z_ptr, rows, cols, H, real, col_mask), axis=1)
