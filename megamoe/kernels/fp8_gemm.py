@@ -417,9 +417,7 @@ def fp8_wgrad_tile(
             acc0 = fp8_half_mma(acc0, a_rows, m0, r, b, sb, acc1, HM, BK, UPCAST)
             acc1 = fp8_half_mma(acc1, a_rows, m0 + HM, r, b, sb, acc0, HM, BK, UPCAST)
         c_desc.store([expert, m0, n0], cast(acc0, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
-        c_desc.store(
-            [expert, m0 + HM, n0], cast(acc1, c_desc.dtype, UPCAST).reshape([1, HM, BN])
-        )
+        c_desc.store([expert, m0 + HM, n0], cast(acc1, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
     else:
         for r in range(row_begin, row_end, BK):
             kb = r // BK

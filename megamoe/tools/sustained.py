@@ -237,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=["bf16", "fp8"],
         default=["bf16"],
-        help="each backend in each precision (a run \"triton fp8\")",
+        help='each backend in each precision (a run "triton fp8")',
     )
     parser.add_argument(
         "--micro-batches",

@@ -112,6 +112,7 @@ def test_each_backend_runs_in_each_precision(monkeypatch):
     for _ in range(7):
         step()
     assert cleared == [0, 3, 6]  # before the first call of every optimizer step
+
     def call() -> None:
         calls.append(1)
 
