@@ -32,7 +32,7 @@ __all__ = [
     "SharedDgrad",
 ]
 
-# (shared d_x, d_g, d_u, the token layout they used)
+# (shared d_x, d_g, d_u (in fp8 their weight-gradient operands), the token layout they used)
 SharedDgrad = tuple[torch.Tensor, torch.Tensor, torch.Tensor, RowSchedule]
 
 
@@ -122,7 +122,8 @@ def shared_forward(
 
 
 def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
-    """(d_x rows, d_g, d_u) of the routed rows."""
+    """(d_x rows, d_g, d_u) of the routed rows (in fp8 d_g and d_u as their weight-gradient
+    operands, :func:`_fp8_dgrad`)."""
     sched, w, routed = ctx.schedule.routed, ctx.weights, ctx.routed
     if _is_fp8(ctx.schedule.config):
         return _fp8_dgrad(dz, w.w_down, w.w_gate, w.w_up, routed.g, routed.u, sched)
@@ -140,17 +141,31 @@ def _fp8_dgrad(
     sched: RowSchedule,
     programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_x, d_g, d_u) in fp8: dz, d_g and d_u quantized 1x128, the weights' transposed copies."""
+    """(d_x, d_g, d_u) in fp8: dz, d_g and d_u quantized 1x128, the weights' transposed copies;
+    d_g and d_u come back as their weight-gradient operands (:func:`_cols`). The two share one
+    buffer, so one pass quantizes both each way."""
     dzq, dzq_s = fp8.quantize_rows(dz)
-    dg, du = fp8_gemm.dgrad_swiglu(
-        dzq, dzq_s, fp8_weights.get(w_down), g, u, sched, programs, out_dtype=dz.dtype
-    )
-    (dgq, dgq_s), (duq, duq_s) = fp8.quantize_rows(dg), fp8.quantize_rows(du)
+    rows, n = g.shape
+    both = empty((2, rows, n), dz.dtype, dz.device)
+    w_down8 = fp8_weights.get(w_down)
+    fp8_gemm.dgrad_swiglu(dzq, dzq_s, w_down8, g, u, sched, programs, dz.dtype, out=both)
+    q, s = fp8.quantize_rows(both.view(2 * rows, n))
     w_gate8, w_up8 = fp8_weights.get(w_gate), fp8_weights.get(w_up)
     dx = fp8_gemm.dgrad_pair(
-        dgq, dgq_s, w_gate8, duq, duq_s, w_up8, sched, programs, out_dtype=dz.dtype
+        q[:rows], s[:rows], w_gate8, q[rows:], s[rows:], w_up8, sched, programs, dz.dtype
     )
-    return dx, dg, du
+    return dx, *_pair_cols(both)
+
+
+def _pair_cols(both: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """:func:`_cols` of ``both[0]`` and ``both[1]`` ([2, rows, N]), by one pass over both where
+    no 128-row block straddles the two (rows % 128 == 0: the same blocks, the same bits)."""
+    rows = both.shape[1]
+    if rows % 128:
+        return _cols(both[0]), _cols(both[1])
+    q_t, scale = fp8.quantize_cols(both.view(2 * rows, -1))
+    blocks = rows // 128
+    return (q_t[:, :rows], scale[:, :blocks]), (q_t[:, rows:], scale[:, blocks:])
 
 
 def routed_wgrad(
@@ -161,14 +176,14 @@ def routed_wgrad(
     sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
     if _is_fp8(ctx.schedule.config):
         xs = _x_cols(routed.xs, w.w_gate.shape[-1])
-        wgrad = functools.partial(_fp8_wgrad, out_dtype=dg.dtype)
+        wgrad = functools.partial(_fp8_wgrad, out_dtype=dz.dtype)
     else:
         xs, wgrad = routed.xs, gemm.wgrad
     stacked = stacked_gate_up(w.w_gate, w.w_up)
     if stacked is None:
         d_gate, d_up = wgrad(dg, xs, sched), wgrad(du, xs, sched)
     else:
-        d_stacked = empty(stacked.shape, dg.dtype, dg.device)
+        d_stacked = empty(stacked.shape, dz.dtype, dz.device)
         i = w.w_gate.shape[1]
         d_gate = wgrad(dg, xs, sched, out=d_stacked[:, :i])
         d_up = wgrad(du, xs, sched, out=d_stacked[:, i:])

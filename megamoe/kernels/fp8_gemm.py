@@ -764,6 +764,7 @@ def _mm_launch(
     gu: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     rows, k = _check_rows(names[0], a, a_scale)
     q, s = _check_weight(names[1], w, sched.num_experts, k, transposed)
@@ -785,7 +786,15 @@ def _mm_launch(
         wb2, w2_rows = weight_2d(q2)
         a2_desc, b2_desc = descriptor(a2_q, [hm, t.bk]), descriptor(wb2, [t.bn, t.bk])
         a2_s, s2 = _like(a2_scale, a_scale), _like(s2, s)
-    outs = [empty((rows, n), out_dtype, a.device) for _ in range(2 if gu is not None else 1)]
+    shape = (2 if gu is not None else 1, rows, n)
+    if out is None:
+        out = empty(shape, out_dtype, a.device)
+    elif tuple(out.shape) != shape or not out.is_contiguous() or not out.is_floating_point():
+        raise ValueError(
+            f"out must be a contiguous floating {list(shape)} tensor, got {out.dtype} "
+            f"{list(out.shape)} strides {out.stride()}"
+        )
+    outs = list(out)
     c_descs = [descriptor(o, [hm, t.bn]) for o in outs]
     if gu is not None:
         for name, x in zip(("g", "u"), gu):
@@ -854,9 +863,13 @@ def dgrad_swiglu(
     sched: RowSchedule,
     programs: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_g, d_u) = SwiGLU backward of d_h = dz @ w_down[e] (w_down [E, H, I] with its
-    transposed copy ``q_t`` [E, I, H]; ``dz`` [rows, H] 1x128-quantized; g, u [rows, I])."""
+    transposed copy ``q_t`` [E, I, H]; ``dz`` [rows, H] 1x128-quantized; g, u [rows, I]).
+
+    ``out``: a contiguous [2, rows, I] tensor to write them into in its dtype (``out[0]``,
+    ``out[1]``, which are returned), e.g. so that one quantizer pass reads both."""
     dg, du = _mm_launch(
         "swiglu_bwd",
         dz,
@@ -868,6 +881,7 @@ def dgrad_swiglu(
         gu=(g, u),
         programs=programs,
         out_dtype=out_dtype,
+        out=out,
     )
     return dg, du
 

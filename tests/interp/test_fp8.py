@@ -611,6 +611,14 @@ def test_gemms_name_bad_arguments() -> None:
         fp8_gemm.grouped_mm(xq, xs, odd, s)
     with pytest.raises(ValueError, match="w_down has no transposed copy"):
         fp8_gemm.dgrad_swiglu(xq, xs, p.w_down._replace(q_t=None), p.x, p.x, s)
+    g = p.x[:, :I].contiguous()
+    both = torch.empty(2, s.rows, I, dtype=torch.bfloat16)
+    dg, du = fp8_gemm.dgrad_swiglu(xq, xs, p.w_down, g, g, s, out=both)
+    assert dg.data_ptr() == both.data_ptr() and du.data_ptr() == both[1].data_ptr()
+    want = fp8_gemm.dgrad_swiglu(xq, xs, p.w_down, g, g, s)
+    assert all(torch.equal(a[: p.used], b[: p.used]) for a, b in zip((dg, du), want))
+    with pytest.raises(ValueError, match=r"out must be a contiguous floating \[2, 128, 112\]"):
+        fp8_gemm.dgrad_swiglu(xq, xs, p.w_down, g, g, s, out=both[:, :, :100])
     with pytest.raises(ValueError, match=r"w_gate.scale must be a float32 \[4, 1, 3\]"):
         fp8_gemm.gate_up(xq, xs, p.w_gate._replace(scale=p.w_gate.scale[:, :, :2]), p.w_up, s)
     with pytest.raises(ValueError, match=r"sched.block_rows is 16; .* multiple of 128"):
