@@ -270,12 +270,10 @@ def test_set_applies_tunables_and_names_bad_ones(capsys):
         assert message in capsys.readouterr().err
 
 
-def test_precisions_run_interleaved_with_their_bf16_runs(monkeypatch):
-    """--precision bf16 fp8: an fp8 run of each backend that has it, checked with fp8's
-    tolerance and compared with its own bf16 run; the baseline runs once, in bf16; a backend
-    without fp8 gets a skipped record saying why."""
+def _count_fp8_weight_resets(monkeypatch) -> list[int]:
+    """A one-element list counting the bench's empties of the fp8 weight cache (which still
+    happen)."""
     from megamoe.tools import bench
-    from megamoe.tools.harness import DistEnv
 
     cleared = [0]
     real_forget = bench.forget_fp8_weights
@@ -285,6 +283,17 @@ def test_precisions_run_interleaved_with_their_bf16_runs(monkeypatch):
         real_forget()
 
     monkeypatch.setattr(bench, "forget_fp8_weights", forget)
+    return cleared
+
+
+def test_precisions_run_interleaved_with_their_bf16_runs(monkeypatch):
+    """--precision bf16 fp8: an fp8 run of each backend that has it, checked with fp8's
+    tolerance and compared with its own bf16 run; the baseline runs once, in bf16; a backend
+    without fp8 gets a skipped record saying why."""
+    from megamoe.tools import bench
+    from megamoe.tools.harness import DistEnv
+
+    cleared = _count_fp8_weight_resets(monkeypatch)
     opts = bench.BenchOptions(
         shapes=["tiny"],
         backends=["reference", "fused", "torch-a2a"],
@@ -329,14 +338,7 @@ def test_micro_batches_quantize_fp8_weights_once_per_optimizer_step(monkeypatch)
     from megamoe.tools import bench
     from megamoe.tools.harness import DistEnv
 
-    cleared = [0]
-    real_forget = bench.forget_fp8_weights
-
-    def forget():
-        cleared[0] += 1
-        real_forget()
-
-    monkeypatch.setattr(bench, "forget_fp8_weights", forget)
+    cleared = _count_fp8_weight_resets(monkeypatch)
     for micro_batches, want in ((1, 4), (2, 2), (4, 1)):
         cleared[0] = 0
         opts = bench.BenchOptions(
