@@ -53,6 +53,7 @@ __all__ = [
     "fp8_mma",
     "fp8_mm_acc",
     "fp8_mm_acc_split",
+    "fp8_half_mma",
     "opaque_zero",
     "fp8_gate_up_tile",
     "fp8_grouped_mm_tile",
