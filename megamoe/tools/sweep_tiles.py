@@ -112,6 +112,12 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             T(bm=128, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2, split_m=2),
             T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2),
         ],
+        # fp32 outputs (the kernel picks the entry by the output dtype; the bench's weight
+        # gradients are bf16, so a sweep times these only through "wgrad")
+        "wgrad_fp32": [
+            T(bm=64, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2),
+            T(bm=128, bn=128, bk=128, stages=4, warps=8),
+        ],
     },
 }
 
