@@ -71,12 +71,13 @@ __all__ = [
 # run as two 64-row halves sharing each B tile (``split_m``: the 128-row tile's operand bytes,
 # the 64-row tile's overlap): on every model of the table the data gradients 1.19-1.54x the
 # 64-row tiles (2026-12-03), gate/up 1.04-1.35x and the weight gradients 0.96-1.51x (median
-# 1.06-1.08x; 2026-12-04). gate/up holds two accumulators a half: 64 wide. The forward down
-# keeps 64-row tiles: its split variant spills (232 B at 255 registers).
+# 1.06-1.08x; 2026-12-04). gate/up holds two accumulators a half: 64 wide. The forward down's
+# split tile spills unless its halves are strictly ordered (``strict_order``), which costs
+# the other split tiles up to 20% but gives it 1.02-1.17x the 64-row tile (2026-12-04).
 _SPLIT = GemmTiles(bm=128, bn=128, bk=BLOCK, stages=3, warps=4, programs_per_sm=2, split_m=2)
 GPU_TILES: dict[str, GemmTiles] = {
     "gate_up": dataclasses.replace(_SPLIT, bn=64),  # two accumulators a half
-    "mm": GemmTiles(bm=64, bn=128, bk=BLOCK, stages=3, warps=4, programs_per_sm=2),
+    "mm": dataclasses.replace(_SPLIT, strict_order=True),
     "pair": _SPLIT,  # the dgrad of gate/up: two (A, W) pairs into one accumulator
     "swiglu_bwd": _SPLIT,
     "wgrad": _SPLIT,
@@ -103,12 +104,23 @@ def tiles_for(kind: str) -> GemmTiles:
 
 
 @triton.jit
-def opaque_zero(like, UPCAST: tl.constexpr):
+def opaque_zero(like, UPCAST: tl.constexpr, STRICT: tl.constexpr = False):
     """Zeros of ``like``'s shape computed from ``like`` (an opaque ``mov``), so that the compiler
     cannot set them up before ``like`` exists: a WGMMA accumulator started from them is not
-    live while an earlier partial product is."""
+    live while an earlier partial product is. ptxas still folds the ``mov`` into the WGMMA's
+    zero input, which drops that order; ``STRICT`` keeps it for real: ``like``'s bits ANDed
+    with ``%ctaid.y`` (0 on the persistent kernels' 1-D grids), at one instruction an element."""
     if UPCAST:
         return tl.zeros(like.shape, dtype=tl.float32)
+    elif STRICT:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 y; mov.u32 y, %ctaid.y; and.b32 $0, $1, y; }",
+            "=r,r",
+            [like],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
     else:
         return tl.inline_asm_elementwise(
             "mov.b32 $0, 0;", "=r,r", [like], dtype=tl.float32, is_pure=True, pack=1
@@ -116,18 +128,19 @@ def opaque_zero(like, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def fp8_mma(acc, a, b, a_scale, b_scale, UPCAST: tl.constexpr, after=None):
+def fp8_mma(acc, a, b, a_scale, b_scale, UPCAST: tl.constexpr, after=None,
+            STRICT: tl.constexpr = False):  # fmt: skip
     """``acc += (a @ b) * a_scale * b_scale`` for one 128-deep K step of fp8 tiles: the product
     is accumulated in fp32 (float64 under the interpreter) and promoted with its scales
     (powers of two: both multiplications are exact). With ``after`` the product's accumulator
-    starts from ``opaque_zero(after)`` (the same sum: +0 plus the products)."""
+    starts from ``opaque_zero(after, UPCAST, STRICT)`` (the same sum: +0 plus the products)."""
     if UPCAST:
         a64 = from_e4m3(a, UPCAST).to(tl.float64)
         d = tl.dot(a64, from_e4m3(b, UPCAST).to(tl.float64)).to(tl.float32)
     elif after is None:
         d = tl.dot(a, b)
     else:
-        d = tl.dot(a, b, opaque_zero(after, UPCAST))
+        d = tl.dot(a, b, opaque_zero(after, UPCAST, STRICT))
     if len(b_scale.shape) == 0:
         # one weight scale for the tile: the two scales' product per row first, then one FMA
         # per element, rounding as below would (products of powers of two are exact here)
@@ -204,6 +217,7 @@ def fp8_mm_acc_split(
     BN: tl.constexpr,
     BK: tl.constexpr,
     UPCAST: tl.constexpr,
+    STRICT: tl.constexpr = False,
 ):
     """``fp8_mm_acc`` of a 2*HM-row tile as two HM-row halves (accumulators ``acc0``, ``acc1``)
     sharing each K step's B tile: the operand bytes per FLOP of the 2*HM-row tile with one
@@ -218,21 +232,21 @@ def fp8_mm_acc_split(
         k = kb * BK
         sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
         b = b_desc.load([expert * w_rows + col, k]).T
-        acc0 = fp8_half_mma(acc0, a_rows, row, k, b, sb, acc1, HM, BK, UPCAST)
-        acc1 = fp8_half_mma(acc1, a_rows, row + HM, k, b, sb, acc0, HM, BK, UPCAST)
+        acc0 = fp8_half_mma(acc0, a_rows, row, k, b, sb, acc1, HM, BK, UPCAST, STRICT)
+        acc1 = fp8_half_mma(acc1, a_rows, row + HM, k, b, sb, acc0, HM, BK, UPCAST, STRICT)
     return acc0, acc1
 
 
 @triton.jit
 def fp8_half_mma(acc, a_rows, row, k, b, sb, after, HM: tl.constexpr, BK: tl.constexpr,
-                 UPCAST: tl.constexpr):  # fmt: skip
+                 UPCAST: tl.constexpr, STRICT: tl.constexpr = False):  # fmt: skip
     """One half of a split tile's K step: ``acc`` += rows row..row+HM of A (``a_rows`` = its
     descriptor, scales, rows and the scales' strides) at K offset k times the shared B tile,
-    the product's accumulator started from ``opaque_zero(after)``, the other half's latest
-    promoted result, so that one half's partial product is live at a time."""
+    the product's accumulator started from ``opaque_zero(after, UPCAST, STRICT)``, the other
+    half's latest promoted result, so that one half's partial product is live at a time."""
     a_desc, a_s_ptr, M, s_am, s_ak = a_rows
     sa = row_scales(a_s_ptr, row, k // BK, M, s_am, s_ak, HM)
-    return fp8_mma(acc, a_desc.load([row, k]), b, sa, sb, UPCAST, after)
+    return fp8_mma(acc, a_desc.load([row, k]), b, sa, sb, UPCAST, after, STRICT)
 
 
 @triton.jit
@@ -262,13 +276,15 @@ def fp8_gate_up_tile(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SPLIT_M: tl.constexpr,
+    STRICT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One [BM, BN] tile of g = A Wg^T, u = A Wu^T and h = silu(g) * u at (row, col), from
     one pass over A (the gate and up scales share their strides). A device function, so a
     fused kernel can run the same tiles with the same bits. ``SPLIT_M`` 2: as two BM/2-row
     halves sharing each step's two B tiles, the four products started one after the other
-    (``opaque_zero``; the descriptors of A, g, u and h then have BM/2-row blocks)."""
+    (``opaque_zero``, ``STRICT`` its kind; the descriptors of A, g, u and h then have BM/2-row
+    blocks)."""
     HM: tl.constexpr = BM // SPLIT_M
     acc_g = tl.zeros([HM, BN], dtype=tl.float32)
     acc_u = tl.zeros([HM, BN], dtype=tl.float32)
@@ -283,12 +299,12 @@ def fp8_gate_up_tile(
             bu = bu_desc.load([expert * w_rows + col, k]).T
             sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, HM)
             a = a_desc.load([row, k])
-            acc_g = fp8_mma(acc_g, a, bg, sa, sg, UPCAST, acc_u1)
-            acc_u = fp8_mma(acc_u, a, bu, sa, su, UPCAST, acc_g)
+            acc_g = fp8_mma(acc_g, a, bg, sa, sg, UPCAST, acc_u1, STRICT)
+            acc_u = fp8_mma(acc_u, a, bu, sa, su, UPCAST, acc_g, STRICT)
             sa1 = row_scales(a_s_ptr, row + HM, kb, M, s_am, s_ak, HM)
             a1 = a_desc.load([row + HM, k])
-            acc_g1 = fp8_mma(acc_g1, a1, bg, sa1, sg, UPCAST, acc_u)
-            acc_u1 = fp8_mma(acc_u1, a1, bu, sa1, su, UPCAST, acc_g1)
+            acc_g1 = fp8_mma(acc_g1, a1, bg, sa1, sg, UPCAST, acc_u, STRICT)
+            acc_u1 = fp8_mma(acc_u1, a1, bu, sa1, su, UPCAST, acc_g1, STRICT)
         store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
         store_gate_up(g_desc, u_desc, h_desc, row + HM, col, acc_g1, acc_u1, UPCAST)
     else:
@@ -336,13 +352,14 @@ def fp8_grouped_mm_tile(
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
     SPLIT_M: tl.constexpr,
+    STRICT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One [BM, BN] output tile at (row, col): C = A W_e^T; with ``TWO_PAIRS`` C = A W_e^T +
     A2 W2_e^T in one accumulator (the pairs share their scales' strides); with ``SWIGLU_BWD``
     the accumulator is d_h and the tile stores (d_g, d_u) into (c, c2) from the saved (g, u).
-    ``SPLIT_M`` 2: as two BM/2-row halves (``fp8_mm_acc_split``; the descriptors of A, A2, C,
-    C2, g and u then have BM/2-row blocks)."""
+    ``SPLIT_M`` 2: as two BM/2-row halves (``fp8_mm_acc_split``, ``STRICT`` the kind of its
+    ``opaque_zero``; the descriptors of A, A2, C, C2, g and u then have BM/2-row blocks)."""
     HM: tl.constexpr = BM // SPLIT_M
     scales = (M, N, K, s_am, s_ak, s_be, s_bn, s_bk)
     pair = (a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows)
@@ -351,11 +368,11 @@ def fp8_grouped_mm_tile(
     if SPLIT_M == 2:
         acc1 = tl.zeros([HM, BN], dtype=tl.float32)
         acc0, acc1 = fp8_mm_acc_split(
-            acc0, acc1, pair, expert, row, col, scales, HM, BN, BK, UPCAST
+            acc0, acc1, pair, expert, row, col, scales, HM, BN, BK, UPCAST, STRICT
         )
         if TWO_PAIRS:
             acc0, acc1 = fp8_mm_acc_split(
-                acc0, acc1, pair2, expert, row, col, scales, HM, BN, BK, UPCAST
+                acc0, acc1, pair2, expert, row, col, scales, HM, BN, BK, UPCAST, STRICT
             )
         store_mm(c_desc, c2_desc, g_desc, u_desc, row, col, acc0, SWIGLU_BWD, UPCAST)
         store_mm(c_desc, c2_desc, g_desc, u_desc, row + HM, col, acc1, SWIGLU_BWD, UPCAST)
@@ -400,13 +417,14 @@ def fp8_wgrad_tile(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SPLIT_M: tl.constexpr,
+    STRICT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """The [BM, BN] tile at (m0, n0) of d_W[expert] = A^T B over the rows [row_begin,
     row_end) in order, 128 a step (padding rows hold zeros), from the transposed operands
     A^T [M, rows] and B^T [N, rows] and their 1x128 scales along the rows. ``SPLIT_M`` 2: as
-    two BM/2-high halves sharing each step's B tile (``fp8_half_mma``; the descriptors of A^T
-    and d_W then have BM/2-row blocks)."""
+    two BM/2-high halves sharing each step's B tile (``fp8_half_mma``, ``STRICT`` the kind of
+    its ``opaque_zero``; the descriptors of A^T and d_W then have BM/2-row blocks)."""
     HM: tl.constexpr = BM // SPLIT_M
     acc0 = tl.zeros([HM, BN], dtype=tl.float32)
     if SPLIT_M == 2:
@@ -415,8 +433,8 @@ def fp8_wgrad_tile(
         for r in range(row_begin, row_end, BK):
             sb = tl.reshape(row_scales(bt_s_ptr, n0, r // BK, N, s_bn, s_bk, BN), [1, BN])
             b = bt_desc.load([n0, r]).T
-            acc0 = fp8_half_mma(acc0, a_rows, m0, r, b, sb, acc1, HM, BK, UPCAST)
-            acc1 = fp8_half_mma(acc1, a_rows, m0 + HM, r, b, sb, acc0, HM, BK, UPCAST)
+            acc0 = fp8_half_mma(acc0, a_rows, m0, r, b, sb, acc1, HM, BK, UPCAST, STRICT)
+            acc1 = fp8_half_mma(acc1, a_rows, m0 + HM, r, b, sb, acc0, HM, BK, UPCAST, STRICT)
         c_desc.store([expert, m0, n0], cast(acc0, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
         c_desc.store([expert, m0 + HM, n0], cast(acc1, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
     else:
@@ -454,6 +472,7 @@ def _fp8_gate_up_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SPLIT_M: tl.constexpr,
+    STRICT: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -488,6 +507,7 @@ def _fp8_gate_up_kernel(
             BN,
             BK,
             SPLIT_M,
+            STRICT,
             UPCAST,
         )
 
@@ -524,6 +544,7 @@ def _fp8_grouped_mm_kernel(
     TWO_PAIRS: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
     SPLIT_M: tl.constexpr,
+    STRICT: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -564,6 +585,7 @@ def _fp8_grouped_mm_kernel(
             TWO_PAIRS,
             SWIGLU_BWD,
             SPLIT_M,
+            STRICT,
             UPCAST,
         )
 
@@ -587,6 +609,7 @@ def _fp8_wgrad_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SPLIT_M: tl.constexpr,
+    STRICT: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -616,6 +639,7 @@ def _fp8_wgrad_kernel(
             BN,
             BK,
             SPLIT_M,
+            STRICT,
             UPCAST,
         )
 
@@ -730,6 +754,7 @@ def gate_up(
         BN=t.bn,
         BK=t.bk,
         SPLIT_M=t.split_m,
+        STRICT=t.strict_order,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
@@ -832,6 +857,7 @@ def _mm_launch(
         TWO_PAIRS=a2 is not None,
         SWIGLU_BWD=gu is not None,
         SPLIT_M=t.split_m,
+        STRICT=t.strict_order,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
@@ -973,6 +999,7 @@ def wgrad(
         BN=t.bn,
         BK=t.bk,
         SPLIT_M=t.split_m,
+        STRICT=t.strict_order,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
         num_warps=t.warps,

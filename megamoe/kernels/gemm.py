@@ -64,6 +64,10 @@ class GemmTiles:
     # fp8 GEMMs (``fp8_gemm``): the tile's rows as this many sub-tiles of bm // split_m rows
     # sharing each B tile in one warpgroup, each promoted before the next one's MMA (1 or 2)
     split_m: int = 1
+    # fp8 split tiles: each sub-tile's product made to depend on the other's promoted result
+    # for real (``fp8_gemm.opaque_zero``'s STRICT: one more instruction an element), where
+    # ptxas would otherwise overlap the two products and spill
+    strict_order: bool = False
 
 
 def row_tile(t: GemmTiles, block_rows: int) -> tuple[int, int]:

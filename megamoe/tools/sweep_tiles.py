@@ -64,6 +64,8 @@ _FP8_ROW = [
     # 128 x 128 tile's operand bytes, promotions hidden by the other program's MMAs
     T(bn=128, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2),
     T(bn=128, bk=128, stages=2, warps=4, bm=128, programs_per_sm=2, split_m=2),
+    # the same with the halves strictly ordered (``strict_order``: the forward down's)
+    T(bn=128, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2, strict_order=True),
 ]
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
@@ -372,7 +374,9 @@ def _line(rec: dict) -> str:
     t = rec["tiles"]
     tiles = (
         f"{t['bm'] or 'blk'}x{t['bn']}x{t['bk']} s{t['stages']} w{t['warps']}"
-        f" p{t['programs_per_sm']}" + (f" split{t['split_m']}" if t.get("split_m", 1) > 1 else "")
+        f" p{t['programs_per_sm']}"
+        + (f" split{t['split_m']}" if t.get("split_m", 1) > 1 else "")
+        + (" strict" if t.get("strict_order") else "")
     )
     head = f"{rec['shape']:16s} {rec['precision']:4s} {rec['kernel']:14s} {tiles:28s}"
     if "error" in rec:
