@@ -75,7 +75,7 @@ def test_bits_compare_only_the_rows_the_kernels_write() -> None:
 def test_lines_name_tiles_and_errors() -> None:
     base = dict(shape="dsv3", precision="fp8", kernel="down", tiles=vars_of(fp8_gemm, "mm"))
     ok = sweep_tiles._line(dict(base, ms=1.25, tflops=700.0, vs_default=1.07, same_bits=True))
-    assert "64x128x128 s3 w4 p2" in ok and "1.07x" in ok and "same bits" in ok
+    assert "128x128x128 s3 w4 p2 split2 strict" in ok and "1.07x" in ok and "same bits" in ok
     bad = sweep_tiles._line(dict(base, error="OutOfResources: shared memory"))
     assert "ERROR OutOfResources" in bad
 
