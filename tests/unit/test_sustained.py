@@ -127,6 +127,8 @@ def test_each_backend_runs_in_each_precision(monkeypatch):
 def test_bad_arguments_are_named():
     proc = _run("-m", "megamoe.tools.sustained", "--preset", "tiny", "--seconds", "0")
     assert proc.returncode == 2 and "--seconds must be > 0, got 0.0" in proc.stderr
+    proc = _run("-m", "megamoe.tools.sustained", "--preset", "tiny", "--micro-batches", "-1")
+    assert proc.returncode == 2 and "--micro-batches must be >= 0, got -1" in proc.stderr
     proc = _run("-m", "megamoe.tools.sustained", "--preset", "tiny", "--backend", "foo")
     assert proc.returncode == 2 and "backend must be one of" in proc.stderr
     assert "got 'foo'" in proc.stderr and "Traceback" not in proc.stderr
