@@ -25,7 +25,8 @@
 #            $MEGAMOE_SWEEP_TOKENS tokens per rank (the time-vs-tokens plot)
 #   shapes   (not part of all) W=1 on every model of $MEGAMOE_MODELS (default: the whole model
 #            table): backends $MEGAMOE_SHAPES_BACKENDS at $MEGAMOE_SHAPES_TOKENS tokens, in the
-#            throughput and the latency mode, one bench per model (shapes_<model>.json; a
+#            modes $MEGAMOE_SHAPES_MODES (default "throughput latency"), with
+#            $MEGAMOE_BENCH_ARGS (e.g. "--precision bf16 fp8"), one bench per model (shapes_<model>.json; a
 #            model that runs past STEP_TIMEOUT_S loses only its own records), no float64 check
 #            (the weights of the whole table's experts on one GPU; the tests check accuracy)
 #   profile  (not part of all) the GPU time of a training step per kernel (megamoe.tools.profile
@@ -81,7 +82,7 @@
 #   MEGAMOE_MODELS       default: every model of megamoe.shapes.MODEL_SHAPES; an entry
 #                        H,I,E,K[,Is] is a custom shape (shapes_custom_HxIxExK.json)
 #   MEGAMOE_SHAPES_BACKENDS default "triton fused auto torch-a2a"
-#   MEGAMOE_SHAPES_TOKENS default "4096 16384"
+#   MEGAMOE_SHAPES_TOKENS default "4096 16384"; MEGAMOE_SHAPES_MODES default "throughput latency"
 #   MEGAMOE_HOST_MODEL   default qwen3-30b-a3b
 #
 # The package is used from this checkout through PYTHONPATH (no install: the GPU machine may have
@@ -274,8 +275,8 @@ if want shapes; then
         step "shapes $model W=1" "$OUT/shapes.log" "$PY" -m megamoe bench "${how[@]}" \
             --tokens ${MEGAMOE_SHAPES_TOKENS:-4096 16384} \
             --backend ${MEGAMOE_SHAPES_BACKENDS:-triton fused auto torch-a2a} \
-            --mode throughput latency --iters "$ITERS" --warmup "$WARMUP" --no-check \
-            --out "$OUT/shapes_$name.json"
+            --mode ${MEGAMOE_SHAPES_MODES:-throughput latency} --iters "$ITERS" \
+            --warmup "$WARMUP" --no-check ${MEGAMOE_BENCH_ARGS:-} --out "$OUT/shapes_$name.json"
     done
 fi
 

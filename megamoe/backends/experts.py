@@ -9,6 +9,7 @@ gathered locally or pulled from peers. The shared expert runs over the local tok
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Union
 
 import torch
 
@@ -29,11 +30,27 @@ __all__ = [
     "routed_wgrad",
     "shared_dgrad",
     "shared_wgrad",
+    "Dgrad",
     "SharedDgrad",
 ]
 
-# (shared d_x, d_g, d_u (in fp8 their weight-gradient operands), the token layout they used)
-SharedDgrad = tuple[torch.Tensor, torch.Tensor, torch.Tensor, RowSchedule]
+# A weight gradient's operand: bf16 rows, or in fp8 their 128x1 quantization (fp8.quantize_cols'
+# (q_t, scale), quantized once for every weight gradient that reads it).
+Operand = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Dgrad(NamedTuple):
+    """An expert group's data gradient ``dx`` (its rows) and what its weight gradients read of
+    d_g, d_u and d_z (:data:`Operand`: in fp8 quantized by the data gradient's passes)."""
+
+    dx: torch.Tensor
+    dg: Operand
+    du: Operand
+    dz: Operand
+
+
+# (the shared expert's Dgrad, the token layout it used)
+SharedDgrad = tuple[Dgrad, RowSchedule]
 
 
 def _is_fp8(config: MoEConfig) -> bool:
@@ -52,6 +69,12 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_cols`` of the rows ``x [rows, N]``: ``x^T`` 128x1-quantized, for a weight
     gradient."""
     return fp8.quantize_cols(_pad16(x))
+
+
+def _rows_cols(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """(``quantize_rows(x)``, :func:`_cols` of ``x``) from one pass over ``x``: a data
+    gradient's A operand that a weight gradient reads too."""
+    return fp8.quantize_rows_cols(x, pad_to=16)
 
 
 def _x_cols(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,14 +144,13 @@ def shared_forward(
     return SharedActivations(sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one, programs)
 
 
-def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
-    """(d_x rows, d_g, d_u) of the routed rows (in fp8 d_g and d_u as their weight-gradient
-    operands, :func:`_fp8_dgrad`)."""
+def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> Dgrad:
+    """The routed rows' d_x and the weight gradients' operands (:class:`Dgrad`)."""
     sched, w, routed = ctx.schedule.routed, ctx.weights, ctx.routed
     if _is_fp8(ctx.schedule.config):
         return _fp8_dgrad(dz, w.w_down, w.w_gate, w.w_up, routed.g, routed.u, sched)
     dg, du = gemm.dgrad_swiglu(dz, w.w_down, routed.g, routed.u, sched)
-    return gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched), dg, du
+    return Dgrad(gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched), dg, du, dz)
 
 
 def _fp8_dgrad(
@@ -140,84 +162,81 @@ def _fp8_dgrad(
     u: torch.Tensor,
     sched: RowSchedule,
     programs: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_x, d_g, d_u) in fp8: dz, d_g and d_u quantized 1x128, the weights' transposed copies;
-    d_g and d_u come back as their weight-gradient operands (:func:`_cols`). The two share one
-    buffer, so one pass quantizes both each way."""
-    dzq, dzq_s = fp8.quantize_rows(dz)
+) -> Dgrad:
+    """:class:`Dgrad` in fp8: d_z, d_g and d_u quantized 1x128 for the data gradients on the
+    weights' transposed copies, and 128x1 for the weight gradients, each by one pass
+    (:func:`_rows_cols`). d_g and d_u share one buffer, so one pass covers both where no
+    128-row block straddles the two (rows % 128 == 0: the same blocks, the same bits)."""
+    (dzq, dzq_s), dz_cols = _rows_cols(dz)
     rows, n = g.shape
     both = empty((2, rows, n), dz.dtype, dz.device)
     w_down8 = fp8_weights.get(w_down)
     fp8_gemm.dgrad_swiglu(dzq, dzq_s, w_down8, g, u, sched, programs, dz.dtype, out=both)
-    q, s = fp8.quantize_rows(both.view(2 * rows, n))
-    w_gate8, w_up8 = fp8_weights.get(w_gate), fp8_weights.get(w_up)
-    dx = fp8_gemm.dgrad_pair(
-        q[:rows], s[:rows], w_gate8, q[rows:], s[rows:], w_up8, sched, programs, dz.dtype
-    )
-    return dx, *_pair_cols(both)
-
-
-def _pair_cols(both: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """:func:`_cols` of ``both[0]`` and ``both[1]`` ([2, rows, N]), by one pass over both where
-    no 128-row block straddles the two (rows % 128 == 0: the same blocks, the same bits)."""
-    rows = both.shape[1]
     if rows % 128:
-        return _cols(both[0]), _cols(both[1])
-    q_t, scale = fp8.quantize_cols(both.view(2 * rows, -1))
-    blocks = rows // 128
-    return (q_t[:, :rows], scale[:, :blocks]), (q_t[:, rows:], scale[:, blocks:])
+        (gq, gs), dg_cols = _rows_cols(both[0])
+        (uq, us), du_cols = _rows_cols(both[1])
+    else:
+        (q, s), (q_t, s_t) = _rows_cols(both.view(2 * rows, n))
+        gq, gs, uq, us = q[:rows], s[:rows], q[rows:], s[rows:]
+        blocks = rows // 128
+        dg_cols, du_cols = (q_t[:, :rows], s_t[:, :blocks]), (q_t[:, rows:], s_t[:, blocks:])
+    w_gate8, w_up8 = fp8_weights.get(w_gate), fp8_weights.get(w_up)
+    dx = fp8_gemm.dgrad_pair(gq, gs, w_gate8, uq, us, w_up8, sched, programs, dz.dtype)
+    return Dgrad(dx, dg_cols, du_cols, dz_cols)
 
 
-def routed_wgrad(
-    dz: torch.Tensor, dg: torch.Tensor, du: torch.Tensor, ctx: TritonContext
-) -> tuple[torch.Tensor, ...]:
-    """(d_w_gate, d_w_up, d_w_down) of the routed experts. For a stacked gate/up weight the
-    first two are the halves of one stacked gradient, written in place (no concatenation)."""
+def routed_wgrad(dgrad: Dgrad, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
+    """(d_w_gate, d_w_up, d_w_down) of the routed experts from :func:`routed_dgrad`'s
+    operands. For a stacked gate/up weight the first two are the halves of one stacked
+    gradient, written in place (no concatenation)."""
     sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
+    dtype = dgrad.dx.dtype
     if _is_fp8(ctx.schedule.config):
         xs = _x_cols(routed.xs, w.w_gate.shape[-1])
-        wgrad = functools.partial(_fp8_wgrad, out_dtype=dz.dtype)
+        wgrad = functools.partial(_fp8_wgrad, out_dtype=dtype)
     else:
         xs, wgrad = routed.xs, gemm.wgrad
     stacked = stacked_gate_up(w.w_gate, w.w_up)
     if stacked is None:
-        d_gate, d_up = wgrad(dg, xs, sched), wgrad(du, xs, sched)
+        d_gate, d_up = wgrad(dgrad.dg, xs, sched), wgrad(dgrad.du, xs, sched)
     else:
-        d_stacked = empty(stacked.shape, dz.dtype, dz.device)
+        d_stacked = empty(stacked.shape, dtype, dgrad.dx.device)
         i = w.w_gate.shape[1]
-        d_gate = wgrad(dg, xs, sched, out=d_stacked[:, :i])
-        d_up = wgrad(du, xs, sched, out=d_stacked[:, i:])
-    return d_gate, d_up, wgrad(dz, routed.h, sched)
+        d_gate = wgrad(dgrad.dg, xs, sched, out=d_stacked[:, :i])
+        d_up = wgrad(dgrad.du, xs, sched, out=d_stacked[:, i:])
+    return d_gate, d_up, wgrad(dgrad.dz, routed.h, sched)
 
 
 def shared_dgrad(
     dy: torch.Tensor, ctx: TritonContext, programs: int | None = None
 ) -> SharedDgrad | None:
-    """The shared expert's d_x, d_g and d_u over the local tokens; None without one."""
+    """The shared expert's :class:`Dgrad` over the local tokens (d_z is d_y) and its token
+    layout; None without one."""
     if ctx.shared is None:
         return None
     w, shared = ctx.weights, ctx.shared
     one = uniform_schedule(ctx.x.shape[0], ctx.schedule.config.block_rows, ctx.x.device)
     if _is_fp8(ctx.schedule.config):
         s_down, s_gate, s_up = w.s_down[None], w.s_gate[None], w.s_up[None]
-        return (*_fp8_dgrad(dy, s_down, s_gate, s_up, shared.g, shared.u, one, programs), one)
+        return _fp8_dgrad(dy, s_down, s_gate, s_up, shared.g, shared.u, one, programs), one
     dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], shared.g, shared.u, one, programs)
-    return gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one, programs), dsg, dsu, one
+    dx = gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one, programs)
+    return Dgrad(dx, dsg, dsu, dy), one
 
 
 def shared_wgrad(
-    dy: torch.Tensor, dgrad: SharedDgrad | None, ctx: TritonContext, programs: int | None = None
+    dgrad: SharedDgrad | None, ctx: TritonContext, programs: int | None = None
 ) -> tuple[torch.Tensor | None, ...]:
-    """(d_s_gate, d_s_up, d_s_down) from :func:`shared_dgrad`'s output (three None without a
+    """(d_s_gate, d_s_up, d_s_down) from :func:`shared_dgrad`'s operands (three None without a
     shared expert)."""
     if dgrad is None:
         return None, None, None
-    _, dsg, dsu, one = dgrad
+    (dx, dsg, dsu, dy), one = dgrad
     if _is_fp8(ctx.schedule.config):
         # x's 1x128 quantization as the forward read it (a function of x: computed again),
         # re-blocked as the routed experts' is
         x = _x_cols(fp8.quantize_packed(ctx.x), ctx.x.shape[1])
         pairs = ((dsg, x), (dsu, x), (dy, ctx.shared.h))
-        return tuple(_fp8_wgrad(a, b, one, programs, out_dtype=dy.dtype)[0] for a, b in pairs)
+        return tuple(_fp8_wgrad(a, b, one, programs, out_dtype=dx.dtype)[0] for a, b in pairs)
     pairs = ((dsg, ctx.x), (dsu, ctx.x), (dy, ctx.shared.h))
     return tuple(gemm.wgrad(a, b, one, programs)[0] for a, b in pairs)

@@ -388,14 +388,14 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
             packed_width=_packed_width(schedule.config),
         )
         dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.routed.z, ctx.slot_weights, sched)
-        dxs, dg, du = experts.routed_dgrad(dz, ctx)
-        shared_grads = beside.run(experts.shared_wgrad, dy, shared_dgrad, ctx)
-        comm.combine_push(ws, dxs, sched, "dx", programs=programs)
+        dgrad = experts.routed_dgrad(dz, ctx)
+        shared_grads = beside.run(experts.shared_wgrad, shared_dgrad, ctx)
+        comm.combine_push(ws, dgrad.dx, sched, "dx", programs=programs)
         comm.push_row_values(ws, dw_rows, sched, programs=programs)
-        d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dz, dg, du, ctx)
+        d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dgrad, ctx)
     finally:
         beside.join()
-    dx_shared = None if shared_dgrad is None else shared_dgrad[0]
+    dx_shared = None if shared_dgrad is None else shared_dgrad[0].dx
     yield from barrier_point(ws)
     invalid = schedule.invalid
     dx = rows.combine_slots(ws.dx_slots, ws.top_k, None, dx_shared, ctx.x.dtype, invalid=invalid)
@@ -414,13 +414,13 @@ def local_backward(ctx: TritonContext, dy: torch.Tensor) -> MoEGrads:
     sched = ctx.schedule.routed
     dy_routed = routed_grads(dy, ctx.schedule.config)
     dz, d_topk = rows.route_grad(dy_routed, ctx.routed.z, ctx.slot_weights, sched)
-    dxs, dg, du = experts.routed_dgrad(dz, ctx)
-    d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dz, dg, du, ctx)
+    dgrad = experts.routed_dgrad(dz, ctx)
+    d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dgrad, ctx)
     shared_dgrad = experts.shared_dgrad(dy, ctx)
-    shared_grads = experts.shared_wgrad(dy, shared_dgrad, ctx)
-    dx_shared = None if shared_dgrad is None else shared_dgrad[0]
+    shared_grads = experts.shared_wgrad(shared_dgrad, ctx)
+    dx_shared = None if shared_dgrad is None else shared_dgrad[0].dx
     invalid = ctx.schedule.invalid
-    dx = rows.combine(dxs, sched, None, dx_shared, ctx.x.dtype, invalid)
+    dx = rows.combine(dgrad.dx, sched, None, dx_shared, ctx.x.dtype, invalid)
     return MoEGrads(dx, nan_if(invalid, d_topk), d_w_gate, d_w_up, d_w_down, *shared_grads)
 
 

@@ -19,6 +19,8 @@ tile's scales are one contiguous load):
   * ``quantize_cols(x [M, K])``: 128x1 blocks along M, written transposed: q_t [K, M] = the
     quantized x^T, scale [K, ceil(M/128)] (``scale.t()`` contiguous). The weight gradient's
     operands, whose reduction runs over rows: fp8 wgmma wants it contiguous (K-major).
+  * ``quantize_rows_cols(x)``: both of the above from one read of x, for an operand of a data
+    gradient and a weight gradient (d_z, d_g, d_u).
   * ``quantize_weight(w [E, N, K])``: 128x128 blocks: q [E, N, K], scale [E, ceil(N/128),
     ceil(K/128)] (contiguous); with ``transposed=True`` also q_t [E, K, N] = q transposed per
     expert and scale_t [E, ceil(K/128), ceil(N/128)] (square blocks transpose exactly). q is
@@ -53,6 +55,7 @@ __all__ = [
     "load_quantized_rows",
     "quantize_rows",
     "quantize_cols",
+    "quantize_rows_cols",
     "quantize_weight",
     "PACK_WORDS",
     "packed_width",
@@ -83,6 +86,9 @@ _REQUANT_COLS = {False: 64, True: 128}
 # H200, 82-83% of a bf16 copy_ of the weight, 1.03-1.05x 8 warps, 1.3x 4
 # (benchmarks/probes/quantize_weights.py; same bits).
 _WEIGHT_WARPS = 16
+# Warps of quantize_rows_cols' 128x128 tile program (the same load and transposed store as a
+# weight block's).
+_ROWS_COLS_WARPS = 16
 
 
 class Fp8Weight(NamedTuple):
@@ -201,6 +207,34 @@ def load_quantized_rows(
 
 
 @triton.jit
+def _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, s_col,
+                      UPCAST: tl.constexpr):  # fmt: skip
+    """Quantize the fp32 tile ``x [R, 128]`` (one 128-column block, entries outside the source
+    0) 1x128: q at ``q_ptr + row * stride_qm + col``, each row's scale at ``s_ptr + row *
+    stride_sm + s_col``; only where ``row_ok`` / ``col_ok``."""
+    scale, inverse = pow2_scale(block_amax(x, 1))
+    rows64 = rows.to(tl.int64)
+    q = to_e4m3(x * inverse[:, None], UPCAST)
+    tl.store(
+        q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, row_ok[:, None] & col_ok[None, :]
+    )
+    tl.store(s_ptr + rows64 * stride_sm + s_col, scale, mask=row_ok)
+
+
+@triton.jit
+def _store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, stride_qt, stride_sk, s_row,
+                      UPCAST: tl.constexpr):  # fmt: skip
+    """Quantize the fp32 tile ``x [128, C]`` (one 128-row block, entries outside the source 0)
+    128x1 and store it transposed: q_t[col, row] at ``qt_ptr + col * stride_qt + row``, each
+    column's scale at ``s_ptr + col * stride_sk + s_row``; only where ``row_ok`` / ``col_ok``."""
+    scale, inverse = pow2_scale(block_amax(x, 0))
+    q = tl.trans(to_e4m3(x * inverse[None, :], UPCAST))  # [C, 128]
+    offs = cols.to(tl.int64)[:, None] * stride_qt + rows[None, :]
+    tl.store(qt_ptr + offs, q, mask=col_ok[:, None] & row_ok[None, :])
+    tl.store(s_ptr + cols * stride_sk + s_row, scale, mask=col_ok)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     q_ptr,
@@ -220,17 +254,14 @@ def _quantize_rows_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    row_ok, col_ok = rows < M, cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
-    x = source_f32(x, UPCAST)
-    scale, inverse = pow2_scale(block_amax(tl.where(mask, x, 0.0), 1))
-    tl.store(
-        q_ptr + rows64[:, None] * stride_qm + cols[None, :],
-        to_e4m3(x * inverse[:, None], UPCAST),
-        mask,
+    x = tl.where(mask, source_f32(x, UPCAST), 0.0)
+    _store_row_blocks(
+        x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, kb * stride_sk, UPCAST
     )
-    tl.store(s_ptr + rows64 * stride_sm + kb * stride_sk, scale, mask=rows < M)
 
 
 @triton.jit
@@ -258,20 +289,54 @@ def _quantize_cols_kernel(
     mb = tl.program_id(0)
     rows = mb * 128 + tl.arange(0, 128)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    row_ok, col_ok = rows < M, cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
     if DEQUANT:
         kb = (tl.program_id(1) * COLS) // 128
-        rs = tl.load(rs_ptr + rows64 * stride_rm + kb * stride_rk, mask=rows < M, other=0.0)
+        rs = tl.load(rs_ptr + rows64 * stride_rm + kb * stride_rk, mask=row_ok, other=0.0)
         x = from_e4m3(x, UPCAST) * rs[:, None]
     else:
         x = source_f32(x, UPCAST)
-    scale, inverse = pow2_scale(block_amax(tl.where(mask, x, 0.0), 0))
-    q = tl.trans(to_e4m3(x * inverse[None, :], UPCAST))  # [COLS, 128]
-    offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
-    tl.store(qt_ptr + offs, q, mask=(cols < K)[:, None] & (rows < M)[None, :])
-    tl.store(s_ptr + cols * stride_sk + mb * stride_sb, scale, mask=cols < K)
+    x = tl.where(mask, x, 0.0)
+    _store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, M, stride_sk, mb * stride_sb,
+                      UPCAST)  # fmt: skip
+
+
+@triton.jit
+def _quantize_rows_cols_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    M,
+    M_out,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_sm,
+    stride_sk,
+    stride_stk,
+    stride_stb,
+    UPCAST: tl.constexpr,
+):
+    """One 128x128 tile, both quantizations from one load: 1x128 into q [M, K] and its scales,
+    128x1 into q_t [K, M_out] (x^T; its columns M..M_out-1 those of zero rows) and theirs."""
+    mb = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = mb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    row_ok, col_ok = rows < M, cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
+    x = tl.where(mask, source_f32(x, UPCAST), 0.0)
+    _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm, kb * stride_sk,
+                      UPCAST)  # fmt: skip
+    _store_col_blocks(x, rows, cols, rows < M_out, col_ok, qt_ptr, st_ptr, M_out, stride_stk,
+                      mb * stride_stb, UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -397,6 +462,46 @@ def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``quantize_rows(x.t())``, reading ``x`` in place."""
     _check_source("x", x, 2)
     return _quantize_cols_launch(x, None)
+
+
+def quantize_rows_cols(
+    x: torch.Tensor, pad_to: int = 1
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(quantize_rows(x), quantize_cols(x'))`` in one pass over ``x [M, K]``, ``x'`` being
+    ``x`` with zero rows appended up to a multiple of ``pad_to`` rows (so q_t is [K, M'] with
+    zero columns after M): for an operand that both a data gradient (1x128) and a weight
+    gradient (128x1) read, it is read once instead of twice. The same bits as the two calls
+    (each 128x128 tile holds whole blocks of both)."""
+    _check_source("x", x, 2)
+    if not isinstance(pad_to, int) or pad_to < 1:
+        raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
+    m, k = x.shape
+    m_out = triton.cdiv(m, pad_to) * pad_to
+    mb, kb = triton.cdiv(m_out, BLOCK), triton.cdiv(k, BLOCK)
+    q = empty((m, k), FP8, x.device)
+    scale = empty((kb, m), torch.float32, x.device).t()
+    q_t = empty((k, m_out), FP8, x.device)
+    scale_t = empty((mb, k), torch.float32, x.device).t()
+    if m_out and k:
+        _quantize_rows_cols_kernel[(mb, kb)](
+            x,
+            q,
+            scale,
+            q_t,
+            scale_t,
+            m,
+            m_out,
+            k,
+            x.stride(0),
+            x.stride(1),
+            scale.stride(0),
+            scale.stride(1),
+            scale_t.stride(0),
+            scale_t.stride(1),
+            UPCAST=interpreting(),
+            num_warps=_ROWS_COLS_WARPS,
+        )
+    return (q, scale), (q_t, scale_t)
 
 
 def _check_quantized(q: torch.Tensor, scale: torch.Tensor) -> None:

@@ -186,6 +186,7 @@ def _fp8_step(cfg, tokens: int) -> None:
     dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(_meta(s.rows, h)), w_down, g, u, s)
     fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
     fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(_meta(s.rows, h)), s)
+    fp8.quantize_rows_cols(_meta(s.rows, h), pad_to=16)
 
 
 def scenarios() -> list[tuple[str, Callable[[], None]]]:

@@ -50,6 +50,7 @@ def step(h, i, e, tokens, top_k, block_rows):
     fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(meta(s.rows, h)), s)
     fp8_gemm.wgrad(*fp8.quantize_cols(meta(s.rows, h)), *fp8.quantize_cols(hh), s,
                    out_dtype=torch.float32)
+    fp8.quantize_rows_cols(meta(s.rows, h), pad_to=16)  # d_z for its dgrad and wgrad
     # the route grad on dy's packed rows: pulled (by row, W > 1) and by token (W = 1)
     z, w = meta(s.rows, h), meta(tokens * top_k, dtype=torch.float32)
     rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s)
@@ -83,7 +84,12 @@ for launch in launches:
 print(json.dumps(reports))
 """
 
-QUANTIZERS = ("_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_weight_kernel")
+QUANTIZERS = (
+    "_quantize_rows_kernel",
+    "_quantize_cols_kernel",
+    "_quantize_rows_cols_kernel",
+    "_quantize_weight_kernel",
+)
 GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel")
 ROUTE_GRAD = "_route_grad_kernel"  # its packed-rows variant (the fp8 backward's dy)
 

@@ -226,6 +226,26 @@ def test_quantize_cols_is_quantize_rows_of_the_transpose() -> None:
     assert same_bytes(q_t, want_q) and torch.equal(scale, want_scale)
 
 
+@INF_BLOCK
+@pytest.mark.parametrize("rows, pad_to", [(37, 16), (300, 16), (256, 1), (9, 128)])
+def test_quantize_rows_cols_is_both_quantizers(rows: int, pad_to: int) -> None:
+    """One pass gives the bytes of quantize_rows and of quantize_cols of the zero-padded rows."""
+    x = _awkward_rows(rows, 300, seed=rows).to(torch.bfloat16)
+    x = torch.cat([x, x], 1)[:, 150:450]  # a strided view: rows 600 apart
+    with poisoned_buffers():
+        (q, scale), (q_t, scale_t) = fp8.quantize_rows_cols(x, pad_to=pad_to)
+    want_q, want_scale = ref_quantize_rows(x)
+    padded = torch.cat([x, x.new_zeros(-rows % pad_to, 300)])
+    want_q_t, want_scale_t = ref_quantize_rows(padded.t())
+    assert q_t.shape == (300, padded.shape[0]) and scale_t.shape == want_scale_t.shape
+    assert same_bytes(q, want_q) and torch.equal(scale, want_scale)
+    assert same_bytes(q_t, want_q_t) and torch.equal(scale_t, want_scale_t)
+    assert scale.t().is_contiguous() and scale_t.t().is_contiguous()
+    assert q_t[:, rows:].float().eq(0).all()  # the padding rows' columns
+    with pytest.raises(ValueError, match="pad_to must be a positive int, got 0"):
+        fp8.quantize_rows_cols(x, pad_to=0)
+
+
 def test_quantize_weight_and_its_transpose() -> None:
     gen = torch.Generator().manual_seed(3)
     stacked = (torch.randn(3, 400, 300, generator=gen) * 0.02).to(torch.bfloat16)

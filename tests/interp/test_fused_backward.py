@@ -315,13 +315,13 @@ def _unfused_parts(p, weights: ExpertWeights):
     dy = p.grad_y
     with poisoned_buffers():
         dz, _ = rows.route_grad(dy, ctx.routed.z, ctx.slot_weights, ctx.schedule.routed)
-        dxs, dg, du = experts.routed_dgrad(dz, ctx)
-        d_gate, d_up, d_down = experts.routed_wgrad(dz, dg, du, ctx)
+        dgrad = experts.routed_dgrad(dz, ctx)
+        d_gate, d_up, d_down = experts.routed_wgrad(dgrad, ctx)
         shared = experts.shared_dgrad(dy, ctx)
-        d_s = experts.shared_wgrad(dy, shared, ctx)
-    ref = dict(dxs=dxs, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down)
+        d_s = experts.shared_wgrad(shared, ctx)
+    ref = dict(dxs=dgrad.dx, d_w_gate=d_gate, d_w_up=d_up, d_w_down=d_down)
     if shared is not None:
-        ref.update(dx_shared=shared[0], d_s_gate=d_s[0], d_s_up=d_s[1], d_s_down=d_s[2])
+        ref.update(dx_shared=shared[0].dx, d_s_gate=d_s[0], d_s_up=d_s[1], d_s_down=d_s[2])
     return ctx, dz, ref
 
 
