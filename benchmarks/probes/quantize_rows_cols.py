@@ -4,11 +4,11 @@
 
 d_z and d_g/d_u each feed a data gradient (1x128 blocks) and a weight gradient (128x1 blocks).
 ``fp8.quantize_rows_cols`` writes both from one read of the bf16 source; this times it at
-several warp counts beside the two passes it replaces (``quantize_rows`` + ``quantize_cols``)
-and a bf16 ``copy_`` of the source (the bandwidth anchor), interleaved rounds, at the sizes of
-one training step (rows = tokens x top_k). Median ms, and GB/s of the bytes read + written
-(one pass: 2 + 1 + 1 bytes per value; two passes: 2 + 1 + 2 + 1). Every variant must give the
-two passes' bytes.
+several chunk sizes and warp counts beside the two passes it replaces (``quantize_rows`` +
+``quantize_cols``) and a bf16 ``copy_`` of the source (the bandwidth anchor), interleaved
+rounds, at the sizes of one training step (rows = tokens x top_k). Median ms, and GB/s of the
+bytes read + written (one pass: 2 + 1 + 1 bytes per value; two passes: 2 + 1 + 2 + 1). Every
+variant must give the two passes' bytes.
 """
 
 import argparse
@@ -22,7 +22,8 @@ from megamoe.shapes import get_preset
 from megamoe.tools.bench_kernels import event_times_ms
 
 CASES = (("dsv3", 4096), ("qwen3-30b", 8192))
-WARPS = (16, 8, 4)  # the first is the default
+# (chunk, warps) of quantize_rows_cols' program; the first is the default
+VARIANTS = ((32, 4), (32, 2), (32, 8), (64, 4), (128, 4))
 
 
 def _bytes(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -50,19 +51,21 @@ def main() -> None:
             def two_passes(x=x):
                 return (*fp8.quantize_rows(x), *fp8.quantize_cols(x))
 
-            def one_pass(warps: int, x=x):
-                fp8._ROWS_COLS_WARPS = warps
+            def one_pass(chunk: int, warps: int, x=x):
+                fp8._ROWS_COLS_CHUNK, fp8._ROWS_COLS_WARPS = chunk, warps
                 (q, s), (q_t, s_t) = fp8.quantize_rows_cols(x)
                 return q, s, q_t, s_t
 
             cases = {"two passes": two_passes, "copy": lambda c=copy, x=x: (c.copy_(x),)}
-            cases.update({f"one pass, {w} warps": (lambda w=w: one_pass(w)) for w in WARPS})
+            cases.update(
+                {f"one pass, {c} x {w}": (lambda c=c, w=w: one_pass(c, w)) for c, w in VARIANTS}
+            )
             want = [t.clone() for t in _bytes(*two_passes())]
             times: dict = {key: [] for key in cases}
             for _ in range(args.rounds):
                 for key, fn in cases.items():
                     times[key].append(statistics.median(event_times_ms(fn, 10)))
-            fp8._ROWS_COLS_WARPS = WARPS[0]
+            fp8._ROWS_COLS_CHUNK, fp8._ROWS_COLS_WARPS = VARIANTS[0]
             for key, fn in cases.items():
                 ms = statistics.median(times[key])
                 nbytes = x.numel() * {"copy": 4, "two passes": 6}.get(key, 4)

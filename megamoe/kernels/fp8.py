@@ -86,9 +86,10 @@ _REQUANT_COLS = {False: 64, True: 128}
 # H200, 82-83% of a bf16 copy_ of the weight, 1.03-1.05x 8 warps, 1.3x 4
 # (benchmarks/probes/quantize_weights.py; same bits).
 _WEIGHT_WARPS = 16
-# Warps of quantize_rows_cols' 128x128 tile program (the same load and transposed store as a
-# weight block's).
-_ROWS_COLS_WARPS = 16
+# quantize_rows_cols' 128x128 tile program: its chunk (rows of the 1x128 sweep, columns of the
+# 128x1 one) and warps.
+_ROWS_COLS_CHUNK = 32
+_ROWS_COLS_WARPS = 4
 
 
 class Fp8Weight(NamedTuple):
@@ -320,23 +321,36 @@ def _quantize_rows_cols_kernel(
     stride_sk,
     stride_stk,
     stride_stb,
+    CHUNK: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One 128x128 tile, both quantizations from one load: 1x128 into q [M, K] and its scales,
-    128x1 into q_t [K, M_out] (x^T; its columns M..M_out-1 those of zero rows) and theirs."""
+    """One 128x128 tile, both quantizations: 1x128 into q [M, K] and its scales, in [CHUNK,
+    128] row chunks, then 128x1 into q_t [K, M_out] (x^T; its columns M..M_out-1 those of zero
+    rows) and theirs, in [128, CHUNK] column chunks. The second sweep reads the tile again,
+    from L2 (it was just read), so memory reads it once; the chunks keep a program small, so
+    many share an SM and their loads overlap."""
     mb = tl.program_id(0)
     kb = tl.program_id(1)
-    rows = mb * 128 + tl.arange(0, 128)
     cols = kb * 128 + tl.arange(0, 128)
-    row_ok, col_ok = rows < M, cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
-    x = tl.where(mask, source_f32(x, UPCAST), 0.0)
-    _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm, kb * stride_sk,
-                      UPCAST)  # fmt: skip
-    _store_col_blocks(x, rows, cols, rows < M_out, col_ok, qt_ptr, st_ptr, M_out, stride_stk,
-                      mb * stride_stb, UPCAST)  # fmt: skip
+    col_ok = cols < K
+    for c in tl.static_range(128 // CHUNK):
+        rows = mb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+        x = tl.where(mask, source_f32(tl.load(x_ptr + offs, mask=mask), UPCAST), 0.0)
+        _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm,
+                          kb * stride_sk, UPCAST)  # fmt: skip
+    rows = mb * 128 + tl.arange(0, 128)
+    row_ok = rows < M
+    for c in tl.static_range(128 // CHUNK):
+        chunk = kb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        chunk_ok = chunk < K
+        mask = row_ok[:, None] & chunk_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * stride_xm + chunk[None, :] * stride_xk
+        x = tl.where(mask, source_f32(tl.load(x_ptr + offs, mask=mask), UPCAST), 0.0)
+        _store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, M_out,
+                          stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -470,8 +484,9 @@ def quantize_rows_cols(
     """``(quantize_rows(x), quantize_cols(x'))`` in one pass over ``x [M, K]``, ``x'`` being
     ``x`` with zero rows appended up to a multiple of ``pad_to`` rows (so q_t is [K, M'] with
     zero columns after M): for an operand that both a data gradient (1x128) and a weight
-    gradient (128x1) read, it is read once instead of twice. The same bits as the two calls
-    (each 128x128 tile holds whole blocks of both)."""
+    gradient (128x1) read, it is read from memory once instead of twice (its second sweep over
+    each tile hits L2). The same bits as the two calls (each 128x128 tile holds whole blocks
+    of both)."""
     _check_source("x", x, 2)
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
@@ -498,6 +513,7 @@ def quantize_rows_cols(
             scale.stride(1),
             scale_t.stride(0),
             scale_t.stride(1),
+            CHUNK=_ROWS_COLS_CHUNK,
             UPCAST=interpreting(),
             num_warps=_ROWS_COLS_WARPS,
         )
