@@ -23,7 +23,7 @@ from megamoe.tools.bench_kernels import event_times_ms
 
 CASES = (("dsv3", 4096), ("qwen3-30b", 8192))
 # (chunk, warps) of quantize_rows_cols' program; the first is the default
-VARIANTS = ((32, 4), (32, 2), (32, 8), (64, 4), (128, 4))
+VARIANTS = ((64, 4), (32, 4), (32, 2), (32, 8), (128, 4))
 
 
 def _bytes(*tensors: torch.Tensor) -> list[torch.Tensor]:
