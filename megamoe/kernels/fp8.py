@@ -89,7 +89,7 @@ _WEIGHT_WARPS = 16
 # quantize_rows_cols' 128x128 tile program: its chunk (rows of the 1x128 sweep, columns of the
 # 128x1 one) and warps. On an H200 (benchmarks/probes/quantize_rows_cols.py, same bits) 64 and 4
 # take 0.78-0.81x the time of the two passes they replace (2.5-2.6 TB/s of their bytes); chunks
-# of 32 or 128, or 2 or 8 warps, are 10-35% slower, and the tile loaded once with 16 warps 1.8x.
+# of 32 or 128, or 2 or 8 warps, are 12-34% slower, and the tile loaded once with 16 warps 1.8x.
 _ROWS_COLS_CHUNK = 64
 _ROWS_COLS_WARPS = 4
 

@@ -4,7 +4,9 @@
 world size). ``--x tokens``: forward and fwd+bwd time against tokens per rank, one line per
 (shape, W, backend) (records of ``megamoe bench --tokens N1 N2 ...``). ``--x shape``: fwd+bwd
 speedup over torch-a2a per shape, bars per backend, one panel per (timing mode, tokens) (the
-model-shape sweep). ``--x train`` (the default for records of ``megamoe train-bench``): bars of
+model-shape sweep). ``--x precision``: fp8's speedup over bf16 per shape (records of ``megamoe
+bench --precision bf16 fp8``), forward and fwd+bwd panels, bars per weight-quantization cadence
+(``--micro-batches``). ``--x train`` (the default for records of ``megamoe train-bench``): bars of
 tokens/s per GPU per (model, routing), one per MoE implementation. ``--x breakdown``: where
 the step time of train records made with ``--breakdown`` goes, a stacked bar per (model,
 implementation). matplotlib is optional
@@ -22,6 +24,7 @@ __all__ = [
     "plot_layer",
     "plot_tokens",
     "plot_shapes",
+    "plot_precision",
     "plot_train",
     "plot_breakdown",
     "shape_name",
@@ -204,6 +207,57 @@ def plot_shapes(records: Sequence[dict], path: str, baseline: str = "torch-a2a")
     _finish(plt, fig, axes, recs, path, f"fwd+bwd speedup over {baseline}", "upper right")
 
 
+def _cadence(rec: dict) -> str:
+    """How often the record's fp8 weights were quantized (``micro_batches``)."""
+    n = rec.get("micro_batches") or 1
+    return "weights quantized every step" if n == 1 else f"weights quantized every {n} steps"
+
+
+def plot_precision(records: Sequence[dict], path: str) -> None:
+    """Write a PNG of fp8's speedup over bf16 per shape (``speedup_vs_bf16``, the same
+    backend in the same run), a forward and a fwd+bwd panel per tokens per rank, bars per
+    weight-quantization cadence."""
+    plt = _pyplot()
+    recs = [r for r in _ok_records(records) if r.get("speedup_vs_bf16") is not None]
+    if not recs:
+        raise ValueError("records must hold fp8 layer records with speedup_vs_bf16")
+    panels = [
+        (key, label, tokens)
+        for tokens in sorted({r["tokens_per_rank"] for r in recs})
+        for key, label in (("fwd_speedup_vs_bf16", "forward"), ("speedup_vs_bf16", "fwd+bwd"))
+    ]
+    shapes = list(dict.fromkeys(shape_name(r) for r in recs))
+    series = list(dict.fromkeys(_cadence(r) for r in recs))
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(max(8, 0.7 * len(shapes)), 3 * len(panels)), squeeze=False
+    )
+    axes = [row[0] for row in axes]
+    for ax, (key, label, tokens) in zip(axes, panels):
+        for j, name in enumerate(series):
+            got = {
+                shape_name(r): r[key]
+                for r in recs
+                if _cadence(r) == name and r["tokens_per_rank"] == tokens and r.get(key)
+            }
+            xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(shapes))]
+            ax.bar(
+                [x for x, s in zip(xs, shapes) if s in got],
+                [got[s] for s in shapes if s in got],
+                width,
+                label=name,
+                hatch=HATCHES[j % len(HATCHES)],
+                color=BACKEND_COLORS.get(recs[0]["backend"], "#2ca02c"),
+                edgecolor="black",
+                linewidth=0.4,
+            )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)), shapes, rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{label}, {tokens} tokens per rank", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    _finish(plt, fig, axes, recs, path, "fp8 speedup over bf16", "lower right")
+
+
 def _train_ok(records: Sequence[dict]) -> list[dict]:
     return [
         r
@@ -338,9 +392,10 @@ def add_x_argument(parser) -> None:
     """``--x``: which plot (shared by ``megamoe plot`` and this module's CLI)."""
     parser.add_argument(
         "--x",
-        choices=("backend", "tokens", "shape", "train", "breakdown"),
+        choices=("backend", "tokens", "shape", "precision", "train", "breakdown"),
         default="backend",
         help="bars per backend (default), time against tokens per rank, speedup per shape, "
+        "fp8's speedup over bf16 per shape, "
         "tokens/s of train-bench records (the default when there are no layer records), or "
         "where their step time goes (train-bench --breakdown)",
     )
@@ -357,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot = {
         "tokens": plot_tokens,
         "shape": plot_shapes,
+        "precision": plot_precision,
         "train": plot_train,
         "breakdown": plot_breakdown,
     }.get(args.x, plot_layer)

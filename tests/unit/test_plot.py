@@ -132,3 +132,21 @@ def test_shape_plot_draws_each_mode_and_token_count(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="a backend other than torch-a2a"):
         plot_shapes([r for r in records if r["backend"] == "torch-a2a"], str(out))
+
+
+def test_precision_plot_draws_a_bar_per_cadence(tmp_path):
+    from megamoe.tools.plot import plot_precision
+
+    records = []
+    for model in ("qwen3-30b-a3b", "deepseek-v3"):
+        for micro_batches, speedup in ((1, 0.9), (1000, 1.1)):
+            bf16 = _record(None, 1, "triton", 400.0)
+            bf16.update(model=model, tokens_per_rank=16384, precision="bf16")
+            fp8 = dict(bf16, precision="fp8", micro_batches=micro_batches)
+            fp8.update(speedup_vs_bf16=speedup, fwd_speedup_vs_bf16=speedup + 0.1)
+            records += [bf16, fp8]
+    out = tmp_path / "precision.png"
+    plot_precision(records, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="fp8 layer records with speedup_vs_bf16"):
+        plot_precision([r for r in records if r["precision"] == "bf16"], str(out))
