@@ -210,6 +210,14 @@ def load_quantized_rows(
 
 
 @triton.jit
+def _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCAST: tl.constexpr):
+    """The source tile ``x[rows, cols]`` as fp32, 0 outside ``row_ok`` / ``col_ok``."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+    return tl.where(mask, source_f32(tl.load(x_ptr + offs, mask=mask), UPCAST), 0.0)
+
+
+@triton.jit
 def _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, s_col,
                       UPCAST: tl.constexpr):  # fmt: skip
     """Quantize the fp32 tile ``x [R, 128]`` (one 128-column block, entries outside the source
@@ -258,10 +266,7 @@ def _quantize_rows_kernel(
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
     row_ok, col_ok = rows < M, cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
-    x = tl.where(mask, source_f32(x, UPCAST), 0.0)
+    x = _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCAST)
     _store_row_blocks(
         x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, kb * stride_sk, UPCAST
     )
@@ -338,9 +343,7 @@ def _quantize_rows_cols_kernel(
     for c in tl.static_range(128 // CHUNK):
         rows = mb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
-        x = tl.where(mask, source_f32(tl.load(x_ptr + offs, mask=mask), UPCAST), 0.0)
+        x = _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCAST)
         _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm,
                           kb * stride_sk, UPCAST)  # fmt: skip
     rows = mb * 128 + tl.arange(0, 128)
@@ -348,9 +351,7 @@ def _quantize_rows_cols_kernel(
     for c in tl.static_range(128 // CHUNK):
         chunk = kb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         chunk_ok = chunk < K
-        mask = row_ok[:, None] & chunk_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * stride_xm + chunk[None, :] * stride_xk
-        x = tl.where(mask, source_f32(tl.load(x_ptr + offs, mask=mask), UPCAST), 0.0)
+        x = _load_f32_tile(x_ptr, rows, chunk, row_ok, chunk_ok, stride_xm, stride_xk, UPCAST)
         _store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, M_out,
                           stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
 
