@@ -5,8 +5,8 @@ Checked: the output and every gradient against a float64 emulation of the quanti
 saved activations, every product in float64) and against the float64 layer on the unquantized
 inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2, 3 and 8
 (lockstep), where the dispatch and the dy pull move packed fp8 rows; backend "reference"'s fp8
-recipe against the same emulation;
-every output written (poisoned buffers); the weight cache quantizes each weight once per
+recipe against the same emulation; every output written (poisoned buffers); the backward
+quantizes d_z, d_g and d_u by one pass each; the weight cache quantizes each weight once per
 version; the errors.
 """
 
@@ -250,6 +250,41 @@ def test_weight_cache_quantizes_once_per_weight_version() -> None:
     assert torch.equal(fresh[0], after[0])
     for a, b in zip(fresh[1], after[1]):
         assert torch.equal(a, b)
+
+
+def test_backward_quantizes_each_activation_gradient_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """d_z, d_g and d_u each feed a data gradient (1x128) and a weight gradient (128x1): the
+    backward quantizes each by one quantize_rows_cols pass (d_g and d_u together where their
+    rows are whole 128-row blocks), and only h's weight-gradient operand by quantize_cols."""
+    p = _problem()
+    x, ids, tw, dy = p.single
+    sched = backend.build_schedule(ids, p.config, None)
+    _, ctx = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    for name in ("quantize_rows", "quantize_cols", "quantize_rows_cols"):
+
+        def recording(src, *args, _name=name, _fn=getattr(fp8, name), **kwargs):
+            calls.append((_name, tuple(src.shape)))
+            return _fn(src, *args, **kwargs)
+
+        monkeypatch.setattr(fp8, name, recording)
+    backend.backward(ctx, dy)
+    rows, t = sched.routed.rows, CASE.tokens
+    assert rows % 128 == 0 and t % 128  # the shared expert's d_g, d_u: one pass each
+    h, i, s = CASE.hidden, CASE.intermediate, CASE.shared
+    assert sorted(calls) == sorted(
+        [
+            ("quantize_rows_cols", (rows, h)),  # d_z
+            ("quantize_rows_cols", (2 * rows, i)),  # d_g and d_u
+            ("quantize_rows_cols", (t, h)),  # the shared expert's d_z: d_y
+            ("quantize_rows_cols", (t, s)),  # its d_g
+            ("quantize_rows_cols", (t, s)),  # its d_u
+            ("quantize_cols", (rows, i)),  # h
+            ("quantize_cols", (t + -t % 16, s)),  # the shared expert's h, padded to 16 rows
+        ]
+    ), calls
 
 
 EP_CASES = [
