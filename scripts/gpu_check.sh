@@ -42,7 +42,8 @@
 #            every candidate tile of each GEMM beside the default, same-bits check, interleaved
 #            timing, on $MEGAMOE_TILE_MODELS (default "dsv3 qwen3-30b glm-4.5") at
 #            $MEGAMOE_GEMM_TOKENS tokens in $MEGAMOE_GEMM_PRECISIONS (tiles.json); a candidate
-#            that changes bits fails the step
+#            that changes bits fails the step; $MEGAMOE_TILE_ARGS adds arguments (e.g. "--kernels
+#            down wgrad_down --only flatten")
 #   train    (not part of all) megamoe train-bench: the DeepSeek-V3- and Qwen3-30B-A3B-shaped
 #            transformers models, native MoE against megamoe triton and fused, learned and
 #            balanced routing ($MEGAMOE_TRAIN_ARGS, default "--steps 20 --rounds 2"; train.json),
@@ -312,7 +313,7 @@ if want tiles; then
     step "tile sweep" "$OUT/tiles.log" "$PY" -m megamoe.tools.sweep_tiles \
         --model ${MEGAMOE_TILE_MODELS:-dsv3 qwen3-30b glm-4.5} \
         --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" --precision ${MEGAMOE_GEMM_PRECISIONS:-bf16} \
-        --out "$OUT/tiles.json"
+        ${MEGAMOE_TILE_ARGS:-} --out "$OUT/tiles.json"
 fi
 
 if want train; then

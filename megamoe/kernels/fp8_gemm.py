@@ -194,14 +194,33 @@ def fp8_mm_acc(
 ):
     """``acc += A[row:row+BM] @ W_expert^T`` over all of K in K order, A 1x128-scaled and W
     128x128-scaled; W's 2-D view [E*N, K] has its experts ``w_rows`` rows apart."""
+    pair = (a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows)
+    scales = (M, N, K, s_am, s_ak, s_be, s_bn, s_bk)
     for kb in range(tl.cdiv(K, BK)):
-        k = kb * BK
-        sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, BM)
-        sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-        a = a_desc.load([row, k])
-        b = b_desc.load([expert * w_rows + col, k]).T
-        acc = fp8_mma(acc, a, b, sa, sb, UPCAST)
+        acc, _ = fp8_mm_step(acc, None, pair, expert, row, col, kb, scales, BM, BN, BK, 1, UPCAST)
     return acc
+
+
+@triton.jit
+def fp8_mm_step(acc0, acc1, pair, expert, row, col, kb, scales, HM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, SPLIT_M: tl.constexpr, UPCAST: tl.constexpr,
+                STRICT: tl.constexpr = False):  # fmt: skip
+    """K step ``kb`` of the tile at (row, col): ``acc0`` (with ``SPLIT_M`` 2 as two HM-row
+    halves, ``acc1`` the lower one, sharing the step's B tile) += A W_expert^T. ``pair`` = (A's
+    descriptor, its scales, W's descriptor, its scales, W's rows per expert), ``scales`` = (M,
+    N, K and the scales' strides)."""
+    a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows = pair
+    M, N, K, s_am, s_ak, s_be, s_bn, s_bk = scales
+    a_rows = (a_desc, a_s_ptr, M, s_am, s_ak)
+    k = kb * BK
+    sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+    b = b_desc.load([expert * w_rows + col, k]).T
+    if SPLIT_M == 2:
+        acc0 = fp8_half_mma(acc0, a_rows, row, k, b, sb, acc1, HM, BK, UPCAST, STRICT)
+        acc1 = fp8_half_mma(acc1, a_rows, row + HM, k, b, sb, acc0, HM, BK, UPCAST, STRICT)
+    else:
+        acc0 = fp8_half_mma(acc0, a_rows, row, k, b, sb, None, HM, BK, UPCAST)
+    return acc0, acc1
 
 
 @triton.jit
@@ -225,15 +244,10 @@ def fp8_mm_acc_split(
     other half's last promoted result, so it cannot be set up earlier). The same sums as two
     ``fp8_mm_acc`` tiles. ``pair`` = (A's descriptor, its scales, W's descriptor, its scales,
     W's rows per expert), ``scales`` = (M, N, K and the scales' strides)."""
-    a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows = pair
-    M, N, K, s_am, s_ak, s_be, s_bn, s_bk = scales
-    a_rows = (a_desc, a_s_ptr, M, s_am, s_ak)
-    for kb in range(tl.cdiv(K, BK)):
-        k = kb * BK
-        sb = weight_scales(b_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-        b = b_desc.load([expert * w_rows + col, k]).T
-        acc0 = fp8_half_mma(acc0, a_rows, row, k, b, sb, acc1, HM, BK, UPCAST, STRICT)
-        acc1 = fp8_half_mma(acc1, a_rows, row + HM, k, b, sb, acc0, HM, BK, UPCAST, STRICT)
+    for kb in range(tl.cdiv(scales[2], BK)):
+        acc0, acc1 = fp8_mm_step(
+            acc0, acc1, pair, expert, row, col, kb, scales, HM, BN, BK, 2, UPCAST, STRICT
+        )
     return acc0, acc1
 
 
@@ -396,6 +410,35 @@ def _pass(acc, pair, expert, row, col, scales, BM: tl.constexpr, BN: tl.constexp
 
 
 @triton.jit
+def fp8_wgrad_step(acc0, acc1, a_rows, b_rows, m0, n0, r, HM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, SPLIT_M: tl.constexpr, STRICT: tl.constexpr,
+                   UPCAST: tl.constexpr):  # fmt: skip
+    """One 128-row step at rows r.. of the weight-gradient tile at (m0, n0): ``acc0`` (and with
+    ``SPLIT_M`` 2 ``acc1``, the lower half) += A^T[m0.., r..] B[r.., n0..]. ``a_rows``, ``b_rows``
+    = (descriptor, scales, rows whose scales are read (0: none, all zero), the scales' strides)
+    of A^T and B^T."""
+    bt_desc, bt_s_ptr, N, s_bn, s_bk = b_rows
+    sb = tl.reshape(row_scales(bt_s_ptr, n0, r // BK, N, s_bn, s_bk, BN), [1, BN])
+    b = bt_desc.load([n0, r]).T
+    if SPLIT_M == 2:
+        acc0 = fp8_half_mma(acc0, a_rows, m0, r, b, sb, acc1, HM, BK, UPCAST, STRICT)
+        acc1 = fp8_half_mma(acc1, a_rows, m0 + HM, r, b, sb, acc0, HM, BK, UPCAST, STRICT)
+    else:
+        acc0 = fp8_half_mma(acc0, a_rows, m0, r, b, sb, None, HM, BK, UPCAST)
+    return acc0, acc1
+
+
+@triton.jit
+def fp8_wgrad_store(c_desc, expert, m0, n0, acc0, acc1, HM: tl.constexpr, BN: tl.constexpr,
+                    SPLIT_M: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Store a weight-gradient tile's accumulators (with ``SPLIT_M`` 2 ``acc1`` is the lower
+    half)."""
+    c_desc.store([expert, m0, n0], cast(acc0, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
+    if SPLIT_M == 2:
+        c_desc.store([expert, m0 + HM, n0], cast(acc1, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
+
+
+@triton.jit
 def fp8_wgrad_tile(
     at_desc,
     at_s_ptr,
@@ -427,23 +470,43 @@ def fp8_wgrad_tile(
     its ``opaque_zero``; the descriptors of A^T and d_W then have BM/2-row blocks)."""
     HM: tl.constexpr = BM // SPLIT_M
     acc0 = tl.zeros([HM, BN], dtype=tl.float32)
-    if SPLIT_M == 2:
-        acc1 = tl.zeros([HM, BN], dtype=tl.float32)
-        a_rows = (at_desc, at_s_ptr, M, s_am, s_ak)
-        for r in range(row_begin, row_end, BK):
-            sb = tl.reshape(row_scales(bt_s_ptr, n0, r // BK, N, s_bn, s_bk, BN), [1, BN])
-            b = bt_desc.load([n0, r]).T
-            acc0 = fp8_half_mma(acc0, a_rows, m0, r, b, sb, acc1, HM, BK, UPCAST, STRICT)
-            acc1 = fp8_half_mma(acc1, a_rows, m0 + HM, r, b, sb, acc0, HM, BK, UPCAST, STRICT)
-        c_desc.store([expert, m0, n0], cast(acc0, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
-        c_desc.store([expert, m0 + HM, n0], cast(acc1, c_desc.dtype, UPCAST).reshape([1, HM, BN]))
+    acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+    a_rows = (at_desc, at_s_ptr, M, s_am, s_ak)
+    b_rows = (bt_desc, bt_s_ptr, N, s_bn, s_bk)
+    for r in range(row_begin, row_end, BK):
+        acc0, acc1 = fp8_wgrad_step(
+            acc0, acc1, a_rows, b_rows, m0, n0, r, HM, BN, BK, SPLIT_M, STRICT, UPCAST
+        )
+    fp8_wgrad_store(c_desc, expert, m0, n0, acc0, acc1, HM, BN, SPLIT_M, UPCAST)
+
+
+@triton.jit
+def load_scalar(ptr, UPCAST: tl.constexpr):
+    """``tl.load(ptr)`` of one int32, on the GPU as an instruction the software pipeliner does
+    not see as a load: a TMA load whose coordinates come from a ``tl.load`` in its loop is not
+    pipelined (Triton 3.6). (``UPCAST``: under the interpreter, which runs no inline asm.)"""
+    if UPCAST:
+        return tl.load(ptr)
     else:
-        for r in range(row_begin, row_end, BK):
-            kb = r // BK
-            sa = row_scales(at_s_ptr, m0, kb, M, s_am, s_ak, BM)
-            sb = tl.reshape(row_scales(bt_s_ptr, n0, kb, N, s_bn, s_bk, BN), [1, BN])
-            acc0 = fp8_mma(acc0, at_desc.load([m0, r]), bt_desc.load([n0, r]).T, sa, sb, UPCAST)
-        c_desc.store([expert, m0, n0], cast(acc0, c_desc.dtype, UPCAST).reshape([1, BM, BN]))
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def program_wgrad_steps(row_start_ptr, E, tiles_per_expert, pid, NUM_PROGS: tl.constexpr,
+                        BK: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
+    """The K steps of program ``pid``'s weight-gradient tiles (tile t is the program's when
+    t % NUM_PROGS == pid; expert-major tiles): each tile sums its expert's rows 128 a step,
+    a tile of an expert with no rows takes one step of zeros."""
+    e = tl.arange(0, E_POW2)
+    begin = tl.load(row_start_ptr + e, mask=e < E, other=0)
+    end = tl.load(row_start_ptr + e + 1, mask=e < E, other=0)
+    steps = tl.maximum(tl.cdiv(end - begin, BK), 1)
+    first = e * tiles_per_expert - pid  # the program's tiles below e's first, and below its end
+    below = (tl.maximum(first, 0) + NUM_PROGS - 1) // NUM_PROGS
+    below_end = (tl.maximum(first + tiles_per_expert, 0) + NUM_PROGS - 1) // NUM_PROGS
+    return tl.sum(tl.where(e < E, (below_end - below) * steps, 0))
 
 
 @triton.jit
@@ -545,49 +608,83 @@ def _fp8_grouped_mm_kernel(
     SWIGLU_BWD: tl.constexpr,
     SPLIT_M: tl.constexpr,
     STRICT: tl.constexpr,
+    FLATTEN: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
-        mb, nb = tile_of(tile, tiles_n)
-        fp8_grouped_mm_tile(
-            a_desc,
-            a_s_ptr,
-            b_desc,
-            b_s_ptr,
-            a2_desc,
-            a2_s_ptr,
-            b2_desc,
-            b2_s_ptr,
-            c_desc,
-            c2_desc,
-            g_desc,
-            u_desc,
-            tl.load(block_expert_ptr + mb // BLOCK_TILES),
-            mb * BM,
-            nb * BN,
-            w_rows,
-            w2_rows,
-            M,
-            N,
-            K,
-            s_am,
-            s_ak,
-            s_be,
-            s_bn,
-            s_bk,
-            BM,
-            BN,
-            BK,
-            TWO_PAIRS,
-            SWIGLU_BWD,
-            SPLIT_M,
-            STRICT,
-            UPCAST,
-        )
+    if FLATTEN:
+        # One loop over the K steps of all the program's tiles (one (A, W) pair), so that the
+        # pipeline runs on from one tile into the next: the next tile's loads are issued
+        # during this one's last steps and its epilogue. Everything is a function of the step
+        # (the software pipeliner keeps the loads stages ahead of the epilogue).
+        tl.static_assert(not TWO_PAIRS, "a flattened grouped mm takes one (A, W) pair")
+        HM: tl.constexpr = BM // SPLIT_M
+        scales = (M, N, K, s_am, s_ak, s_be, s_bn, s_bk)
+        pair = (a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows)
+        pid = tl.program_id(0)
+        k_steps = tl.cdiv(K, BK)
+        acc0 = tl.zeros([HM, BN], dtype=tl.float32)
+        acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+        for i in range(tl.cdiv(tl.maximum(num_tiles - pid, 0), NUM_PROGS) * k_steps):
+            mb, nb = tile_of(pid + (i // k_steps) * NUM_PROGS, tiles_n)
+            kb = i % k_steps
+            expert = load_scalar(block_expert_ptr + mb // BLOCK_TILES, UPCAST)
+            acc0, acc1 = fp8_mm_step(
+                acc0, acc1, pair, expert, mb * BM, nb * BN, kb, scales, HM, BN, BK, SPLIT_M,
+                UPCAST, STRICT,
+            )  # fmt: skip
+            if kb == k_steps - 1:
+                store_mm(
+                    c_desc, c2_desc, g_desc, u_desc, mb * BM, nb * BN, acc0, SWIGLU_BWD, UPCAST
+                )
+                if SPLIT_M == 2:
+                    store_mm(
+                        c_desc, c2_desc, g_desc, u_desc, mb * BM + HM, nb * BN, acc1, SWIGLU_BWD,
+                        UPCAST,
+                    )  # fmt: skip
+                acc0 = tl.zeros([HM, BN], dtype=tl.float32)
+                acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+    else:
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
+            mb, nb = tile_of(tile, tiles_n)
+            fp8_grouped_mm_tile(
+                a_desc,
+                a_s_ptr,
+                b_desc,
+                b_s_ptr,
+                a2_desc,
+                a2_s_ptr,
+                b2_desc,
+                b2_s_ptr,
+                c_desc,
+                c2_desc,
+                g_desc,
+                u_desc,
+                tl.load(block_expert_ptr + mb // BLOCK_TILES),
+                mb * BM,
+                nb * BN,
+                w_rows,
+                w2_rows,
+                M,
+                N,
+                K,
+                s_am,
+                s_ak,
+                s_be,
+                s_bn,
+                s_bk,
+                BM,
+                BN,
+                BK,
+                TWO_PAIRS,
+                SWIGLU_BWD,
+                SPLIT_M,
+                STRICT,
+                UPCAST,
+            )
 
 
 @triton.jit
@@ -601,6 +698,7 @@ def _fp8_wgrad_kernel(
     E,
     M,
     N,
+    zero_row,
     s_am,
     s_ak,
     s_bn,
@@ -610,38 +708,89 @@ def _fp8_wgrad_kernel(
     BK: tl.constexpr,
     SPLIT_M: tl.constexpr,
     STRICT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    E_POW2: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
     tiles_per_expert = tl.cdiv(M, BM) * tiles_n
-    for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
-        expert = tile // tiles_per_expert
-        mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
-        fp8_wgrad_tile(
-            at_desc,
-            at_s_ptr,
-            bt_desc,
-            bt_s_ptr,
-            c_desc,
-            expert,
-            mb * BM,
-            nb * BN,
-            tl.load(row_start_ptr + expert),
-            tl.load(row_start_ptr + expert + 1),
-            M,
-            N,
-            s_am,
-            s_ak,
-            s_bn,
-            s_bk,
-            BM,
-            BN,
-            BK,
-            SPLIT_M,
-            STRICT,
-            UPCAST,
-        )
+    if FLATTEN:
+        # One loop over the program's K steps of all its tiles, so that the pipeline runs on
+        # from one tile into the next (the next tile's loads are issued during this one's last
+        # steps and its store). A tile of an expert with no rows reads one step at ``zero_row``,
+        # past the rows (TMA reads zeros there), with its scales masked to zero.
+        HM: tl.constexpr = BM // SPLIT_M
+        pid = tl.program_id(0)
+        steps = program_wgrad_steps(row_start_ptr, E, tiles_per_expert, pid, NUM_PROGS, BK, E_POW2)
+        acc0 = tl.zeros([HM, BN], dtype=tl.float32)
+        acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+        # Two copies of the walk over the tiles: one places the loads, the other the stores.
+        # The software pipeliner runs the loads stages ahead of the stores, and a value it
+        # carries from the first stage into the last one would stop it pipelining the loop.
+        tile = pid - NUM_PROGS  # the loads' walk
+        r = 0
+        r_end = 0
+        out_tile = pid - NUM_PROGS  # the stores' walk
+        left = 0  # K steps left in the stores' tile
+        for _ in range(steps):
+            fresh = r >= r_end
+            tile = tl.where(fresh, tile + NUM_PROGS, tile)
+            expert = tile // tiles_per_expert
+            mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
+            begin = load_scalar(row_start_ptr + expert, UPCAST)
+            end = load_scalar(row_start_ptr + expert + 1, UPCAST)
+            live = begin < end
+            r_end = tl.where(fresh, tl.where(live, end, zero_row + BK), r_end)
+            r = tl.where(fresh, tl.where(live, begin, zero_row), r)
+            a_rows = (at_desc, at_s_ptr, tl.where(live, M, 0), s_am, s_ak)
+            b_rows = (bt_desc, bt_s_ptr, tl.where(live, N, 0), s_bn, s_bk)
+            acc0, acc1 = fp8_wgrad_step(
+                acc0, acc1, a_rows, b_rows, mb * BM, nb * BN, r, HM, BN, BK, SPLIT_M, STRICT,
+                UPCAST,
+            )  # fmt: skip
+            r += BK
+            out_fresh = left == 0
+            out_tile = tl.where(out_fresh, out_tile + NUM_PROGS, out_tile)
+            out_expert = out_tile // tiles_per_expert
+            rows = tl.load(row_start_ptr + out_expert + 1) - tl.load(row_start_ptr + out_expert)
+            left = tl.where(out_fresh, tl.maximum(tl.cdiv(rows, BK), 1), left) - 1
+            if left == 0:
+                out_mb, out_nb = tile_of(out_tile % tiles_per_expert, tiles_n)
+                fp8_wgrad_store(
+                    c_desc, out_expert, out_mb * BM, out_nb * BN, acc0, acc1, HM, BN, SPLIT_M,
+                    UPCAST,
+                )  # fmt: skip
+                acc0 = tl.zeros([HM, BN], dtype=tl.float32)
+                acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+    else:
+        for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
+            expert = tile // tiles_per_expert
+            mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
+            fp8_wgrad_tile(
+                at_desc,
+                at_s_ptr,
+                bt_desc,
+                bt_s_ptr,
+                c_desc,
+                expert,
+                mb * BM,
+                nb * BN,
+                tl.load(row_start_ptr + expert),
+                tl.load(row_start_ptr + expert + 1),
+                M,
+                N,
+                s_am,
+                s_ak,
+                s_bn,
+                s_bk,
+                BM,
+                BN,
+                BK,
+                SPLIT_M,
+                STRICT,
+                UPCAST,
+            )
 
 
 # ------------------------------------------------------------------------------------- host
@@ -858,6 +1007,7 @@ def _mm_launch(
         SWIGLU_BWD=gu is not None,
         SPLIT_M=t.split_m,
         STRICT=t.strict_order,
+        FLATTEN=t.flatten,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
@@ -993,6 +1143,7 @@ def wgrad(
         e,
         m,
         n,
+        triton.cdiv(rows, t.bk) * t.bk,  # a K step past the rows: TMA reads zeros there
         *a_t_scale.stride(),
         *b_t_scale.stride(),
         BM=t.bm,
@@ -1000,6 +1151,8 @@ def wgrad(
         BK=t.bk,
         SPLIT_M=t.split_m,
         STRICT=t.strict_order,
+        FLATTEN=t.flatten,
+        E_POW2=triton.next_power_of_2(e),
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
         num_warps=t.warps,

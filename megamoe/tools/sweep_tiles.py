@@ -67,6 +67,26 @@ _FP8_ROW = [
     # the same with the halves strictly ordered (``strict_order``: the forward down's)
     T(bn=128, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2, strict_order=True),
 ]
+# one loop over all of a program's K steps (``flatten``; one (A, W) pair only, so not "pair";
+# the split tile unordered spills 164 B there, the SwiGLU backward's 76-128 B)
+_FP8_FLAT = {
+    "mm": [
+        T(
+            bn=128,
+            bk=128,
+            stages=3,
+            warps=4,
+            bm=128,
+            programs_per_sm=2,
+            split_m=2,
+            strict_order=True,
+            flatten=True,
+        ),  # fmt: skip
+    ],
+    "swiglu_bwd": [
+        T(bn=128, bk=128, stages=2, warps=4, bm=128, programs_per_sm=2, split_m=2, flatten=True),
+    ],
+}
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
     T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2),
@@ -105,20 +125,51 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             T(bn=64, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2),
             T(bn=64, bk=128, stages=2, warps=4, bm=128, programs_per_sm=2, split_m=2),
         ],
-        "mm": _FP8_ROW,
+        "mm": _FP8_ROW + _FP8_FLAT["mm"],
         "pair": _FP8_ROW,
-        "swiglu_bwd": _FP8_ROW,
+        "swiglu_bwd": _FP8_ROW + _FP8_FLAT["swiglu_bwd"],
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
             T(bm=128, bn=64, bk=128, stages=4, warps=4, programs_per_sm=2),
             T(bm=128, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2, split_m=2),
             T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2),
+            # one loop over all of a program's K steps, the pipeline running on across tiles
+            T(
+                bm=128,
+                bn=128,
+                bk=128,
+                stages=3,
+                warps=4,
+                programs_per_sm=2,
+                split_m=2,
+                flatten=True,
+            ),
+            T(
+                bm=128,
+                bn=128,
+                bk=128,
+                stages=2,
+                warps=4,
+                programs_per_sm=2,
+                split_m=2,
+                flatten=True,
+            ),
         ],
         # fp32 outputs (the kernel picks the entry by the output dtype; the bench's weight
         # gradients are bf16, so a sweep times these only through "wgrad")
         "wgrad_fp32": [
             T(bm=64, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2),
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
+            T(
+                bm=128,
+                bn=128,
+                bk=128,
+                stages=2,
+                warps=4,
+                programs_per_sm=2,
+                split_m=2,
+                flatten=True,
+            ),
         ],
     },
 }
@@ -216,10 +267,11 @@ def sweep_tiles(
     rounds: int = 3,
     kernels: tuple[str, ...] = KERNELS,
     progress: Callable[[str], None] = print,
-    split_only: bool = False,
+    only: str | None = None,
 ) -> list[dict]:
     """The records of the module docstring at each shape of ``models`` with ``tokens`` tokens;
-    ``split_only``: of the candidates only the split tiles (``split_m`` > 1) beside the default."""
+    ``only`` (a ``GemmTiles`` field: "split_m", "flatten" or "strict_order"): of the candidates
+    only those that set it (split_m > 1, the others True) beside the default."""
     from ..kernels import fp8_gemm, gemm
 
     modules = {"bf16": gemm, "fp8": fp8_gemm}
@@ -239,7 +291,7 @@ def sweep_tiles(
                     t
                     for t in CANDIDATES[precision][tile_kind]
                     if t != module.GPU_TILES[tile_kind]
-                    and (t.split_m > 1 or not split_only)
+                    and (only is None or _sets(t, only))
                     and fits_shared_memory(tile_kind, t, precision)
                 ]
                 recs = _sweep_kernel(module, tile_kind, fns[kind], cands, iters, rounds, written)
@@ -267,6 +319,12 @@ def sweep_tiles(
         del calls
         torch.cuda.empty_cache()
     return records
+
+
+def _sets(t: GemmTiles, field: str) -> bool:
+    """Whether tiles ``t`` set ``field`` (split_m: more than one sub-tile)."""
+    value = getattr(t, field)
+    return value > 1 if field == "split_m" else bool(value)
 
 
 def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int) -> None:
@@ -303,6 +361,7 @@ _KERNEL_OF_TILE_KIND = {
     "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
     "wgrad_few_rows": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
+    "wgrad_fp32": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
 }
 
 
@@ -377,6 +436,7 @@ def _line(rec: dict) -> str:
         f" p{t['programs_per_sm']}"
         + (f" split{t['split_m']}" if t.get("split_m", 1) > 1 else "")
         + (" strict" if t.get("strict_order") else "")
+        + (" flat" if t.get("flatten") else "")
     )
     head = f"{rec['shape']:16s} {rec['precision']:4s} {rec['kernel']:14s} {tiles:28s}"
     if "error" in rec:
@@ -398,9 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", help="write the records as JSON here")
     parser.add_argument(
-        "--split-only",
-        action="store_true",
-        help="of the candidates time only the split tiles (split_m > 1) beside the default",
+        "--only",
+        choices=["split_m", "flatten", "strict_order"],
+        help="of the candidates time only those that set this field (split_m: > 1)",
     )
     parser.add_argument(
         "--compile-only",
@@ -421,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         args.iters,
         args.rounds,
         tuple(args.kernels),
-        split_only=args.split_only,
+        only=args.only,
     )
     if args.out:
         with open(args.out, "w") as f:
