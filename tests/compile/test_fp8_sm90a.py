@@ -31,6 +31,7 @@ import json, re, torch
 from megamoe.kernels import fp8, fp8_gemm, rows
 from megamoe.kernels.runtime import assume_programs
 from megamoe.kernels.schedule import build_row_schedule
+from megamoe.tools import sweep_tiles
 from megamoe.tools.compile_check import H200_SMS, compile_launch, record_launches
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -56,12 +57,23 @@ def step(h, i, e, tokens, top_k, block_rows):
     rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s)
     rows.route_grad(meta(tokens, fp8.packed_width(h), dtype=torch.int16), z, w, s)
 
+def flattened(tiles):  # the sweep's flattened candidates of the grouped mm and wgrad
+    flat = dict(mm=sweep_tiles.CANDIDATES["fp8"]["mm"][-1], wgrad=None)
+    flat["wgrad"] = [t for t in sweep_tiles.CANDIDATES["fp8"]["wgrad"] if t.flatten][-1]
+    assert all(t.flatten for t in flat.values()), flat
+    return {**tiles, **flat}
+
 label = ["?"]
 with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     label[0] = "dsv3"
     step(7168, 2048, 32, 512, 8, 128)
     label[0] = "gpt-oss (partial K blocks)"
     step(2880, 2880, 32, 512, 4, 128)
+    label[0] = "dsv3, flattened tile loops"
+    default_tiles = dict(fp8_gemm.GPU_TILES)
+    fp8_gemm.GPU_TILES.update(flattened(default_tiles))
+    step(7168, 2048, 32, 512, 8, 128)
+    fp8_gemm.GPU_TILES.update(default_tiles)
 reports = []
 for launch in launches:
     fp8_kernel = launch.fn.fn.__module__ in ("megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm")
@@ -74,10 +86,13 @@ for launch in launches:
     r["wgmma_e4m3"] = sorted({s.group(1) for s in shapes if s})
     r["wgmma_smem_operands"] = all(re.search(r"\\}, %rd\\d+, %rd\\d+,", m) for m in mmas)
     r["cvt_satfinite"] = "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    tma_load = r"cp\\.async\\.bulk\\.tensor\\.\\dd\\.shared::cluster\\.global"
+    r["tma_loads"] = len(re.findall(tma_load, ptx))
     names = launch.fn.arg_names
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
                     if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
-                                       "PACKED", "BY_ROW")}
+                                       "PACKED", "BY_ROW", "SPLIT_M", "FLATTEN")}
+    r["stages"] = launch.options.get("num_stages")
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
@@ -125,6 +140,19 @@ def test_gemms_use_fp8_wgmma_and_tma(reports: list[dict]) -> None:
             # both operands K-major in shared memory: no transpose through registers
             assert r["wgmma_smem_operands"], f"{_what(r)}: a wgmma operand in registers"
             assert r["tma"], f"{_what(r)}: no cp.async.bulk.tensor (TMA)"
+
+
+def test_flattened_loops_are_software_pipelined(reports: list[dict]) -> None:
+    """A flattened tile loop (``GemmTiles.flatten``) is worth having only if Triton's software
+    pipeliner takes it: then each of a K step's TMA loads (B and the two halves of A) is
+    issued stages - 1 times ahead in the prologue and once in the loop. (Triton 3.6 leaves the
+    loop unpipelined, one load at a time, if a TMA coordinate comes from a ``tl.load`` in the
+    loop or if the epilogue's condition is carried from the loads' stage.)"""
+    flat = [r for r in reports if r["variant"].get("FLATTEN")]
+    assert {r["name"] for r in flat} == {"_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel"}, flat
+    for r in flat:
+        assert r["variant"]["SPLIT_M"] == 2, _what(r)
+        assert r["tma_loads"] == 3 * r["stages"], (_what(r), r["tma_loads"], r["stages"])
 
 
 def test_quantizers_use_the_saturating_conversion(reports: list[dict]) -> None:
