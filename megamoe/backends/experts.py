@@ -99,19 +99,24 @@ def _fp8_wgrad(
 
 
 def routed_forward(
-    xs: torch.Tensor, weights: ExpertWeights, sched: RowSchedule, precision: str = "bf16"
+    xs: torch.Tensor,
+    weights: ExpertWeights,
+    sched: RowSchedule,
+    precision: str = "bf16",
+    fp8w: fp8_weights.StepWeights | None = None,
 ) -> RoutedActivations:
     """gate/up + SwiGLU and down of the routed rows ``xs`` (``precision``: the config's). In
     fp8 ``xs`` holds the rows' packed 1x128 quantization (``fp8.quantize_packed`` on the source
-    rank, then gathered or pulled), which the gate/up GEMM reads in place."""
+    rank, then gathered or pulled), which the gate/up GEMM reads in place, and the GEMMs read
+    the step's fp8 weights ``fp8w`` (default: :func:`fp8_weights.get` of each)."""
     if precision == "fp8":
         xq, xq_s = fp8.unpack_rows(xs, weights.w_gate.shape[-1])
-        w_gate, w_up = fp8_weights.get(weights.w_gate), fp8_weights.get(weights.w_up)
-        g, u, h = fp8_gemm.gate_up(xq, xq_s, w_gate, w_up, sched, out_dtype=KERNEL_DTYPE)
+        if fp8w is None:
+            fp8w = fp8_weights.StepWeights(*map(fp8_weights.get, weights[:3]))
+        g, u, h = fp8_gemm.gate_up(xq, xq_s, fp8w.gate, fp8w.up, sched, out_dtype=KERNEL_DTYPE)
         hq, hq_s = fp8.quantize_rows(h)
-        w_down = fp8_weights.get(weights.w_down)
         return RoutedActivations(
-            xs, g, u, h, fp8_gemm.grouped_mm(hq, hq_s, w_down, sched, out_dtype=KERNEL_DTYPE)
+            xs, g, u, h, fp8_gemm.grouped_mm(hq, hq_s, fp8w.down, sched, out_dtype=KERNEL_DTYPE)
         )
     g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)
     return RoutedActivations(xs, g, u, h, gemm.grouped_mm(h, weights.w_down, sched))
@@ -125,39 +130,52 @@ def input_rows(x: torch.Tensor, precision: str) -> torch.Tensor:
 
 
 def shared_forward(
-    x: torch.Tensor, weights: ExpertWeights, config: MoEConfig, programs: int | None = None
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    programs: int | None = None,
+    fp8w: fp8_weights.StepWeights | None = None,
 ) -> tuple[SharedActivations | None, torch.Tensor | None]:
     """(activations, output) of the shared expert on the local tokens ``x`` (in fp8 their
-    packed rows, :func:`input_rows`); (None, None) without one."""
+    packed rows, :func:`input_rows`, and the GEMMs read ``fp8w``'s shared weights, default
+    :func:`fp8_weights.step_weights`); (None, None) without one."""
     if not weights.has_shared:
         return None, None
     one = uniform_schedule(x.shape[0], config.block_rows, x.device)
     if _is_fp8(config):
         xq, xq_s = fp8.unpack_rows(x, weights.s_gate.shape[-1])
-        s_gate, s_up = fp8_weights.get(weights.s_gate[None]), fp8_weights.get(weights.s_up[None])
-        sg, su, sh = fp8_gemm.gate_up(xq, xq_s, s_gate, s_up, one, programs, out_dtype=KERNEL_DTYPE)
+        w = fp8w if fp8w is not None else fp8_weights.step_weights(weights)
+        sg, su, sh = fp8_gemm.gate_up(
+            xq, xq_s, w.s_gate, w.s_up, one, programs, out_dtype=KERNEL_DTYPE
+        )
         hq, hq_s = fp8.quantize_rows(sh)
-        s_down = fp8_weights.get(weights.s_down[None])
-        out = fp8_gemm.grouped_mm(hq, hq_s, s_down, one, programs, out_dtype=KERNEL_DTYPE)
+        out = fp8_gemm.grouped_mm(hq, hq_s, w.s_down, one, programs, out_dtype=KERNEL_DTYPE)
         return SharedActivations(sg, su, sh), out
     sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one, programs)
     return SharedActivations(sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one, programs)
+
+
+def _fp8_of(ctx: TritonContext) -> fp8_weights.StepWeights:
+    """The step's fp8 weights the forward saved in ``ctx`` (else :func:`fp8_weights.step_weights`:
+    a context made without them)."""
+    return ctx.fp8 if ctx.fp8 is not None else fp8_weights.step_weights(ctx.weights)
 
 
 def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> Dgrad:
     """The routed rows' d_x and the weight gradients' operands (:class:`Dgrad`)."""
     sched, w, routed = ctx.schedule.routed, ctx.weights, ctx.routed
     if _is_fp8(ctx.schedule.config):
-        return _fp8_dgrad(dz, w.w_down, w.w_gate, w.w_up, routed.g, routed.u, sched)
+        w8 = _fp8_of(ctx)
+        return _fp8_dgrad(dz, w8.down, w8.gate, w8.up, routed.g, routed.u, sched)
     dg, du = gemm.dgrad_swiglu(dz, w.w_down, routed.g, routed.u, sched)
     return Dgrad(gemm.dgrad_pair(dg, w.w_gate, du, w.w_up, sched), dg, du, dz)
 
 
 def _fp8_dgrad(
     dz: torch.Tensor,
-    w_down: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
+    w_down: fp8.Fp8Weight,
+    w_gate: fp8.Fp8Weight,
+    w_up: fp8.Fp8Weight,
     g: torch.Tensor,
     u: torch.Tensor,
     sched: RowSchedule,
@@ -170,8 +188,7 @@ def _fp8_dgrad(
     (dzq, dzq_s), dz_cols = _rows_cols(dz)
     rows, n = g.shape
     both = empty((2, rows, n), dz.dtype, dz.device)
-    w_down8 = fp8_weights.get(w_down)
-    fp8_gemm.dgrad_swiglu(dzq, dzq_s, w_down8, g, u, sched, programs, dz.dtype, out=both)
+    fp8_gemm.dgrad_swiglu(dzq, dzq_s, w_down, g, u, sched, programs, dz.dtype, out=both)
     if rows % 128:
         (gq, gs), dg_cols = _rows_cols(both[0])
         (uq, us), du_cols = _rows_cols(both[1])
@@ -180,8 +197,7 @@ def _fp8_dgrad(
         gq, gs, uq, us = q[:rows], s[:rows], q[rows:], s[rows:]
         blocks = rows // 128
         dg_cols, du_cols = (q_t[:, :rows], s_t[:, :blocks]), (q_t[:, rows:], s_t[:, blocks:])
-    w_gate8, w_up8 = fp8_weights.get(w_gate), fp8_weights.get(w_up)
-    dx = fp8_gemm.dgrad_pair(gq, gs, w_gate8, uq, us, w_up8, sched, programs, dz.dtype)
+    dx = fp8_gemm.dgrad_pair(gq, gs, w_gate, uq, us, w_up, sched, programs, dz.dtype)
     return Dgrad(dx, dg_cols, du_cols, dz_cols)
 
 
@@ -217,8 +233,8 @@ def shared_dgrad(
     w, shared = ctx.weights, ctx.shared
     one = uniform_schedule(ctx.x.shape[0], ctx.schedule.config.block_rows, ctx.x.device)
     if _is_fp8(ctx.schedule.config):
-        s_down, s_gate, s_up = w.s_down[None], w.s_gate[None], w.s_up[None]
-        return _fp8_dgrad(dy, s_down, s_gate, s_up, shared.g, shared.u, one, programs), one
+        w8 = _fp8_of(ctx)
+        return _fp8_dgrad(dy, w8.s_down, w8.s_gate, w8.s_up, shared.g, shared.u, one, programs), one
     dsg, dsu = gemm.dgrad_swiglu(dy, w.s_down[None], shared.g, shared.u, one, programs)
     dx = gemm.dgrad_pair(dsg, w.s_gate[None], dsu, w.s_up[None], one, programs)
     return Dgrad(dx, dsg, dsu, dy), one

@@ -15,6 +15,7 @@ from ..ep.workspace import Workspace, get_workspace
 from ..kernels.fp8 import packed_width
 from ..kernels.schedule import RowSchedule, max_rows
 from ..types import ExpertWeights, RoutedActivations, SharedActivations
+from .fp8_weights import StepWeights, from_transposed, transposed_layout, transposed_tensors
 
 __all__ = [
     "EpRouting",
@@ -58,7 +59,8 @@ class TritonSchedule:
 @dataclass
 class TritonContext:
     """What the backward reads. ``routed`` is None when a bounded ring dropped the routed rows
-    (backend "fused"; its backward replays them)."""
+    (backend "fused"; its backward replays them). ``fp8``: in fp8 the weights' fp8 copies the
+    forward read, whose transposed copies the data gradients read (``fp8_weights``)."""
 
     schedule: TritonSchedule
     x: torch.Tensor
@@ -66,6 +68,7 @@ class TritonContext:
     weights: ExpertWeights
     routed: RoutedActivations | None
     shared: SharedActivations | None
+    fp8: StepWeights | None = None
 
 
 @dataclass
@@ -114,7 +117,8 @@ def saved_layout(
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor :func:`save` returns for such a step, in order:
     the schedule, its invalid word, every rank's ids and router weights (W > 1), the routed
-    activations (``keeps_routed``) and the shared expert's."""
+    activations (``keeps_routed``), the shared expert's and in fp8 the weights' transposed fp8
+    copies (``fp8_weights.transposed_layout``)."""
     if tokens == 0:
         return []
     i32, k = torch.int32, config.top_k
@@ -152,6 +156,8 @@ def saved_layout(
         ]
     if i_s:
         out += [(f"shared_{n}", (tokens, i_s), dtype) for n in ("g", "u", "h")]
+    if config.precision == "fp8":
+        out += transposed_layout(e_local, h, i, i_s)
     return out
 
 
@@ -164,6 +170,8 @@ def save(ctx: TritonContext | EmptyContext) -> list[torch.Tensor]:
     if sched.ep is not None:
         out += [sched.ep.all_ids, ctx.slot_weights]
     out += list(ctx.routed or ()) + list(ctx.shared or ())
+    if ctx.fp8 is not None:
+        out += transposed_tensors(ctx.fp8)
     return out
 
 
@@ -201,6 +209,8 @@ def restore(
         ep = EpRouting(ws, all_ids, config.capacity_rows(tokens, world))
     acts = RoutedActivations(*(next(it) for _ in range(5))) if keeps_routed else None
     shared = SharedActivations(*(next(it) for _ in range(3))) if weights.has_shared else None
+    rest = list(it)
+    fp8 = from_transposed(rest) if rest else None
     return TritonContext(
-        TritonSchedule(routed, config, invalid, ep), x, slot_weights, weights, acts, shared
+        TritonSchedule(routed, config, invalid, ep), x, slot_weights, weights, acts, shared, fp8
     )

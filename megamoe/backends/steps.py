@@ -9,6 +9,7 @@ generators. With one process the same functions run without a workspace.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Generator
 from typing import TypeVar
 
@@ -29,7 +30,7 @@ from ..kernels import comm, fp8, gemm, rows
 from ..kernels.checks import check_ids, limit_capacity
 from ..kernels.schedule import RowSchedule, build_row_schedule
 from ..types import ExpertWeights, MoEGrads, RoutedActivations, SharedActivations
-from . import experts
+from . import experts, fp8_weights
 from .requirements import KERNEL_DTYPE, check_supported
 from .state import EmptyContext, EpRouting, TritonContext, TritonSchedule, workspace_of
 from .streams import BesideCopies
@@ -240,11 +241,15 @@ def routed_rows(schedule: TritonSchedule, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def routed_unfused(
-    ws: Workspace, schedule: TritonSchedule, x: torch.Tensor, weights: ExpertWeights
+    ws: Workspace,
+    schedule: TritonSchedule,
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    fp8w: fp8_weights.StepWeights | None = None,
 ) -> RoutedActivations:
     """Pull x rows, expert GEMMs, push z rows into the sources' combine slots."""
     routed = experts.routed_forward(
-        routed_rows(schedule, x), weights, schedule.routed, schedule.config.precision
+        routed_rows(schedule, x), weights, schedule.routed, schedule.config.precision, fp8w
     )
     comm.combine_push(
         ws, routed.z, schedule.routed, "combine", programs=schedule.config.copy_programs
@@ -253,16 +258,22 @@ def routed_unfused(
 
 
 def experts_unfused(
-    ws: Workspace, schedule: TritonSchedule, weights: ExpertWeights, x: torch.Tensor
+    ws: Workspace,
+    schedule: TritonSchedule,
+    weights: ExpertWeights,
+    x: torch.Tensor,
+    fp8w: fp8_weights.StepWeights | None = None,
 ) -> ExpertsOutput:
     """The part between the forward's barriers: the shared expert on the local tokens beside
     the dispatch pull (``config.overlap_shared``), and the routed experts
-    (:func:`routed_unfused`)."""
+    (:func:`routed_unfused`); in fp8 on the step's fp8 weights ``fp8w``."""
     beside = BesideCopies(ws.device, schedule.config)
     try:
         tokens = published_tokens(ws, x, schedule.config)
-        shared, shared_out = beside.run(experts.shared_forward, tokens, weights, schedule.config)
-        routed = routed_unfused(ws, schedule, x, weights)
+        shared, shared_out = beside.run(
+            experts.shared_forward, tokens, weights, schedule.config, fp8w=fp8w
+        )
+        routed = routed_unfused(ws, schedule, x, weights, fp8w)
     finally:
         beside.join()
     return routed, shared, shared_out
@@ -281,17 +292,20 @@ def forward_steps(
     backend "fused" passes its kernel).
     """
     ws = schedule.ep.workspace
+    fp8w = _step_weights(weights, schedule.config)
     publish_tokens(ws, x, schedule.config)
     publish(ws, topk_weights=topk_weights.detach())
     yield from barrier_point(ws)
     _, slot_weights = comm.gather_routing(ws)
-    routed, shared, shared_out = (experts_step or experts_unfused)(ws, schedule, weights, x)
+    if experts_step is None:
+        experts_step = functools.partial(experts_unfused, fp8w=fp8w)
+    routed, shared, shared_out = experts_step(ws, schedule, weights, x)
     yield from barrier_point(ws)
     # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
     y = rows.combine_slots(
         ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype, invalid=schedule.invalid
     )
-    return y, TritonContext(schedule, x, slot_weights.view(-1), weights, routed, shared)
+    return y, TritonContext(schedule, x, slot_weights.view(-1), weights, routed, shared, fp8w)
 
 
 def local_forward(
@@ -299,11 +313,18 @@ def local_forward(
 ) -> tuple[torch.Tensor, TritonContext]:
     """One process: gather rows, expert GEMMs, combine in k order (+ shared)."""
     sched, precision = schedule.routed, schedule.config.precision
+    fp8w = _step_weights(weights, schedule.config)
     tokens = experts.input_rows(x, precision)
-    routed = experts.routed_forward(routed_rows(schedule, tokens), weights, sched, precision)
-    shared, shared_out = experts.shared_forward(tokens, weights, schedule.config)
+    routed = experts.routed_forward(routed_rows(schedule, tokens), weights, sched, precision, fp8w)
+    shared, shared_out = experts.shared_forward(tokens, weights, schedule.config, fp8w=fp8w)
     y = rows.combine(routed.z, sched, topk_weights, shared_out, x.dtype, schedule.invalid)
-    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared)
+    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared, fp8w)
+
+
+def _step_weights(weights: ExpertWeights, config: MoEConfig) -> fp8_weights.StepWeights | None:
+    """In fp8 the step's fp8 weights (``fp8_weights.step_weights``: from the cache, or under a
+    CUDA graph's capture quantized once for the forward and the backward); None in bf16."""
+    return fp8_weights.step_weights(weights) if config.precision == "fp8" else None
 
 
 def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:

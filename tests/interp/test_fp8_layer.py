@@ -252,6 +252,47 @@ def test_weight_cache_quantizes_once_per_weight_version() -> None:
         assert torch.equal(a, b)
 
 
+def test_a_captured_step_quantizes_each_weight_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a CUDA graph is captured the cache is bypassed (a replay must read the weights'
+    current values), so each use quantizes: the forward takes the step's copies once and the
+    backward reads the transposed ones from the context (with ``megamoe.ops``' custom ops, from
+    its saved tensors), with the bits of a step on cached copies."""
+    p = _problem(CACHE_CASE, seed=2)
+    x, ids, tw, dy = p.single
+    sched = backend.build_schedule(ids, p.config, None)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        with poisoned_buffers():
+            y, ctx = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
+            saved = backend.save(ctx)
+            restored = backend.restore(saved, x, ids, tw, p.weights, p.config, None)
+            grads = backend.backward(restored, dy)
+        return (y, *(g for g in grads if g is not None))
+
+    fp8_weights.clear()
+    cached = step()
+    made: list[tuple[int, ...]] = []
+
+    def quantize_weight(w, *args, _fn=fp8.quantize_weight, **kwargs):
+        made.append(tuple(w.shape))
+        return _fn(w, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "quantize_weight", quantize_weight)
+    monkeypatch.setattr(fp8_weights, "capturing", lambda w: True)
+    captured = step()
+    e, h, i, s = (
+        CACHE_CASE.local_experts,
+        CACHE_CASE.hidden,
+        CACHE_CASE.intermediate,
+        CACHE_CASE.shared,
+    )
+    assert sorted(made) == sorted(
+        [(e, i, h), (e, i, h), (e, h, i), (1, s, h), (1, s, h), (1, h, s)]
+    )
+    for a, b in zip(captured, cached, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_backward_quantizes_each_activation_gradient_in_one_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
