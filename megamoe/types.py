@@ -122,8 +122,10 @@ class MoEGrads(NamedTuple):
 class RoutedActivations(NamedTuple):
     """The routed rows of one forward in the schedule's row layout: the gathered or pulled
     inputs ``xs [rows, H]`` (with ``precision="fp8"`` their packed 1x128 quantization, ``[rows,
-    fp8.packed_width(H)]`` int16), ``g, u, h [rows, I]`` (gate, up, SwiGLU) and the down
-    projection ``z [rows, H]``; the backward reads them."""
+    fp8.packed_width(H)]`` int16), ``g, u, h [rows, I]`` (gate, up, SwiGLU; in fp8 ``h`` is
+    what the weight gradient of down reads, h^T 128x1-quantized as packed rows ``[I,
+    fp8.packed_width(rows)]``) and the down projection ``z [rows, H]``; the backward reads
+    them."""
 
     xs: torch.Tensor
     g: torch.Tensor
@@ -133,7 +135,8 @@ class RoutedActivations(NamedTuple):
 
 
 class SharedActivations(NamedTuple):
-    """The shared expert's ``g, u, h [T, Is]`` over the local tokens (token order)."""
+    """The shared expert's ``g, u, h [T, Is]`` over the local tokens (token order; in fp8
+    ``h`` as :class:`RoutedActivations`' is: ``[Is, fp8.packed_width(T rounded up to 16)]``)."""
 
     g: torch.Tensor
     u: torch.Tensor

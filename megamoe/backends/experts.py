@@ -77,6 +77,22 @@ def _rows_cols(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]
     return fp8.quantize_rows_cols(x, pad_to=16)
 
 
+def _h_rows_cols(h: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(h's 1x128 quantization for the down GEMM, its 128x1 quantization for the weight
+    gradient of down as packed rows of h^T) from one pass over ``h [rows, I]``: the packed
+    rows are what the forward saves of h (half of h's bytes; :func:`_h_cols` reads them)."""
+    rows16 = h.shape[0] + -h.shape[0] % 16
+    packed = empty((h.shape[1], fp8.packed_width(rows16)), torch.int16, h.device)
+    rows, _ = fp8.quantize_rows_cols(h, pad_to=16, cols_out=packed)
+    return rows, packed
+
+
+def _h_cols(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight gradient of down's h operand (h^T 128x1-quantized: :func:`_cols` of h) from
+    the packed rows the fp8 forward saved of h (:func:`_h_rows_cols`) of ``rows`` rows."""
+    return fp8.unpack_rows(packed, rows + -rows % 16)
+
+
 def _x_cols(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate/up weight gradients' x operand: x^T 128x1-quantized, re-blocked from the
     packed 1x128 rows the forward read (``fp8.requantize_cols``; once for gate and up)."""
@@ -114,10 +130,9 @@ def routed_forward(
         if fp8w is None:
             fp8w = fp8_weights.StepWeights(*map(fp8_weights.get, weights[:3]))
         g, u, h = fp8_gemm.gate_up(xq, xq_s, fp8w.gate, fp8w.up, sched, out_dtype=KERNEL_DTYPE)
-        hq, hq_s = fp8.quantize_rows(h)
-        return RoutedActivations(
-            xs, g, u, h, fp8_gemm.grouped_mm(hq, hq_s, fp8w.down, sched, out_dtype=KERNEL_DTYPE)
-        )
+        (hq, hq_s), h_cols = _h_rows_cols(h)
+        z = fp8_gemm.grouped_mm(hq, hq_s, fp8w.down, sched, out_dtype=KERNEL_DTYPE)
+        return RoutedActivations(xs, g, u, h_cols, z)
     g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)
     return RoutedActivations(xs, g, u, h, gemm.grouped_mm(h, weights.w_down, sched))
 
@@ -148,9 +163,9 @@ def shared_forward(
         sg, su, sh = fp8_gemm.gate_up(
             xq, xq_s, w.s_gate, w.s_up, one, programs, out_dtype=KERNEL_DTYPE
         )
-        hq, hq_s = fp8.quantize_rows(sh)
+        (hq, hq_s), sh_cols = _h_rows_cols(sh)
         out = fp8_gemm.grouped_mm(hq, hq_s, w.s_down, one, programs, out_dtype=KERNEL_DTYPE)
-        return SharedActivations(sg, su, sh), out
+        return SharedActivations(sg, su, sh_cols), out
     sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one, programs)
     return SharedActivations(sg, su, sh), gemm.grouped_mm(sh, weights.s_down[None], one, programs)
 
@@ -208,10 +223,10 @@ def routed_wgrad(dgrad: Dgrad, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
     sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
     dtype = dgrad.dx.dtype
     if _is_fp8(ctx.schedule.config):
-        xs = _x_cols(routed.xs, w.w_gate.shape[-1])
+        xs, h = _x_cols(routed.xs, w.w_gate.shape[-1]), _h_cols(routed.h, routed.xs.shape[0])
         wgrad = functools.partial(_fp8_wgrad, out_dtype=dtype)
     else:
-        xs, wgrad = routed.xs, gemm.wgrad
+        xs, h, wgrad = routed.xs, routed.h, gemm.wgrad
     stacked = stacked_gate_up(w.w_gate, w.w_up)
     if stacked is None:
         d_gate, d_up = wgrad(dgrad.dg, xs, sched), wgrad(dgrad.du, xs, sched)
@@ -220,7 +235,7 @@ def routed_wgrad(dgrad: Dgrad, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
         i = w.w_gate.shape[1]
         d_gate = wgrad(dgrad.dg, xs, sched, out=d_stacked[:, :i])
         d_up = wgrad(dgrad.du, xs, sched, out=d_stacked[:, i:])
-    return d_gate, d_up, wgrad(dgrad.dz, routed.h, sched)
+    return d_gate, d_up, wgrad(dgrad.dz, h, sched)
 
 
 def shared_dgrad(
@@ -252,7 +267,7 @@ def shared_wgrad(
         # x's 1x128 quantization as the forward read it (a function of x: computed again),
         # re-blocked as the routed experts' is
         x = _x_cols(fp8.quantize_packed(ctx.x), ctx.x.shape[1])
-        pairs = ((dsg, x), (dsu, x), (dy, ctx.shared.h))
+        pairs = ((dsg, x), (dsu, x), (dy, _h_cols(ctx.shared.h, ctx.x.shape[0])))
         return tuple(_fp8_wgrad(a, b, one, programs, out_dtype=dx.dtype)[0] for a, b in pairs)
     pairs = ((dsg, ctx.x), (dsu, ctx.x), (dy, ctx.shared.h))
     return tuple(gemm.wgrad(a, b, one, programs)[0] for a, b in pairs)

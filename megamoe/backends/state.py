@@ -140,23 +140,26 @@ def saved_layout(
             ("slot_weights", (entries,), torch.float32),
         ]
     h, i, i_s = config.hidden_size, config.intermediate_size, config.shared_intermediate_size
+    fp8 = config.precision == "fp8"
+
+    def h_layout(n: int, width: int) -> tuple[tuple[int, int], torch.dtype]:
+        # SwiGLU's output: in fp8 h^T 128x1-quantized as packed rows (the weight gradient's)
+        return ((width, packed_width(n + -n % 16)), torch.int16) if fp8 else ((n, width), dtype)
+
     if keeps_routed:
         # the routed input rows: in fp8 their packed 1x128 quantization, as dispatched
-        xs = (
-            ((rows, packed_width(h)), torch.int16)
-            if config.precision == "fp8"
-            else ((rows, h), dtype)
-        )
+        xs = ((rows, packed_width(h)), torch.int16) if fp8 else ((rows, h), dtype)
         out += [
             ("xs", *xs),
             ("g", (rows, i), dtype),
             ("u", (rows, i), dtype),
-            ("h", (rows, i), dtype),
+            ("h", *h_layout(rows, i)),
             ("z", (rows, h), dtype),
         ]
     if i_s:
-        out += [(f"shared_{n}", (tokens, i_s), dtype) for n in ("g", "u", "h")]
-    if config.precision == "fp8":
+        out += [(f"shared_{n}", (tokens, i_s), dtype) for n in ("g", "u")]
+        out.append(("shared_h", *h_layout(tokens, i_s)))
+    if fp8:
         out += transposed_layout(e_local, h, i, i_s)
     return out
 

@@ -326,16 +326,17 @@ def _quantize_rows_cols_kernel(
     stride_xk,
     stride_sm,
     stride_sk,
+    stride_qt,
     stride_stk,
     stride_stb,
     CHUNK: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One 128x128 tile, both quantizations: 1x128 into q [M, K] and its scales, in [CHUNK,
-    128] row chunks, then 128x1 into q_t [K, M_out] (x^T; its columns M..M_out-1 those of zero
-    rows) and theirs, in [128, CHUNK] column chunks. The second sweep reads the tile again,
-    from L2 (it was just read), so memory reads it once; the chunks keep a program small, so
-    many share an SM and their loads overlap."""
+    128] row chunks, then 128x1 into q_t [K, M_out] (x^T, rows ``stride_qt`` apart; its
+    columns M..M_out-1 those of zero rows) and theirs, in [128, CHUNK] column chunks. The
+    second sweep reads the tile again, from L2 (it was just read), so memory reads it once;
+    the chunks keep a program small, so many share an SM and their loads overlap."""
     mb = tl.program_id(0)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
@@ -352,7 +353,7 @@ def _quantize_rows_cols_kernel(
         chunk = kb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         chunk_ok = chunk < K
         x = _load_f32_tile(x_ptr, rows, chunk, row_ok, chunk_ok, stride_xm, stride_xk, UPCAST)
-        _store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, M_out,
+        _store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, stride_qt,
                           stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
 
 
@@ -482,14 +483,18 @@ def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows_cols(
-    x: torch.Tensor, pad_to: int = 1
+    x: torch.Tensor, pad_to: int = 1, cols_out: torch.Tensor | None = None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``(quantize_rows(x), quantize_cols(x'))`` in one pass over ``x [M, K]``, ``x'`` being
     ``x`` with zero rows appended up to a multiple of ``pad_to`` rows (so q_t is [K, M'] with
     zero columns after M): for an operand that both a data gradient (1x128) and a weight
     gradient (128x1) read, it is read from memory once instead of twice (its second sweep over
     each tile hits L2). The same bits as the two calls (each 128x128 tile holds whole blocks
-    of both)."""
+    of both).
+
+    ``cols_out``: the 128x1 quantization goes into these packed rows of x'^T ([K,
+    packed_width(M')] int16, :func:`pack_rows`' layout; one tensor to keep for a backward) and
+    its (q_t, scale) are their :func:`unpack_rows` views."""
     _check_source("x", x, 2)
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
@@ -498,8 +503,11 @@ def quantize_rows_cols(
     mb, kb = triton.cdiv(m_out, BLOCK), triton.cdiv(k, BLOCK)
     q = empty((m, k), FP8, x.device)
     scale = empty((kb, m), torch.float32, x.device).t()
-    q_t = empty((k, m_out), FP8, x.device)
-    scale_t = empty((mb, k), torch.float32, x.device).t()
+    if cols_out is None:
+        q_t = empty((k, m_out), FP8, x.device)
+        scale_t = empty((mb, k), torch.float32, x.device).t()
+    else:
+        q_t, scale_t = unpack_rows(_packed_out(cols_out, k, m_out, x.device, "cols_out"), m_out)
     if m_out and k:
         _quantize_rows_cols_kernel[(mb, kb)](
             x,
@@ -514,12 +522,15 @@ def quantize_rows_cols(
             x.stride(1),
             scale.stride(0),
             scale.stride(1),
+            q_t.stride(0),
             scale_t.stride(0),
             scale_t.stride(1),
             CHUNK=_ROWS_COLS_CHUNK,
             UPCAST=interpreting(),
             num_warps=_ROWS_COLS_WARPS,
         )
+    if cols_out is not None:
+        _zero_tail(cols_out, m_out)
     return (q, scale), (q_t, scale_t)
 
 
@@ -563,8 +574,12 @@ def dequantize_rows(
 
 def packed_width(hidden: int) -> int:
     """int16 words of one packed row of ``hidden`` fp8 values: their ``hidden`` bytes, then
-    their ceil(hidden/128) float32 scales, padded with zeros to a multiple of PACK_WORDS."""
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 16 or hidden % 16:
+    their ceil(hidden/128) float32 scales, padded with zeros to a multiple of PACK_WORDS.
+    (A ``torch.SymInt``, a traced size, is taken as it is: the layouts of traced steps.)"""
+    symbolic = isinstance(hidden, torch.SymInt)
+    if not symbolic and (
+        isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 16 or hidden % 16
+    ):
         raise ValueError(
             f"hidden must be a positive multiple of 16 (16-byte fp8 rows), got {hidden!r}"
         )
@@ -572,13 +587,15 @@ def packed_width(hidden: int) -> int:
     return triton.cdiv(words, PACK_WORDS) * PACK_WORDS
 
 
-def _packed_out(out: torch.Tensor | None, m: int, hidden: int, device) -> torch.Tensor:
+def _packed_out(
+    out: torch.Tensor | None, m: int, hidden: int, device, name: str = "out"
+) -> torch.Tensor:
     width = packed_width(hidden)
     if out is None:
         return empty((m, width), torch.int16, device)
     if out.dtype != torch.int16 or tuple(out.shape) != (m, width) or out.stride(1) != 1:
         raise ValueError(
-            f"out must be an int16 [{m}, {width}] tensor with contiguous rows (packed_width("
+            f"{name} must be an int16 [{m}, {width}] tensor with contiguous rows (packed_width("
             f"{hidden}) words each), got {out.dtype} {list(out.shape)} strides {out.stride()}"
         )
     return out

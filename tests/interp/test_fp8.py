@@ -244,6 +244,17 @@ def test_quantize_rows_cols_is_both_quantizers(rows: int, pad_to: int) -> None:
     assert q_t[:, rows:].float().eq(0).all()  # the padding rows' columns
     with pytest.raises(ValueError, match="pad_to must be a positive int, got 0"):
         fp8.quantize_rows_cols(x, pad_to=0)
+    if padded.shape[0] % 16 == 0:  # the 128x1 part into packed rows of x'^T
+        width = fp8.packed_width(padded.shape[0])
+        packed = torch.full((300, width), -1, dtype=torch.int16)
+        with poisoned_buffers():
+            (q2, scale2), (q_t2, scale_t2) = fp8.quantize_rows_cols(x, pad_to, cols_out=packed)
+        assert same_bytes(q2, q) and torch.equal(scale2, scale)
+        assert same_bytes(q_t2, q_t) and torch.equal(scale_t2, scale_t)
+        assert torch.equal(packed, fp8.pack_rows(q_t, scale_t))  # the tail words zero too
+        assert q_t2.data_ptr() == packed.data_ptr()  # views of cols_out
+        with pytest.raises(ValueError, match=rf"cols_out must be an int16 \[300, {width}\]"):
+            fp8.quantize_rows_cols(x, pad_to, cols_out=packed[:, :-16])
 
 
 def test_quantize_weight_and_its_transpose() -> None:

@@ -293,16 +293,17 @@ def test_a_captured_step_quantizes_each_weight_once(monkeypatch: pytest.MonkeyPa
         assert torch.equal(a, b)
 
 
-def test_backward_quantizes_each_activation_gradient_in_one_pass(
+def test_each_activation_and_gradient_is_quantized_by_one_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """d_z, d_g and d_u each feed a data gradient (1x128) and a weight gradient (128x1): the
+    """h feeds the down GEMM (1x128) and the weight gradient of down (128x1): the forward
+    quantizes it both ways by one quantize_rows_cols pass and keeps only the 128x1 copy for
+    the backward. d_z, d_g and d_u each feed a data gradient and a weight gradient: the
     backward quantizes each by one quantize_rows_cols pass (d_g and d_u together where their
-    rows are whole 128-row blocks), and only h's weight-gradient operand by quantize_cols."""
+    rows are whole 128-row blocks), and nothing by quantize_rows or quantize_cols."""
     p = _problem()
     x, ids, tw, dy = p.single
     sched = backend.build_schedule(ids, p.config, None)
-    _, ctx = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
     calls: list[tuple[str, tuple[int, ...]]] = []
     for name in ("quantize_rows", "quantize_cols", "quantize_rows_cols"):
 
@@ -311,10 +312,16 @@ def test_backward_quantizes_each_activation_gradient_in_one_pass(
             return _fn(src, *args, **kwargs)
 
         monkeypatch.setattr(fp8, name, recording)
-    backend.backward(ctx, dy)
+    _, ctx = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
     rows, t = sched.routed.rows, CASE.tokens
-    assert rows % 128 == 0 and t % 128  # the shared expert's d_g, d_u: one pass each
     h, i, s = CASE.hidden, CASE.intermediate, CASE.shared
+    assert sorted(calls) == sorted(
+        [("quantize_rows_cols", (rows, i)), ("quantize_rows_cols", (t, s))]  # h, shared h
+    ), calls
+    assert ctx.routed.h.dtype == torch.int16 and ctx.shared.h.dtype == torch.int16  # packed
+    calls.clear()
+    backend.backward(ctx, dy)
+    assert rows % 128 == 0 and t % 128  # the shared expert's d_g, d_u: one pass each
     assert sorted(calls) == sorted(
         [
             ("quantize_rows_cols", (rows, h)),  # d_z
@@ -322,8 +329,6 @@ def test_backward_quantizes_each_activation_gradient_in_one_pass(
             ("quantize_rows_cols", (t, h)),  # the shared expert's d_z: d_y
             ("quantize_rows_cols", (t, s)),  # its d_g
             ("quantize_rows_cols", (t, s)),  # its d_u
-            ("quantize_cols", (rows, i)),  # h
-            ("quantize_cols", (t + -t % 16, s)),  # the shared expert's h, padded to 16 rows
         ]
     ), calls
 
