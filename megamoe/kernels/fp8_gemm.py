@@ -197,7 +197,7 @@ def fp8_mm_acc(
     pair = (a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows)
     scales = (M, N, K, s_am, s_ak, s_be, s_bn, s_bk)
     for kb in range(tl.cdiv(K, BK)):
-        acc, _ = fp8_mm_step(acc, None, pair, expert, row, col, kb, scales, BM, BN, BK, 1, UPCAST)
+        acc, _ = fp8_mm_step(acc, acc, pair, expert, row, col, kb, scales, BM, BN, BK, 1, UPCAST)
     return acc
 
 

@@ -67,26 +67,10 @@ _FP8_ROW = [
     # the same with the halves strictly ordered (``strict_order``: the forward down's)
     T(bn=128, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2, strict_order=True),
 ]
-# one loop over all of a program's K steps (``flatten``; one (A, W) pair only, so not "pair";
-# the split tile unordered spills 164 B there, the SwiGLU backward's 76-128 B)
-_FP8_FLAT = {
-    "mm": [
-        T(
-            bn=128,
-            bk=128,
-            stages=3,
-            warps=4,
-            bm=128,
-            programs_per_sm=2,
-            split_m=2,
-            strict_order=True,
-            flatten=True,
-        ),  # fmt: skip
-    ],
-    "swiglu_bwd": [
-        T(bn=128, bk=128, stages=2, warps=4, bm=128, programs_per_sm=2, split_m=2, flatten=True),
-    ],
-}
+# one loop over all of a program's K steps (``flatten``) in split tiles: the weight gradient
+# (3 stages spill 8 B) and the one-pair grouped mm (not "pair"; the forward down's spills 164 B
+# unless strictly ordered, the SwiGLU backward's 76-128 B)
+_FP8_FLAT = T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2, flatten=True)
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
     T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2),
@@ -125,51 +109,24 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             T(bn=64, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2),
             T(bn=64, bk=128, stages=2, warps=4, bm=128, programs_per_sm=2, split_m=2),
         ],
-        "mm": _FP8_ROW + _FP8_FLAT["mm"],
+        "mm": _FP8_ROW + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)],
         "pair": _FP8_ROW,
-        "swiglu_bwd": _FP8_ROW + _FP8_FLAT["swiglu_bwd"],
+        "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
             T(bm=128, bn=64, bk=128, stages=4, warps=4, programs_per_sm=2),
             T(bm=128, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2, split_m=2),
             T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2),
             # one loop over all of a program's K steps, the pipeline running on across tiles
-            T(
-                bm=128,
-                bn=128,
-                bk=128,
-                stages=3,
-                warps=4,
-                programs_per_sm=2,
-                split_m=2,
-                flatten=True,
-            ),
-            T(
-                bm=128,
-                bn=128,
-                bk=128,
-                stages=2,
-                warps=4,
-                programs_per_sm=2,
-                split_m=2,
-                flatten=True,
-            ),
+            dataclasses.replace(_FP8_FLAT, stages=3),
+            _FP8_FLAT,
         ],
         # fp32 outputs (the kernel picks the entry by the output dtype; the bench's weight
         # gradients are bf16, so a sweep times these only through "wgrad")
         "wgrad_fp32": [
             T(bm=64, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2),
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
-            T(
-                bm=128,
-                bn=128,
-                bk=128,
-                stages=2,
-                warps=4,
-                programs_per_sm=2,
-                split_m=2,
-                flatten=True,
-            ),
+            _FP8_FLAT,
         ],
     },
 }

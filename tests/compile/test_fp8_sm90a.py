@@ -2,8 +2,9 @@
 
 Their launchers run on meta tensors at DeepSeek-V3's expert sizes (H 7168, I 2048, 32 experts,
 128-row blocks) under ``compile_check.record_launches``, and each distinct launch is compiled
-with the GPU tile choices (``fp8_gemm.GPU_TILES``: 64-row tiles, 4 warps, two programs per
-SM) in a subprocess without the interpreter. Checked: sm_90a PTX, shared memory <= 227 KB,
+with the GPU tile choices (``fp8_gemm.GPU_TILES``: split 128-row tiles, 4 warps, two programs
+per SM), and with the sweep's flattened and whole 64-row candidates, in a subprocess without
+the interpreter. Checked: sm_90a PTX, shared memory <= 227 KB,
 fp8 wgmma (e4m3 operands) and TMA in the GEMMs, the saturating hardware conversion in the
 quantizers, the route grad's packed-rows variant (the fp8 dy), the programs that share an SM
 within its registers and shared memory, no spills and no local memory.
@@ -63,17 +64,24 @@ def flattened(tiles):  # the sweep's flattened candidates of the grouped mm and 
     assert all(t.flatten for t in flat.values()), flat
     return {**tiles, **flat}
 
+def unsplit(tiles):  # the sweep's first one-warpgroup candidates with whole tiles (split_m 1)
+    first = lambda kind: next(t for t in sweep_tiles.CANDIDATES["fp8"][kind]
+                              if t.split_m == 1 and t.warps == 4 and t.programs_per_sm == 2)
+    return {**tiles, **{kind: first(kind) for kind in ("gate_up", "mm", "pair", "swiglu_bwd",
+                                                        "wgrad")}}
+
 label = ["?"]
 with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     label[0] = "dsv3"
     step(7168, 2048, 32, 512, 8, 128)
     label[0] = "gpt-oss (partial K blocks)"
     step(2880, 2880, 32, 512, 4, 128)
-    label[0] = "dsv3, flattened tile loops"
     default_tiles = dict(fp8_gemm.GPU_TILES)
-    fp8_gemm.GPU_TILES.update(flattened(default_tiles))
-    step(7168, 2048, 32, 512, 8, 128)
-    fp8_gemm.GPU_TILES.update(default_tiles)
+    for label[0], tiles in (("dsv3, flattened tile loops", flattened(default_tiles)),
+                            ("dsv3, whole 64-row tiles", unsplit(default_tiles))):
+        fp8_gemm.GPU_TILES.update(tiles)
+        step(7168, 2048, 32, 512, 8, 128)
+        fp8_gemm.GPU_TILES.update(default_tiles)
 reports = []
 for launch in launches:
     fp8_kernel = launch.fn.fn.__module__ in ("megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm")
