@@ -300,37 +300,59 @@ def fp8_gate_up_tile(
     (``opaque_zero``, ``STRICT`` its kind; the descriptors of A, g, u and h then have BM/2-row
     blocks)."""
     HM: tl.constexpr = BM // SPLIT_M
-    acc_g = tl.zeros([HM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([HM, BN], dtype=tl.float32)
+    accs = _zeros4(HM, BN)
+    for kb in range(tl.cdiv(K, BK)):
+        accs = fp8_gate_up_step(
+            accs, a_desc, a_s_ptr, bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, expert, row, col, kb,
+            w_rows, M, N, s_am, s_ak, s_be, s_bn, s_bk, HM, BN, BK, SPLIT_M, STRICT, UPCAST,
+        )  # fmt: skip
+    fp8_gate_up_store(g_desc, u_desc, h_desc, row, col, accs, HM, SPLIT_M, UPCAST)
+
+
+@triton.jit
+def _zeros4(HM: tl.constexpr, BN: tl.constexpr):
+    """A gate/up tile's four [HM, BN] fp32 accumulators, zero."""
+    z = tl.zeros([HM, BN], dtype=tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
+def fp8_gate_up_step(accs, a_desc, a_s_ptr, bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, expert, row,
+                     col, kb, w_rows, M, N, s_am, s_ak, s_be, s_bn, s_bk, HM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, SPLIT_M: tl.constexpr,
+                     STRICT: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """K step ``kb`` of a gate/up tile: ``accs`` = (g, u) of the upper HM rows and, with
+    ``SPLIT_M`` 2, (g, u) of the lower HM rows, the four products started one after the other
+    (``opaque_zero``); both halves read the step's two B tiles."""
+    acc_g, acc_u, acc_g1, acc_u1 = accs
+    k = kb * BK
+    sg = weight_scales(bg_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+    su = weight_scales(bu_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
+    bg = bg_desc.load([expert * w_rows + col, k]).T
+    bu = bu_desc.load([expert * w_rows + col, k]).T
+    sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, HM)
+    a = a_desc.load([row, k])
     if SPLIT_M == 2:
-        acc_g1 = tl.zeros([HM, BN], dtype=tl.float32)
-        acc_u1 = tl.zeros([HM, BN], dtype=tl.float32)
-        for kb in range(tl.cdiv(K, BK)):
-            k = kb * BK
-            sg = weight_scales(bg_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-            su = weight_scales(bu_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-            bg = bg_desc.load([expert * w_rows + col, k]).T
-            bu = bu_desc.load([expert * w_rows + col, k]).T
-            sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, HM)
-            a = a_desc.load([row, k])
-            acc_g = fp8_mma(acc_g, a, bg, sa, sg, UPCAST, acc_u1, STRICT)
-            acc_u = fp8_mma(acc_u, a, bu, sa, su, UPCAST, acc_g, STRICT)
-            sa1 = row_scales(a_s_ptr, row + HM, kb, M, s_am, s_ak, HM)
-            a1 = a_desc.load([row + HM, k])
-            acc_g1 = fp8_mma(acc_g1, a1, bg, sa1, sg, UPCAST, acc_u, STRICT)
-            acc_u1 = fp8_mma(acc_u1, a1, bu, sa1, su, UPCAST, acc_g1, STRICT)
-        store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
-        store_gate_up(g_desc, u_desc, h_desc, row + HM, col, acc_g1, acc_u1, UPCAST)
+        acc_g = fp8_mma(acc_g, a, bg, sa, sg, UPCAST, acc_u1, STRICT)
+        acc_u = fp8_mma(acc_u, a, bu, sa, su, UPCAST, acc_g, STRICT)
+        sa1 = row_scales(a_s_ptr, row + HM, kb, M, s_am, s_ak, HM)
+        a1 = a_desc.load([row + HM, k])
+        acc_g1 = fp8_mma(acc_g1, a1, bg, sa1, sg, UPCAST, acc_u, STRICT)
+        acc_u1 = fp8_mma(acc_u1, a1, bu, sa1, su, UPCAST, acc_g1, STRICT)
     else:
-        for kb in range(tl.cdiv(K, BK)):
-            k = kb * BK
-            sa = row_scales(a_s_ptr, row, kb, M, s_am, s_ak, BM)
-            sg = weight_scales(bg_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-            su = weight_scales(bu_s_ptr, expert, col, kb, N, s_be, s_bn, s_bk, BN)
-            a = a_desc.load([row, k])
-            acc_g = fp8_mma(acc_g, a, bg_desc.load([expert * w_rows + col, k]).T, sa, sg, UPCAST)
-            acc_u = fp8_mma(acc_u, a, bu_desc.load([expert * w_rows + col, k]).T, sa, su, UPCAST)
-        store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
+        acc_g = fp8_mma(acc_g, a, bg, sa, sg, UPCAST)
+        acc_u = fp8_mma(acc_u, a, bu, sa, su, UPCAST)
+    return acc_g, acc_u, acc_g1, acc_u1
+
+
+@triton.jit
+def fp8_gate_up_store(g_desc, u_desc, h_desc, row, col, accs, HM: tl.constexpr,
+                      SPLIT_M: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """The gate/up epilogue of a tile's ``accs`` (:func:`fp8_gate_up_step`'s)."""
+    acc_g, acc_u, acc_g1, acc_u1 = accs
+    store_gate_up(g_desc, u_desc, h_desc, row, col, acc_g, acc_u, UPCAST)
+    if SPLIT_M == 2:
+        store_gate_up(g_desc, u_desc, h_desc, row + HM, col, acc_g1, acc_u1, UPCAST)
 
 
 @triton.jit
@@ -536,43 +558,65 @@ def _fp8_gate_up_kernel(
     BK: tl.constexpr,
     SPLIT_M: tl.constexpr,
     STRICT: tl.constexpr,
+    FLATTEN: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
-        mb, nb = tile_of(tile, tiles_n)
-        fp8_gate_up_tile(
-            a_desc,
-            a_s_ptr,
-            bg_desc,
-            bg_s_ptr,
-            bu_desc,
-            bu_s_ptr,
-            g_desc,
-            u_desc,
-            h_desc,
-            tl.load(block_expert_ptr + mb // BLOCK_TILES),
-            mb * BM,
-            nb * BN,
-            w_rows,
-            M,
-            N,
-            K,
-            s_am,
-            s_ak,
-            s_be,
-            s_bn,
-            s_bk,
-            BM,
-            BN,
-            BK,
-            SPLIT_M,
-            STRICT,
-            UPCAST,
-        )
+    if FLATTEN:
+        # One loop over the K steps of all the program's tiles, as the grouped mm's
+        HM: tl.constexpr = BM // SPLIT_M
+        pid = tl.program_id(0)
+        k_steps = tl.cdiv(K, BK)
+        accs = _zeros4(HM, BN)
+        for i in range(tl.cdiv(tl.maximum(num_tiles - pid, 0), NUM_PROGS) * k_steps):
+            mb, nb = tile_of(pid + (i // k_steps) * NUM_PROGS, tiles_n)
+            kb = i % k_steps
+            expert = load_scalar(block_expert_ptr + mb // BLOCK_TILES, UPCAST)
+            accs = fp8_gate_up_step(
+                accs, a_desc, a_s_ptr, bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, expert, mb * BM,
+                nb * BN, kb, w_rows, M, N, s_am, s_ak, s_be, s_bn, s_bk, HM, BN, BK, SPLIT_M,
+                STRICT, UPCAST,
+            )  # fmt: skip
+            if kb == k_steps - 1:
+                fp8_gate_up_store(
+                    g_desc, u_desc, h_desc, mb * BM, nb * BN, accs, HM, SPLIT_M, UPCAST
+                )
+                accs = _zeros4(HM, BN)
+    else:
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
+            mb, nb = tile_of(tile, tiles_n)
+            fp8_gate_up_tile(
+                a_desc,
+                a_s_ptr,
+                bg_desc,
+                bg_s_ptr,
+                bu_desc,
+                bu_s_ptr,
+                g_desc,
+                u_desc,
+                h_desc,
+                tl.load(block_expert_ptr + mb // BLOCK_TILES),
+                mb * BM,
+                nb * BN,
+                w_rows,
+                M,
+                N,
+                K,
+                s_am,
+                s_ak,
+                s_be,
+                s_bn,
+                s_bk,
+                BM,
+                BN,
+                BK,
+                SPLIT_M,
+                STRICT,
+                UPCAST,
+            )
 
 
 @triton.jit
@@ -904,6 +948,7 @@ def gate_up(
         BK=t.bk,
         SPLIT_M=t.split_m,
         STRICT=t.strict_order,
+        FLATTEN=t.flatten,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),

@@ -58,11 +58,9 @@ def step(h, i, e, tokens, top_k, block_rows):
     rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s)
     rows.route_grad(meta(tokens, fp8.packed_width(h), dtype=torch.int16), z, w, s)
 
-def flattened(tiles):  # the sweep's flattened candidates of the grouped mm and wgrad
-    flat = dict(mm=sweep_tiles.CANDIDATES["fp8"]["mm"][-1], wgrad=None)
-    flat["wgrad"] = [t for t in sweep_tiles.CANDIDATES["fp8"]["wgrad"] if t.flatten][-1]
-    assert all(t.flatten for t in flat.values()), flat
-    return {**tiles, **flat}
+def flattened(tiles):  # the sweep's last flattened candidates of gate/up, mm and wgrad
+    last = lambda kind: [t for t in sweep_tiles.CANDIDATES["fp8"][kind] if t.flatten][-1]
+    return {**tiles, **{kind: last(kind) for kind in ("gate_up", "mm", "wgrad")}}
 
 def unsplit(tiles):  # the sweep's first one-warpgroup candidates with whole tiles (split_m 1)
     first = lambda kind: next(t for t in sweep_tiles.CANDIDATES["fp8"][kind]
@@ -152,15 +150,17 @@ def test_gemms_use_fp8_wgmma_and_tma(reports: list[dict]) -> None:
 
 def test_flattened_loops_are_software_pipelined(reports: list[dict]) -> None:
     """A flattened tile loop (``GemmTiles.flatten``) is worth having only if Triton's software
-    pipeliner takes it: then each of a K step's TMA loads (B and the two halves of A) is
-    issued stages - 1 times ahead in the prologue and once in the loop. (Triton 3.6 leaves the
-    loop unpipelined, one load at a time, if a TMA coordinate comes from a ``tl.load`` in the
-    loop or if the epilogue's condition is carried from the loads' stage.)"""
+    pipeliner takes it: then each of a K step's TMA loads (B, or gate/up's two B tiles, and the
+    two halves of A) is issued stages - 1 times ahead in the prologue and once in the loop.
+    (Triton 3.6 leaves the loop unpipelined, one load at a time, if a TMA coordinate comes from
+    a ``tl.load`` in the loop or if the epilogue's condition is carried from the loads'
+    stage.)"""
     flat = [r for r in reports if r["variant"].get("FLATTEN")]
-    assert {r["name"] for r in flat} == {"_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel"}, flat
+    assert {r["name"] for r in flat} == set(GEMMS), flat
     for r in flat:
         assert r["variant"]["SPLIT_M"] == 2, _what(r)
-        assert r["tma_loads"] == 3 * r["stages"], (_what(r), r["tma_loads"], r["stages"])
+        per_step = 4 if r["name"] == "_fp8_gate_up_kernel" else 3  # gate/up: two B tiles
+        assert r["tma_loads"] == per_step * r["stages"], (_what(r), r["tma_loads"], r["stages"])
 
 
 def test_quantizers_use_the_saturating_conversion(reports: list[dict]) -> None:

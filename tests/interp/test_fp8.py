@@ -615,25 +615,29 @@ def test_bits_repeat_and_do_not_depend_on_grid_tile_width_or_scale_layout(monkey
 
 def test_flattened_loops_have_the_tile_loops_bits(monkeypatch) -> None:
     """``GemmTiles.flatten`` runs each program's tiles as one loop over all of their K steps
-    (the weight gradient, the grouped mm and the SwiGLU backward): the same sums in the same
+    (gate/up, the grouped mm, the SwiGLU backward, the weight gradient): the same sums in the same
     order, for any grid (one program: every tile in one loop), split or not, every element
     written, and the weight gradient of expert 2 (no rows) zero."""
     p = make_problem(128, seed=9)
     s = p.sched
     assert int(s.counts[2]) == 0
     gen = torch.Generator().manual_seed(10)
-    hq, dzq = (fp8.quantize_rows(torch.randn(s.rows, n, generator=gen)) for n in (I, H))
+    xq, hq, dzq = (fp8.quantize_rows(torch.randn(s.rows, n, generator=gen)) for n in (H, I, H))
     dgt, xt = fp8.quantize_cols(p.x[:, :I]), fp8.quantize_cols(p.x)
     g, u = p.x[:, :I].contiguous(), p.x[:, I : 2 * I].contiguous()
 
     def gemms(programs=None) -> dict[str, torch.Tensor]:
         with poisoned_buffers():
             out = dict(
+                gu=torch.stack(fp8_gemm.gate_up(*xq, p.w_gate, p.w_up, s, programs)),
                 z=fp8_gemm.grouped_mm(*hq, p.w_down, s, programs),
                 dgdu=torch.stack(fp8_gemm.dgrad_swiglu(*dzq, p.w_down, g, u, s, programs)),
                 dw=fp8_gemm.wgrad(*dgt, *xt, s, programs),
             )
-        return {k: v[:, : p.used] if k == "dgdu" else v for k, v in used_part(p, out).items()}
+        return {
+            k: v[:, : p.used] if v.dim() == 3 and k != "dw" else v
+            for k, v in used_part(p, out).items()
+        }
 
     want = gemms()
     assert torch.equal(want["dw"][2], torch.zeros_like(want["dw"][2]))
@@ -646,7 +650,7 @@ def test_flattened_loops_have_the_tile_loops_bits(monkeypatch) -> None:
         }
         monkeypatch.setattr(fp8_gemm, "INTERPRETER_TILES", tiles)
         tile_loops = gemms()
-        for kind in ("wgrad", "mm", "swiglu_bwd"):
+        for kind in ("gate_up", "mm", "swiglu_bwd", "wgrad"):
             tiles[kind] = dataclasses.replace(tiles[kind], flatten=True)
         for programs in (None, 1):
             what = f"{bn} x {bm}, split {split}, {programs} programs"
