@@ -44,7 +44,15 @@ from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
 from .gemm import GemmTiles, row_tile, weight_2d
 from .runtime import descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
-from .tiles import cast, store_gate_up, store_mm, tile_of
+from .tiles import (
+    cast,
+    enter_rows,
+    load_scalar,
+    program_steps,
+    store_gate_up,
+    store_mm,
+    tile_of,
+)
 
 __all__ = [
     "GPU_TILES",
@@ -503,32 +511,16 @@ def fp8_wgrad_tile(
 
 
 @triton.jit
-def load_scalar(ptr, UPCAST: tl.constexpr):
-    """``tl.load(ptr)`` of one int32, on the GPU as an instruction the software pipeliner does
-    not see as a load: a TMA load whose coordinates come from a ``tl.load`` in its loop is not
-    pipelined (Triton 3.6). (``UPCAST``: under the interpreter, which runs no inline asm.)"""
-    if UPCAST:
-        return tl.load(ptr)
-    else:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
-        )
-
-
-@triton.jit
 def program_wgrad_steps(row_start_ptr, E, tiles_per_expert, pid, NUM_PROGS: tl.constexpr,
                         BK: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
-    """The K steps of program ``pid``'s weight-gradient tiles (tile t is the program's when
-    t % NUM_PROGS == pid; expert-major tiles): each tile sums its expert's rows 128 a step,
-    a tile of an expert with no rows takes one step of zeros."""
+    """The K steps of program ``pid``'s weight-gradient tiles (``tiles.program_steps``): each
+    tile sums its expert's rows 128 a step, a tile of an expert with no rows takes one step of
+    zeros."""
     e = tl.arange(0, E_POW2)
     begin = tl.load(row_start_ptr + e, mask=e < E, other=0)
     end = tl.load(row_start_ptr + e + 1, mask=e < E, other=0)
     steps = tl.maximum(tl.cdiv(end - begin, BK), 1)
-    first = e * tiles_per_expert - pid  # the program's tiles below e's first, and below its end
-    below = (tl.maximum(first, 0) + NUM_PROGS - 1) // NUM_PROGS
-    below_end = (tl.maximum(first + tiles_per_expert, 0) + NUM_PROGS - 1) // NUM_PROGS
-    return tl.sum(tl.where(e < E, (below_end - below) * steps, 0))
+    return program_steps(steps, E, tiles_per_expert, pid, NUM_PROGS, E_POW2)
 
 
 @triton.jit
@@ -784,9 +776,7 @@ def _fp8_wgrad_kernel(
             mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
             begin = load_scalar(row_start_ptr + expert, UPCAST)
             end = load_scalar(row_start_ptr + expert + 1, UPCAST)
-            live = begin < end
-            r_end = tl.where(fresh, tl.where(live, end, zero_row + BK), r_end)
-            r = tl.where(fresh, tl.where(live, begin, zero_row), r)
+            r, r_end, live = enter_rows(fresh, r, r_end, begin, end, zero_row, BK)
             a_rows = (at_desc, at_s_ptr, tl.where(live, M, 0), s_am, s_ak)
             b_rows = (bt_desc, bt_s_ptr, tl.where(live, N, 0), s_bn, s_bk)
             acc0, acc1 = fp8_wgrad_step(

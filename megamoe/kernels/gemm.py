@@ -23,7 +23,17 @@ import triton.language as tl
 
 from .runtime import check_out, descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
-from .tiles import cast, load_weight_tile, mma, store_gate_up, store_mm, tile_of
+from .tiles import (
+    cast,
+    enter_rows,
+    load_scalar,
+    load_weight_tile,
+    mma,
+    program_steps,
+    store_gate_up,
+    store_mm,
+    tile_of,
+)
 
 __all__ = [
     "GemmTiles",
@@ -393,14 +403,23 @@ def wgrad_tile(
 
 
 @triton.jit
-def expert_row_range(row_start_ptr, counts_ptr, expert, BK: tl.constexpr):
+def expert_row_range(row_start_ptr, counts_ptr, expert, BK: tl.constexpr,
+                     UPCAST: tl.constexpr = False, OPAQUE: tl.constexpr = False):  # fmt: skip
     """The rows of ``expert`` a weight-gradient tile sums: from its first row to its last real
     row rounded up to the K step, within its padded rows. The padding rows past it hold zeros
     in both operands and the sum starts at +0, so leaving them out changes no bit; an expert of
-    160 rows in 128-row blocks takes 3 K steps of 64 instead of 4."""
-    row_begin = tl.load(row_start_ptr + expert)
-    padded_end = tl.load(row_start_ptr + expert + 1)
-    real_end = row_begin + tl.cdiv(tl.load(counts_ptr + expert), BK) * BK
+    160 rows in 128-row blocks takes 3 K steps of 64 instead of 4. ``expert`` may be a vector
+    (``E_POW2`` lanes, masked from ``E`` on). ``OPAQUE``: read by ``tiles.load_scalar`` (for
+    TMA coordinates in a loop the software pipeliner is to take)."""
+    if OPAQUE:
+        row_begin = load_scalar(row_start_ptr + expert, UPCAST)
+        padded_end = load_scalar(row_start_ptr + expert + 1, UPCAST)
+        count = load_scalar(counts_ptr + expert, UPCAST)
+    else:
+        row_begin = tl.load(row_start_ptr + expert)
+        padded_end = tl.load(row_start_ptr + expert + 1)
+        count = tl.load(counts_ptr + expert)
+    real_end = row_begin + tl.cdiv(count, BK) * BK
     return row_begin, tl.minimum(real_end, padded_end)
 
 
@@ -414,35 +433,73 @@ def _wgrad_kernel(
     E,
     M,
     N,
+    zero_row,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    E_POW2: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BN)
     tiles_per_expert = tl.cdiv(M, BM) * tiles_n
-    for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
-        expert = tile // tiles_per_expert
-        mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
-        row_begin, row_end = expert_row_range(row_start_ptr, counts_ptr, expert, BK)
-        wgrad_tile(
-            a_desc,
-            b_desc,
-            c_desc,
-            expert,
-            mb * BM,
-            nb * BN,
-            row_begin,
-            row_end,
-            c_desc,
-            0,
-            BM,
-            BN,
-            BK,
-            False,
-            UPCAST,
-        )
+    if FLATTEN:
+        # One loop over the K steps of all the program's tiles (as fp8_gemm's weight gradient:
+        # a walk over the tiles for the loads, one for the stores; an expert without rows takes
+        # one step of zeros at ``zero_row``, past every row).
+        pid = tl.program_id(0)
+        e = tl.arange(0, E_POW2)
+        begin_e, end_e = expert_row_range(row_start_ptr, counts_ptr, tl.minimum(e, E - 1), BK)
+        steps = tl.maximum(tl.cdiv(end_e - begin_e, BK), 1)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        tile = pid - NUM_PROGS  # the loads' walk
+        r = 0
+        r_end = 0
+        out_tile = pid - NUM_PROGS  # the stores' walk
+        left = 0  # K steps left in the stores' tile
+        for _ in range(program_steps(steps, E, tiles_per_expert, pid, NUM_PROGS, E_POW2)):
+            fresh = r >= r_end
+            tile = tl.where(fresh, tile + NUM_PROGS, tile)
+            mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
+            begin, end = expert_row_range(
+                row_start_ptr, counts_ptr, tile // tiles_per_expert, BK, UPCAST, True
+            )
+            r, r_end, _ = enter_rows(fresh, r, r_end, begin, end, zero_row, BK)
+            acc = mma(acc, a_desc.load([r, mb * BM]).T, b_desc.load([r, nb * BN]), UPCAST)
+            r += BK
+            out_fresh = left == 0
+            out_tile = tl.where(out_fresh, out_tile + NUM_PROGS, out_tile)
+            out_expert = out_tile // tiles_per_expert
+            out_begin, out_end = expert_row_range(row_start_ptr, counts_ptr, out_expert, BK)
+            left = tl.where(out_fresh, tl.maximum(tl.cdiv(out_end - out_begin, BK), 1), left) - 1
+            if left == 0:
+                out_mb, out_nb = tile_of(out_tile % tiles_per_expert, tiles_n)
+                out = cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN])
+                c_desc.store([out_expert, out_mb * BM, out_nb * BN], out)
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+    else:
+        for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
+            expert = tile // tiles_per_expert
+            mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
+            row_begin, row_end = expert_row_range(row_start_ptr, counts_ptr, expert, BK)
+            wgrad_tile(
+                a_desc,
+                b_desc,
+                c_desc,
+                expert,
+                mb * BM,
+                nb * BN,
+                row_begin,
+                row_end,
+                c_desc,
+                0,
+                BM,
+                BN,
+                BK,
+                False,
+                UPCAST,
+            )
 
 
 def weight_2d(w: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -640,6 +697,8 @@ def wgrad(
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
     work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
+    if not work:
+        return out
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _wgrad_kernel[grid](
         descriptor(a, [bk, t.bm]),
@@ -650,9 +709,12 @@ def wgrad(
         e,
         m,
         n,
+        triton.cdiv(a.shape[0], bk) * bk,  # a K step past the rows: TMA reads zeros there
         BM=t.bm,
         BN=t.bn,
         BK=bk,
+        FLATTEN=t.flatten,
+        E_POW2=triton.next_power_of_2(e),
         NUM_PROGS=grid[0],
         UPCAST=interpreting(),
         num_warps=t.warps,

@@ -1,8 +1,9 @@
 """Tile-level ``@triton.jit`` device functions shared by every kernel (and the future megakernel).
 
 Each function does one job on one tile: the tile-to-expert mapping of the padded row layout,
-loading a weight tile in either stored layout, one MMA step, SwiGLU forward/backward, and
-masked row gathers/stores. Kernels compose these; nothing here launches anything.
+loading a weight tile in either stored layout, one MMA step, SwiGLU forward/backward, masked
+row gathers/stores, and the bookkeeping of a persistent loop flattened over all of a program's
+K steps. Kernels compose these; nothing here launches anything.
 
 ``UPCAST`` is a constexpr that is True only under the Triton interpreter, which cannot do bf16
 ``tl.dot`` or bf16 arithmetic: the same kernel source then multiplies fp32 copies of the tiles.
@@ -134,3 +135,42 @@ def store_rows(ptr, rows, cols, stride, vals, row_mask, col_mask, UPCAST: tl.con
         cast(vals, ptr.dtype.element_ty, UPCAST),
         mask=row_mask[:, None] & col_mask[None, :],
     )
+
+
+@triton.jit
+def load_scalar(ptr, UPCAST: tl.constexpr):
+    """``tl.load(ptr)`` of one int32, on the GPU as an instruction the software pipeliner does
+    not see as a load: a TMA load whose coordinates come from a ``tl.load`` in its loop is not
+    pipelined (Triton 3.6). (``UPCAST``: under the interpreter, which runs no inline asm.)"""
+    if UPCAST:
+        return tl.load(ptr)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def program_steps(steps, E, tiles_per_expert, pid, NUM_PROGS: tl.constexpr,
+                  E_POW2: tl.constexpr):  # fmt: skip
+    """The K steps of program ``pid``'s tiles in a persistent loop over expert-major tiles (tile
+    t is the program's when t % NUM_PROGS == pid, ``tiles_per_expert`` a expert): the sum of
+    ``steps [E_POW2]`` (each expert's steps a tile; entries from E on ignored) over them. The
+    trip count of a flattened weight-gradient loop."""
+    e = tl.arange(0, E_POW2)
+    first = e * tiles_per_expert - pid  # the program's tiles below e's first, and below its end
+    below = (tl.maximum(first, 0) + NUM_PROGS - 1) // NUM_PROGS
+    below_end = (tl.maximum(first + tiles_per_expert, 0) + NUM_PROGS - 1) // NUM_PROGS
+    return tl.sum(tl.where(e < E, (below_end - below) * steps, 0))
+
+
+@triton.jit
+def enter_rows(fresh, r, r_end, begin, end, zero_row, BK: tl.constexpr):
+    """The loads' walk of a flattened weight-gradient loop: on entering a tile (``fresh``) the
+    rows [begin, end) of its expert, or for an expert without rows one step at ``zero_row``,
+    past every row (TMA reads zeros there); else (r, r_end) as they are. Returns (r, r_end,
+    whether the tile's expert has rows)."""
+    live = begin < end
+    r_end = tl.where(fresh, tl.where(live, end, zero_row + BK), r_end)
+    r = tl.where(fresh, tl.where(live, begin, zero_row), r)
+    return r, r_end, live

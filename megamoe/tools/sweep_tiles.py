@@ -84,6 +84,9 @@ _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=128, bk=128, stages=2, warps=8),
     T(bm=64, bn=128, bk=64, stages=2, warps=4, programs_per_sm=3),
     T(bm=64, bn=256, bk=64, stages=2, warps=4, programs_per_sm=2),
+    # the two entries' tiles as one loop over all of a program's K steps (``flatten``)
+    T(bm=128, bn=256, bk=64, stages=3, warps=8, flatten=True),
+    T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2, flatten=True),
 ]
 CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
     "bf16": {

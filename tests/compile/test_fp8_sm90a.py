@@ -3,11 +3,12 @@
 Their launchers run on meta tensors at DeepSeek-V3's expert sizes (H 7168, I 2048, 32 experts,
 128-row blocks) under ``compile_check.record_launches``, and each distinct launch is compiled
 with the GPU tile choices (``fp8_gemm.GPU_TILES``: split 128-row tiles, 4 warps, two programs
-per SM), and with the sweep's flattened and whole 64-row candidates, in a subprocess without
-the interpreter. Checked: sm_90a PTX, shared memory <= 227 KB,
-fp8 wgmma (e4m3 operands) and TMA in the GEMMs, the saturating hardware conversion in the
-quantizers, the route grad's packed-rows variant (the fp8 dy), the programs that share an SM
-within its registers and shared memory, no spills and no local memory.
+per SM), and with the sweep's whole 64-row candidates, in a subprocess without the
+interpreter (the flattened candidates: ``test_flattened_sm90a.py``). Checked: sm_90a PTX,
+shared memory <= 227 KB, fp8 wgmma (e4m3 operands) and TMA in the GEMMs, the saturating
+hardware conversion in the quantizers, the route grad's packed-rows variant (the fp8 dy), the
+programs that share an SM within its registers and shared memory, no spills and no local
+memory.
 """
 
 from __future__ import annotations
@@ -58,10 +59,6 @@ def step(h, i, e, tokens, top_k, block_rows):
     rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s)
     rows.route_grad(meta(tokens, fp8.packed_width(h), dtype=torch.int16), z, w, s)
 
-def flattened(tiles):  # the sweep's last flattened candidates of gate/up, mm and wgrad
-    last = lambda kind: [t for t in sweep_tiles.CANDIDATES["fp8"][kind] if t.flatten][-1]
-    return {**tiles, **{kind: last(kind) for kind in ("gate_up", "mm", "wgrad")}}
-
 def unsplit(tiles):  # the sweep's first one-warpgroup candidates with whole tiles (split_m 1)
     first = lambda kind: next(t for t in sweep_tiles.CANDIDATES["fp8"][kind]
                               if t.split_m == 1 and t.warps == 4 and t.programs_per_sm == 2)
@@ -74,12 +71,11 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     step(7168, 2048, 32, 512, 8, 128)
     label[0] = "gpt-oss (partial K blocks)"
     step(2880, 2880, 32, 512, 4, 128)
+    label[0] = "dsv3, whole 64-row tiles"
     default_tiles = dict(fp8_gemm.GPU_TILES)
-    for label[0], tiles in (("dsv3, flattened tile loops", flattened(default_tiles)),
-                            ("dsv3, whole 64-row tiles", unsplit(default_tiles))):
-        fp8_gemm.GPU_TILES.update(tiles)
-        step(7168, 2048, 32, 512, 8, 128)
-        fp8_gemm.GPU_TILES.update(default_tiles)
+    fp8_gemm.GPU_TILES.update(unsplit(default_tiles))
+    step(7168, 2048, 32, 512, 8, 128)
+    fp8_gemm.GPU_TILES.update(default_tiles)
 reports = []
 for launch in launches:
     fp8_kernel = launch.fn.fn.__module__ in ("megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm")
@@ -92,13 +88,10 @@ for launch in launches:
     r["wgmma_e4m3"] = sorted({s.group(1) for s in shapes if s})
     r["wgmma_smem_operands"] = all(re.search(r"\\}, %rd\\d+, %rd\\d+,", m) for m in mmas)
     r["cvt_satfinite"] = "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    tma_load = r"cp\\.async\\.bulk\\.tensor\\.\\dd\\.shared::cluster\\.global"
-    r["tma_loads"] = len(re.findall(tma_load, ptx))
     names = launch.fn.arg_names
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
                     if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
-                                       "PACKED", "BY_ROW", "SPLIT_M", "FLATTEN")}
-    r["stages"] = launch.options.get("num_stages")
+                                       "PACKED", "BY_ROW", "SPLIT_M")}
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
@@ -146,21 +139,6 @@ def test_gemms_use_fp8_wgmma_and_tma(reports: list[dict]) -> None:
             # both operands K-major in shared memory: no transpose through registers
             assert r["wgmma_smem_operands"], f"{_what(r)}: a wgmma operand in registers"
             assert r["tma"], f"{_what(r)}: no cp.async.bulk.tensor (TMA)"
-
-
-def test_flattened_loops_are_software_pipelined(reports: list[dict]) -> None:
-    """A flattened tile loop (``GemmTiles.flatten``) is worth having only if Triton's software
-    pipeliner takes it: then each of a K step's TMA loads (B, or gate/up's two B tiles, and the
-    two halves of A) is issued stages - 1 times ahead in the prologue and once in the loop.
-    (Triton 3.6 leaves the loop unpipelined, one load at a time, if a TMA coordinate comes from
-    a ``tl.load`` in the loop or if the epilogue's condition is carried from the loads'
-    stage.)"""
-    flat = [r for r in reports if r["variant"].get("FLATTEN")]
-    assert {r["name"] for r in flat} == set(GEMMS), flat
-    for r in flat:
-        assert r["variant"]["SPLIT_M"] == 2, _what(r)
-        per_step = 4 if r["name"] == "_fp8_gate_up_kernel" else 3  # gate/up: two B tiles
-        assert r["tma_loads"] == per_step * r["stages"], (_what(r), r["tma_loads"], r["stages"])
 
 
 def test_quantizers_use_the_saturating_conversion(reports: list[dict]) -> None:

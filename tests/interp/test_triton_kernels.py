@@ -174,6 +174,37 @@ def test_weight_gradient_skips_the_padding_past_the_last_k_step() -> None:
         torch.testing.assert_close(got[e].double(), want, rtol=1e-2, atol=1e-2)
 
 
+def test_flattened_weight_gradient_keeps_the_bits(monkeypatch) -> None:
+    """``GemmTiles.flatten``: the weight gradient as one loop over all of a program's K steps
+    (the pipeline runs on from tile to tile) gives the tile loop's bits for any grid (one
+    program: every tile in one loop), stops at each expert's last real row as the tile loop
+    does, and writes expert 2 (no rows) as zeros."""
+    from megamoe.kernels import gemm
+
+    gen = torch.Generator().manual_seed(7)
+    experts = torch.tensor([0, 1, 3])
+    ids = torch.stack([experts[torch.randperm(3, generator=gen)[:2]] for _ in range(37)])
+    sched = build_row_schedule(ids, 4, 64)  # K step 32 in 64-row blocks
+    a = torch.randn(sched.rows, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(sched.rows, 64, generator=gen).to(torch.bfloat16)
+    real = sched.row_src >= 0
+    a[~real], b[~real] = 0, 0
+    assert int(sched.counts[2]) == 0
+    with poisoned_buffers():
+        want = gemm.wgrad(a, b, sched)
+    assert torch.equal(want[2], torch.zeros_like(want[2]))
+    tiles = {
+        name: dataclasses.replace(t, flatten=True) if name.startswith("wgrad") else t
+        for name, t in gemm.INTERPRETER_TILES.items()
+    }
+    monkeypatch.setattr(gemm, "INTERPRETER_TILES", tiles)
+    for programs in (None, 1, 3):
+        with poisoned_buffers():
+            got = gemm.wgrad(a, b, sched, programs)
+        assert not got.isnan().any(), f"a tile was not written ({programs} programs)"
+        assert torch.equal(got, want), f"flattening changed bits ({programs} programs)"
+
+
 def test_weight_gradient_rule_by_rows_per_expert_keeps_the_bits(monkeypatch) -> None:
     """The weight gradient's tiles are chosen by the balanced rows per expert
     (``gemm.wgrad_kind``); both choices give the same bits, every element written."""
