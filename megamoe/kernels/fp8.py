@@ -96,7 +96,8 @@ _ROWS_COLS_WARPS = 4
 
 class Fp8Weight(NamedTuple):
     """A 128x128-block quantized [E, N, K] weight; ``q_t``/``scale_t`` (its per-expert
-    transpose) only when asked for."""
+    transpose) only when asked for. (A backward's copy restored from saved tensors has only
+    the transpose: q and scale None, ``backends.fp8_weights.from_transposed``.)"""
 
     q: torch.Tensor  # float8_e4m3fn [E, N, K]
     scale: torch.Tensor  # float32 [E, ceil(N/128), ceil(K/128)]
