@@ -124,11 +124,10 @@ def routed_forward(
     """gate/up + SwiGLU and down of the routed rows ``xs`` (``precision``: the config's). In
     fp8 ``xs`` holds the rows' packed 1x128 quantization (``fp8.quantize_packed`` on the source
     rank, then gathered or pulled), which the gate/up GEMM reads in place, and the GEMMs read
-    the step's fp8 weights ``fp8w`` (default: :func:`fp8_weights.get` of each)."""
+    the step's fp8 weights ``fp8w`` (default: :func:`fp8_weights.step_weights`)."""
     if precision == "fp8":
         xq, xq_s = fp8.unpack_rows(xs, weights.w_gate.shape[-1])
-        if fp8w is None:
-            fp8w = fp8_weights.StepWeights(*map(fp8_weights.get, weights[:3]))
+        fp8w = fp8w if fp8w is not None else fp8_weights.step_weights(weights)
         g, u, h = fp8_gemm.gate_up(xq, xq_s, fp8w.gate, fp8w.up, sched, out_dtype=KERNEL_DTYPE)
         (hq, hq_s), h_cols = _h_rows_cols(h)
         z = fp8_gemm.grouped_mm(hq, hq_s, fp8w.down, sched, out_dtype=KERNEL_DTYPE)
