@@ -46,12 +46,13 @@ from .runtime import descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
 from .tiles import (
     cast,
-    enter_rows,
     load_scalar,
+    next_tile_rows,
     program_steps,
     store_gate_up,
     store_mm,
     tile_of,
+    tile_steps,
 )
 
 __all__ = [
@@ -761,35 +762,28 @@ def _fp8_wgrad_kernel(
         steps = program_wgrad_steps(row_start_ptr, E, tiles_per_expert, pid, NUM_PROGS, BK, E_POW2)
         acc0 = tl.zeros([HM, BN], dtype=tl.float32)
         acc1 = tl.zeros([HM, BN], dtype=tl.float32)
-        # Two copies of the walk over the tiles: one places the loads, the other the stores.
-        # The software pipeliner runs the loads stages ahead of the stores, and a value it
-        # carries from the first stage into the last one would stop it pipelining the loop.
-        tile = pid - NUM_PROGS  # the loads' walk
-        r = 0
-        r_end = 0
-        out_tile = pid - NUM_PROGS  # the stores' walk
-        left = 0  # K steps left in the stores' tile
+        # Two walks over the tiles, one placing the loads, the other the stores (the software
+        # pipeliner runs the loads stages ahead of the stores, and a value it carries from the
+        # first stage into the last one would stop it pipelining the loop). Each reads the
+        # schedule only when it enters a tile, so a K step costs no divisions or scalar loads.
+        walk = (pid - NUM_PROGS, 0, 0, 0, 0, False)  # the loads' (next_tile_rows)
+        out_tile = pid  # the stores'
+        first = tl.minimum(pid // tiles_per_expert, E - 1)
+        left = tile_steps(row_start_ptr, row_start_ptr, first, BK, UPCAST, False)
         for _ in range(steps):
-            fresh = r >= r_end
-            tile = tl.where(fresh, tile + NUM_PROGS, tile)
-            expert = tile // tiles_per_expert
-            mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
-            begin = load_scalar(row_start_ptr + expert, UPCAST)
-            end = load_scalar(row_start_ptr + expert + 1, UPCAST)
-            r, r_end, live = enter_rows(fresh, r, r_end, begin, end, zero_row, BK)
+            walk = next_tile_rows(walk, row_start_ptr, row_start_ptr, tiles_per_expert, tiles_n,
+                                  zero_row, BM, BN, BK, NUM_PROGS, UPCAST, False)  # fmt: skip
+            tile, r, r_end, m0, n0, live = walk
+            # an expert without rows: its scales read as zeros
             a_rows = (at_desc, at_s_ptr, tl.where(live, M, 0), s_am, s_ak)
             b_rows = (bt_desc, bt_s_ptr, tl.where(live, N, 0), s_bn, s_bk)
             acc0, acc1 = fp8_wgrad_step(
-                acc0, acc1, a_rows, b_rows, mb * BM, nb * BN, r, HM, BN, BK, SPLIT_M, STRICT,
-                UPCAST,
-            )  # fmt: skip
-            r += BK
-            out_fresh = left == 0
-            out_tile = tl.where(out_fresh, out_tile + NUM_PROGS, out_tile)
-            out_expert = out_tile // tiles_per_expert
-            rows = tl.load(row_start_ptr + out_expert + 1) - tl.load(row_start_ptr + out_expert)
-            left = tl.where(out_fresh, tl.maximum(tl.cdiv(rows, BK), 1), left) - 1
+                acc0, acc1, a_rows, b_rows, m0, n0, r, HM, BN, BK, SPLIT_M, STRICT, UPCAST
+            )
+            walk = (tile, r + BK, r_end, m0, n0, live)
+            left -= 1
             if left == 0:
+                out_expert = out_tile // tiles_per_expert
                 out_mb, out_nb = tile_of(out_tile % tiles_per_expert, tiles_n)
                 fp8_wgrad_store(
                     c_desc, out_expert, out_mb * BM, out_nb * BN, acc0, acc1, HM, BN, SPLIT_M,
@@ -797,6 +791,9 @@ def _fp8_wgrad_kernel(
                 )  # fmt: skip
                 acc0 = tl.zeros([HM, BN], dtype=tl.float32)
                 acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+                out_tile += NUM_PROGS
+                next_expert = tl.minimum(out_tile // tiles_per_expert, E - 1)
+                left = tile_steps(row_start_ptr, row_start_ptr, next_expert, BK, UPCAST, False)
     else:
         for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
             expert = tile // tiles_per_expert

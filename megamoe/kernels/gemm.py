@@ -25,14 +25,14 @@ from .runtime import check_out, descriptor, empty, interpreting, launch_grid
 from .schedule import RowSchedule
 from .tiles import (
     cast,
-    enter_rows,
-    load_scalar,
     load_weight_tile,
     mma,
+    next_tile_rows,
     program_steps,
     store_gate_up,
     store_mm,
     tile_of,
+    tile_steps,
 )
 
 __all__ = [
@@ -403,23 +403,16 @@ def wgrad_tile(
 
 
 @triton.jit
-def expert_row_range(row_start_ptr, counts_ptr, expert, BK: tl.constexpr,
-                     UPCAST: tl.constexpr = False, OPAQUE: tl.constexpr = False):  # fmt: skip
+def expert_row_range(row_start_ptr, counts_ptr, expert, BK: tl.constexpr):
     """The rows of ``expert`` a weight-gradient tile sums: from its first row to its last real
     row rounded up to the K step, within its padded rows. The padding rows past it hold zeros
     in both operands and the sum starts at +0, so leaving them out changes no bit; an expert of
     160 rows in 128-row blocks takes 3 K steps of 64 instead of 4. ``expert`` may be a vector
-    (``E_POW2`` lanes, masked from ``E`` on). ``OPAQUE``: read by ``tiles.load_scalar`` (for
-    TMA coordinates in a loop the software pipeliner is to take)."""
-    if OPAQUE:
-        row_begin = load_scalar(row_start_ptr + expert, UPCAST)
-        padded_end = load_scalar(row_start_ptr + expert + 1, UPCAST)
-        count = load_scalar(counts_ptr + expert, UPCAST)
-    else:
-        row_begin = tl.load(row_start_ptr + expert)
-        padded_end = tl.load(row_start_ptr + expert + 1)
-        count = tl.load(counts_ptr + expert)
-    real_end = row_begin + tl.cdiv(count, BK) * BK
+    (``E_POW2`` lanes, masked from ``E`` on). (The flattened loop reads the same rows with
+    ``tiles.expert_rows``.)"""
+    row_begin = tl.load(row_start_ptr + expert)
+    padded_end = tl.load(row_start_ptr + expert + 1)
+    real_end = row_begin + tl.cdiv(tl.load(counts_ptr + expert), BK) * BK
     return row_begin, tl.minimum(real_end, padded_end)
 
 
@@ -453,31 +446,26 @@ def _wgrad_kernel(
         begin_e, end_e = expert_row_range(row_start_ptr, counts_ptr, tl.minimum(e, E - 1), BK)
         steps = tl.maximum(tl.cdiv(end_e - begin_e, BK), 1)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        tile = pid - NUM_PROGS  # the loads' walk
-        r = 0
-        r_end = 0
-        out_tile = pid - NUM_PROGS  # the stores' walk
-        left = 0  # K steps left in the stores' tile
+        walk = (pid - NUM_PROGS, 0, 0, 0, 0, False)  # the loads' (tiles.next_tile_rows)
+        out_tile = pid  # the stores'
+        first = tl.minimum(pid // tiles_per_expert, E - 1)
+        left = tile_steps(row_start_ptr, counts_ptr, first, BK, UPCAST, True)
         for _ in range(program_steps(steps, E, tiles_per_expert, pid, NUM_PROGS, E_POW2)):
-            fresh = r >= r_end
-            tile = tl.where(fresh, tile + NUM_PROGS, tile)
-            mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
-            begin, end = expert_row_range(
-                row_start_ptr, counts_ptr, tile // tiles_per_expert, BK, UPCAST, True
-            )
-            r, r_end, _ = enter_rows(fresh, r, r_end, begin, end, zero_row, BK)
-            acc = mma(acc, a_desc.load([r, mb * BM]).T, b_desc.load([r, nb * BN]), UPCAST)
-            r += BK
-            out_fresh = left == 0
-            out_tile = tl.where(out_fresh, out_tile + NUM_PROGS, out_tile)
-            out_expert = out_tile // tiles_per_expert
-            out_begin, out_end = expert_row_range(row_start_ptr, counts_ptr, out_expert, BK)
-            left = tl.where(out_fresh, tl.maximum(tl.cdiv(out_end - out_begin, BK), 1), left) - 1
+            walk = next_tile_rows(walk, row_start_ptr, counts_ptr, tiles_per_expert, tiles_n,
+                                  zero_row, BM, BN, BK, NUM_PROGS, UPCAST, True)  # fmt: skip
+            tile, r, r_end, m0, n0, live = walk
+            acc = mma(acc, a_desc.load([r, m0]).T, b_desc.load([r, n0]), UPCAST)
+            walk = (tile, r + BK, r_end, m0, n0, live)
+            left -= 1
             if left == 0:
+                out_expert = out_tile // tiles_per_expert
                 out_mb, out_nb = tile_of(out_tile % tiles_per_expert, tiles_n)
                 out = cast(acc, c_desc.dtype, UPCAST).reshape([1, BM, BN])
                 c_desc.store([out_expert, out_mb * BM, out_nb * BN], out)
                 acc = tl.zeros([BM, BN], dtype=tl.float32)
+                out_tile += NUM_PROGS
+                next_expert = tl.minimum(out_tile // tiles_per_expert, E - 1)
+                left = tile_steps(row_start_ptr, counts_ptr, next_expert, BK, UPCAST, True)
     else:
         for tile in tl.range(tl.program_id(0), E * tiles_per_expert, NUM_PROGS):
             expert = tile // tiles_per_expert

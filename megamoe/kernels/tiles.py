@@ -165,12 +165,47 @@ def program_steps(steps, E, tiles_per_expert, pid, NUM_PROGS: tl.constexpr,
 
 
 @triton.jit
-def enter_rows(fresh, r, r_end, begin, end, zero_row, BK: tl.constexpr):
-    """The loads' walk of a flattened weight-gradient loop: on entering a tile (``fresh``) the
-    rows [begin, end) of its expert, or for an expert without rows one step at ``zero_row``,
-    past every row (TMA reads zeros there); else (r, r_end) as they are. Returns (r, r_end,
-    whether the tile's expert has rows)."""
-    live = begin < end
-    r_end = tl.where(fresh, tl.where(live, end, zero_row + BK), r_end)
-    r = tl.where(fresh, tl.where(live, begin, zero_row), r)
-    return r, r_end, live
+def expert_rows(row_start_ptr, counts_ptr, expert, BK: tl.constexpr, UPCAST: tl.constexpr,
+                COUNTS: tl.constexpr):  # fmt: skip
+    """The rows [begin, end) of ``expert`` a weight-gradient tile sums, read by
+    :func:`load_scalar`: its padded rows, or with ``COUNTS`` up to its last real row (from
+    ``counts_ptr``) rounded up to the K step, within its padded rows (the padding rows hold
+    zeros, so leaving them out changes no bit)."""
+    begin = load_scalar(row_start_ptr + expert, UPCAST)
+    end = load_scalar(row_start_ptr + expert + 1, UPCAST)
+    if COUNTS:
+        end = tl.minimum(begin + tl.cdiv(load_scalar(counts_ptr + expert, UPCAST), BK) * BK, end)
+    return begin, end
+
+
+@triton.jit
+def tile_steps(row_start_ptr, counts_ptr, expert, BK: tl.constexpr, UPCAST: tl.constexpr,
+               COUNTS: tl.constexpr):  # fmt: skip
+    """The K steps of a weight-gradient tile of ``expert`` (:func:`expert_rows`); an expert
+    without rows takes one step (of zeros)."""
+    begin, end = expert_rows(row_start_ptr, counts_ptr, expert, BK, UPCAST, COUNTS)
+    return tl.maximum(tl.cdiv(end - begin, BK), 1)
+
+
+@triton.jit
+def next_tile_rows(walk, row_start_ptr, counts_ptr, tiles_per_expert, tiles_n, zero_row,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
+                   UPCAST: tl.constexpr, COUNTS: tl.constexpr):  # fmt: skip
+    """The loads' walk of a flattened weight-gradient loop, ``walk`` = (tile, r, r_end, m0, n0,
+    live): the K step at rows r.. of the tile at (m0, n0). When the tile's rows are done it
+    enters the program's next tile, reading the schedule there only (no division or load in
+    the other steps): the rows of its expert (:func:`expert_rows`), or for an expert without
+    rows (``live`` False) one step at ``zero_row``, past every row (TMA reads zeros there)."""
+    tile, r, r_end, m0, n0, live = walk
+    if r >= r_end:
+        tile += NUM_PROGS
+        mb, nb = tile_of(tile % tiles_per_expert, tiles_n)
+        begin, end = expert_rows(
+            row_start_ptr, counts_ptr, tile // tiles_per_expert, BK, UPCAST, COUNTS
+        )
+        live = begin < end
+        r = tl.where(live, begin, zero_row)
+        r_end = tl.where(live, end, zero_row + BK)
+        m0 = mb * BM
+        n0 = nb * BN
+    return tile, r, r_end, m0, n0, live
