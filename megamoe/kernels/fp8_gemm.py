@@ -47,6 +47,7 @@ from .schedule import RowSchedule
 from .tiles import (
     cast,
     load_scalar,
+    next_row_step,
     next_tile_rows,
     program_steps,
     store_gate_up,
@@ -564,6 +565,8 @@ def _fp8_gate_up_kernel(
         pid = tl.program_id(0)
         k_steps = tl.cdiv(K, BK)
         accs = _zeros4(HM, BN)
+        # (the tile from the step index: carrying a walk through the steps, as the grouped
+        # mm does, keeps ptxas from fitting gate/up's four accumulators: 308 B spilled)
         for i in range(tl.cdiv(tl.maximum(num_tiles - pid, 0), NUM_PROGS) * k_steps):
             mb, nb = tile_of(pid + (i // k_steps) * NUM_PROGS, tiles_n)
             kb = i % k_steps
@@ -665,25 +668,33 @@ def _fp8_grouped_mm_kernel(
         k_steps = tl.cdiv(K, BK)
         acc0 = tl.zeros([HM, BN], dtype=tl.float32)
         acc1 = tl.zeros([HM, BN], dtype=tl.float32)
-        for i in range(tl.cdiv(tl.maximum(num_tiles - pid, 0), NUM_PROGS) * k_steps):
-            mb, nb = tile_of(pid + (i // k_steps) * NUM_PROGS, tiles_n)
-            kb = i % k_steps
-            expert = load_scalar(block_expert_ptr + mb // BLOCK_TILES, UPCAST)
+        walk = (pid - NUM_PROGS, k_steps - 1, 0, 0, 0)  # the loads' (tiles.next_row_step)
+        out_tile = pid  # the stores'
+        out_kb = 0
+        for _ in range(tl.cdiv(tl.maximum(num_tiles - pid, 0), NUM_PROGS) * k_steps):
+            walk = next_row_step(walk, block_expert_ptr, tiles_n, k_steps, BM, BN, BLOCK_TILES,
+                                 NUM_PROGS, UPCAST)  # fmt: skip
+            tile, kb, row, col, expert = walk
             acc0, acc1 = fp8_mm_step(
-                acc0, acc1, pair, expert, mb * BM, nb * BN, kb, scales, HM, BN, BK, SPLIT_M,
-                UPCAST, STRICT,
+                acc0, acc1, pair, expert, row, col, kb, scales, HM, BN, BK, SPLIT_M, UPCAST,
+                STRICT,
             )  # fmt: skip
-            if kb == k_steps - 1:
+            out_kb += 1
+            if out_kb == k_steps:
+                out_mb, out_nb = tile_of(out_tile, tiles_n)
+                out_row = out_mb * BM
                 store_mm(
-                    c_desc, c2_desc, g_desc, u_desc, mb * BM, nb * BN, acc0, SWIGLU_BWD, UPCAST
+                    c_desc, c2_desc, g_desc, u_desc, out_row, out_nb * BN, acc0, SWIGLU_BWD, UPCAST
                 )
                 if SPLIT_M == 2:
                     store_mm(
-                        c_desc, c2_desc, g_desc, u_desc, mb * BM + HM, nb * BN, acc1, SWIGLU_BWD,
-                        UPCAST,
+                        c_desc, c2_desc, g_desc, u_desc, out_row + HM, out_nb * BN, acc1,
+                        SWIGLU_BWD, UPCAST,
                     )  # fmt: skip
                 acc0 = tl.zeros([HM, BN], dtype=tl.float32)
                 acc1 = tl.zeros([HM, BN], dtype=tl.float32)
+                out_tile += NUM_PROGS
+                out_kb = 0
     else:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
             mb, nb = tile_of(tile, tiles_n)

@@ -209,3 +209,23 @@ def next_tile_rows(walk, row_start_ptr, counts_ptr, tiles_per_expert, tiles_n, z
         m0 = mb * BM
         n0 = nb * BN
     return tile, r, r_end, m0, n0, live
+
+
+@triton.jit
+def next_row_step(walk, block_expert_ptr, tiles_n, k_steps, BM: tl.constexpr, BN: tl.constexpr,
+                  BLOCK_TILES: tl.constexpr, NUM_PROGS: tl.constexpr,
+                  UPCAST: tl.constexpr):  # fmt: skip
+    """The loads' walk of a flattened row-block GEMM loop (``walk`` = (tile, kb, row, col,
+    expert): K step kb of the tile at (row, col), whose rows are expert's), one K step on. Past
+    the tile's last step it enters the program's next tile, reading the schedule there only
+    (no division or load in the other steps). Start it at (pid - NUM_PROGS, k_steps - 1, ...)."""
+    tile, kb, row, col, expert = walk
+    kb += 1
+    if kb == k_steps:
+        kb = 0
+        tile += NUM_PROGS
+        mb, nb = tile_of(tile, tiles_n)
+        row = mb * BM
+        col = nb * BN
+        expert = load_scalar(block_expert_ptr + mb // BLOCK_TILES, UPCAST)
+    return tile, kb, row, col, expert
