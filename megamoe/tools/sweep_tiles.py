@@ -67,9 +67,9 @@ _FP8_ROW = [
     # the same with the halves strictly ordered (``strict_order``: the forward down's)
     T(bn=128, bk=128, stages=3, warps=4, bm=128, programs_per_sm=2, split_m=2, strict_order=True),
 ]
-# one loop over all of a program's K steps (``flatten``) in split tiles: gate/up and the weight
-# gradient (3 stages spill 8 B), the one-pair grouped mm (not "pair"; the forward down's spills
-# 164 B unless strictly ordered, the SwiGLU backward's 76-128 B)
+# one loop over all of a program's K steps (``flatten``) in split tiles: gate/up (3 stages spill
+# 8 B), the weight gradient, the one-pair grouped mm (not "pair"; the forward down's spills
+# unless strictly ordered, the SwiGLU backward's 204 B)
 _FP8_FLAT = T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2, flatten=True)
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
