@@ -641,19 +641,21 @@ def test_flattened_loops_have_the_tile_loops_bits(monkeypatch) -> None:
 
     want = gemms()
     assert torch.equal(want["dw"][2], torch.zeros_like(want["dw"][2]))
-    for bn, bm, split in ((32, 32, 2), (16, 16, 1)):
+    base = dict(fp8_gemm.INTERPRETER_TILES)  # (the tile loops: ``flatten`` off)
+    # (the third: two row tiles a 128-row block, so the walks look the expert up by block)
+    for bn, bm, row_bm, split in ((32, 32, 0, 2), (16, 16, 0, 1), (32, 32, 64, 1)):
         tiles = {
             kind: dataclasses.replace(
-                t, bn=bn, bm=bm if kind.startswith("wgrad") else 0, split_m=split
+                t, bn=bn, bm=bm if kind.startswith("wgrad") else row_bm, split_m=split
             )
-            for kind, t in fp8_gemm.INTERPRETER_TILES.items()
+            for kind, t in base.items()
         }
         monkeypatch.setattr(fp8_gemm, "INTERPRETER_TILES", tiles)
         tile_loops = gemms()
         for kind in ("gate_up", "mm", "swiglu_bwd", "wgrad"):
             tiles[kind] = dataclasses.replace(tiles[kind], flatten=True)
         for programs in (None, 1):
-            what = f"{bn} x {bm}, split {split}, {programs} programs"
+            what = f"{bn} x {bm} (rows {row_bm}), split {split}, {programs} programs"
             for name, got in gemms(programs).items():
                 assert not got.isnan().any(), f"{name}: a tile was not written ({what})"
                 assert torch.equal(got, tile_loops[name]), (
