@@ -664,6 +664,30 @@ def test_flattened_loops_have_the_tile_loops_bits(monkeypatch) -> None:
                 assert torch.equal(got, want[name]), f"{name}: tiles changed bits ({what})"
 
 
+def test_flattened_weight_gradient_walks_experts_of_unequal_steps(monkeypatch) -> None:
+    """The flattened weight gradient's two walks (``tiles.next_tile_rows``, ``tile_steps``)
+    over experts of 3, 1, 0 (one step of zeros) and 2 K steps: the tile loop's bits, for one
+    program (every tile in one loop), three and the default grid, every element written."""
+    counts = {0: 300, 1: 40, 3: 150}  # rows per expert: K steps 3, 1, (expert 2: none), 2
+    ids = torch.cat([torch.full((n,), e) for e, n in counts.items()])[:, None]
+    sched = build_row_schedule(ids, E, 128)
+    gen = torch.Generator().manual_seed(12)
+    real = (sched.row_src >= 0)[:, None]
+    a, b = (torch.randn(sched.rows, n, generator=gen) * real for n in (96, 64))
+    operands = (*fp8.quantize_cols(a.to(torch.bfloat16)), *fp8.quantize_cols(b.to(torch.bfloat16)))
+    with poisoned_buffers():
+        want = fp8_gemm.wgrad(*operands, sched)
+    assert torch.equal(want[2], torch.zeros_like(want[2]))
+    tiles = dict(fp8_gemm.INTERPRETER_TILES)
+    tiles["wgrad"] = dataclasses.replace(tiles["wgrad"], flatten=True)
+    monkeypatch.setattr(fp8_gemm, "INTERPRETER_TILES", tiles)
+    for programs in (None, 1, 3):
+        with poisoned_buffers():
+            got = fp8_gemm.wgrad(*operands, sched, programs)
+        assert not got.isnan().any(), f"a tile was not written ({programs} programs)"
+        assert torch.equal(got, want), f"flattening changed bits ({programs} programs)"
+
+
 def test_nan_rows_stay_nan() -> None:
     """A NaN in one activation row makes that row's outputs NaN and no other's."""
     p = make_problem(16, seed=6)

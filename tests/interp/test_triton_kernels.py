@@ -178,7 +178,7 @@ def test_flattened_weight_gradient_keeps_the_bits(monkeypatch) -> None:
     """``GemmTiles.flatten``: the weight gradient as one loop over all of a program's K steps
     (the pipeline runs on from tile to tile) gives the tile loop's bits for any grid (one
     program: every tile in one loop), stops at each expert's last real row as the tile loop
-    does, and writes expert 2 (no rows) as zeros."""
+    does, writes expert 2 (no rows) as zeros, and walks experts of unequal K steps."""
     from megamoe.kernels import gemm
 
     gen = torch.Generator().manual_seed(7)
@@ -203,6 +203,20 @@ def test_flattened_weight_gradient_keeps_the_bits(monkeypatch) -> None:
             got = gemm.wgrad(a, b, sched, programs)
         assert not got.isnan().any(), f"a tile was not written ({programs} programs)"
         assert torch.equal(got, want), f"flattening changed bits ({programs} programs)"
+    # experts of unequal K steps (the walks count each tile's own): 3, 1, 0 and 2 steps of 32
+    ids = torch.cat([torch.full((n,), e) for e, n in ((0, 90), (1, 20), (3, 50))])[:, None]
+    sched = build_row_schedule(ids, 4, 64)
+    real = (sched.row_src >= 0)[:, None]
+    a, b = (torch.randn(sched.rows, n, generator=gen).to(torch.bfloat16) * real for n in (96, 64))
+    monkeypatch.undo()
+    with poisoned_buffers():
+        want = gemm.wgrad(a, b, sched)
+    monkeypatch.setattr(gemm, "INTERPRETER_TILES", tiles)
+    for programs in (None, 1, 3):
+        with poisoned_buffers():
+            got = gemm.wgrad(a, b, sched, programs)
+        assert not got.isnan().any(), f"a tile was not written ({programs} programs, unequal)"
+        assert torch.equal(got, want), f"flattening changed bits ({programs} programs, unequal)"
 
 
 def test_weight_gradient_rule_by_rows_per_expert_keeps_the_bits(monkeypatch) -> None:
