@@ -190,33 +190,36 @@ def test_flattened_weight_gradient_keeps_the_bits(monkeypatch) -> None:
     real = sched.row_src >= 0
     a[~real], b[~real] = 0, 0
     assert int(sched.counts[2]) == 0
-    with poisoned_buffers():
-        want = gemm.wgrad(a, b, sched)
-    assert torch.equal(want[2], torch.zeros_like(want[2]))
-    tiles = {
+    flat = {
         name: dataclasses.replace(t, flatten=True) if name.startswith("wgrad") else t
         for name, t in gemm.INTERPRETER_TILES.items()
     }
-    monkeypatch.setattr(gemm, "INTERPRETER_TILES", tiles)
-    for programs in (None, 1, 3):
+
+    def check(a, b, sched, what: str) -> torch.Tensor:
+        """The tile loop's gradient, after checking the flattened loop's against it."""
         with poisoned_buffers():
-            got = gemm.wgrad(a, b, sched, programs)
-        assert not got.isnan().any(), f"a tile was not written ({programs} programs)"
-        assert torch.equal(got, want), f"flattening changed bits ({programs} programs)"
+            want = gemm.wgrad(a, b, sched)
+        with monkeypatch.context() as patch:
+            patch.setattr(gemm, "INTERPRETER_TILES", flat)
+            for programs in (None, 1, 3):
+                with poisoned_buffers():
+                    got = gemm.wgrad(a, b, sched, programs)
+                assert not got.isnan().any(), (
+                    f"a tile was not written ({programs} programs, {what})"
+                )
+                assert torch.equal(got, want), (
+                    f"flattening changed bits ({programs} programs, {what})"
+                )
+        return want
+
+    want = check(a, b, sched, "random routing")
+    assert torch.equal(want[2], torch.zeros_like(want[2]))
     # experts of unequal K steps (the walks count each tile's own): 3, 1, 0 and 2 steps of 32
     ids = torch.cat([torch.full((n,), e) for e, n in ((0, 90), (1, 20), (3, 50))])[:, None]
     sched = build_row_schedule(ids, 4, 64)
     real = (sched.row_src >= 0)[:, None]
     a, b = (torch.randn(sched.rows, n, generator=gen).to(torch.bfloat16) * real for n in (96, 64))
-    monkeypatch.undo()
-    with poisoned_buffers():
-        want = gemm.wgrad(a, b, sched)
-    monkeypatch.setattr(gemm, "INTERPRETER_TILES", tiles)
-    for programs in (None, 1, 3):
-        with poisoned_buffers():
-            got = gemm.wgrad(a, b, sched, programs)
-        assert not got.isnan().any(), f"a tile was not written ({programs} programs, unequal)"
-        assert torch.equal(got, want), f"flattening changed bits ({programs} programs, unequal)"
+    check(a, b, sched, "unequal steps")
 
 
 def test_weight_gradient_rule_by_rows_per_expert_keeps_the_bits(monkeypatch) -> None:
