@@ -900,12 +900,20 @@ def _interleaved_ms(calls: dict, rounds: int, warmup: int = 3) -> dict[str, floa
 
 def _run_shape(shape: tuple, seed: int, variants: list[Variant], args, failures: list[str]):
     """One shape: every kernel's output checked, then all of them timed round robin."""
-    from megamoe.kernels import fp8_gemm
+    from megamoe.kernels import fp8_gemm, fp8_ws
 
     label, experts, per_expert, n, k = shape
     a, a_scale, w, sched, tokens = _problem(experts, per_expert, n, k, seed)
     used = int(sched.num_blocks.item()) * sched.block_rows
     calls = {"triton": lambda: fp8_gemm.grouped_mm(a, a_scale, w, sched)}
+
+    def library():  # the library's warp-specialized kernel (fp8_ws), 4 stages
+        out = torch.empty((a.shape[0], n), dtype=torch.bfloat16, device=a.device)
+        wb, w_rows = weight_2d(w.q)
+        fp8_ws.launch_grouped_mm(a, a_scale, wb, w.scale, w_rows, sched, out, 4)
+        return out
+
+    calls["fp8_ws:4"] = library
     for v in variants:
         calls[v.name] = lambda v=v: gluon_grouped_mm(a, a_scale, w, sched, variant=v)
     ceilings = {v.name for v in variants if v.ceiling}

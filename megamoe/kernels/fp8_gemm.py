@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_ws
 from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
 from .gemm import GemmTiles, row_tile, weight_2d
 from .runtime import descriptor, empty, interpreting, launch_grid
@@ -988,9 +989,22 @@ def _mm_launch(
     q, s = _check_weight(names[1], w, sched.num_experts, k, transposed)
     n = q.shape[1]
     t = tiles_for(kind)
+    wb, w_rows = weight_2d(q)
+    shape = (2 if gu is not None else 1, rows, n)
+    if out is None:
+        out = empty(shape, out_dtype, a.device)
+    elif tuple(out.shape) != shape or not out.is_contiguous() or not out.is_floating_point():
+        raise ValueError(
+            f"out must be a contiguous floating {list(shape)} tensor, got {out.dtype} "
+            f"{list(out.shape)} strides {out.stride()}"
+        )
+    outs = list(out)
+    ws = t.warp_specialized and a2 is None and gu is None and out.dtype == torch.bfloat16
+    if ws and fp8_ws.supported(a.device, sched.block_rows):
+        fp8_ws.launch_grouped_mm(a, a_scale, wb, s, w_rows, sched, outs[0], t.stages, programs)
+        return outs
     bm, block_tiles = row_tile(t, sched.block_rows)
     hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
-    wb, w_rows = weight_2d(q)
     a_desc = descriptor(a, [hm, t.bk])
     b_desc = descriptor(wb, [t.bn, t.bk])
     a2_desc, a2_s, b2_desc, s2, w2_rows = a_desc, a_scale, b_desc, s, w_rows
@@ -1004,15 +1018,6 @@ def _mm_launch(
         wb2, w2_rows = weight_2d(q2)
         a2_desc, b2_desc = descriptor(a2_q, [hm, t.bk]), descriptor(wb2, [t.bn, t.bk])
         a2_s, s2 = _like(a2_scale, a_scale), _like(s2, s)
-    shape = (2 if gu is not None else 1, rows, n)
-    if out is None:
-        out = empty(shape, out_dtype, a.device)
-    elif tuple(out.shape) != shape or not out.is_contiguous() or not out.is_floating_point():
-        raise ValueError(
-            f"out must be a contiguous floating {list(shape)} tensor, got {out.dtype} "
-            f"{list(out.shape)} strides {out.stride()}"
-        )
-    outs = list(out)
     c_descs = [descriptor(o, [hm, t.bn]) for o in outs]
     if gu is not None:
         for name, x in zip(("g", "u"), gu):

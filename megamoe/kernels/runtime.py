@@ -19,6 +19,7 @@ __all__ = [
     "persistent_programs",
     "launch_grid",
     "assume_programs",
+    "compiling_for_hopper",
     "descriptor",
     "empty",
     "check_out",
@@ -57,6 +58,12 @@ def assume_programs(programs: int) -> Iterator[None]:
         yield
     finally:
         _ASSUMED_PROGRAMS = old
+
+
+def compiling_for_hopper() -> bool:
+    """True inside :func:`assume_programs` outside the interpreter: launches are recorded for
+    an sm_90a compile (``megamoe.tools.compile_check``), so Hopper-only kernels are chosen."""
+    return _ASSUMED_PROGRAMS is not None and not interpreting()
 
 
 def persistent_programs(device: torch.device) -> int:

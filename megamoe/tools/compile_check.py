@@ -295,7 +295,10 @@ def compile_launch(launch: Launch, keep_ptx: bool = False) -> dict:
         for k, v in launch.options.items()
         if k in ("num_warps", "num_stages", "num_ctas", "maxnreg")
     }
-    src = ASTSource(launch.fn, launch.signature, constexprs=launch.constexprs, attrs=launch.attrs)
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    source = GluonASTSource if launch.fn.is_gluon() else ASTSource
+    src = source(launch.fn, launch.signature, constexprs=launch.constexprs, attrs=launch.attrs)
     kernel = triton_compile(src, target=HOPPER, options=options)
     ptx = kernel.asm["ptx"]
     out = dict(

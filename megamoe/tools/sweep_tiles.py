@@ -28,7 +28,7 @@ import torch
 from ..kernels.gemm import GemmTiles
 from .bench_kernels import KERNELS, _flops, _gpu_name, event_times_ms, gemm_shapes, kernel_calls
 
-__all__ = ["CANDIDATES", "TILE_KIND", "sweep_tiles", "fits_shared_memory"]
+__all__ = ["CANDIDATES", "TILE_KIND", "WARP_SPECIALIZED", "sweep_tiles", "fits_shared_memory"]
 
 # The tile table entry each kernel of the bench reads (fp8's dgrad of gate/up has its own:
 # ``FP8_TILE_KIND``).
@@ -71,6 +71,9 @@ _FP8_ROW = [
 # 8 B), the weight gradient, the one-pair grouped mm (not "pair"; the forward down's spills
 # unless strictly ordered, the SwiGLU backward's 204 B)
 _FP8_FLAT = T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2, flatten=True)
+# the forward down as a warp-specialized Gluon kernel (``fp8_ws``: a producer warp, two consumer
+# warpgroups, 128 x 128 tiles, one CTA per SM)
+WARP_SPECIALIZED = T(bm=128, bn=128, bk=128, stages=4, warps=4, warp_specialized=True)
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
     T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2),
@@ -115,7 +118,9 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             dataclasses.replace(_FP8_FLAT, bn=64, stages=3),
             dataclasses.replace(_FP8_FLAT, bn=64),
         ],
-        "mm": _FP8_ROW + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)],
+        "mm": _FP8_ROW
+        + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
+        + [dataclasses.replace(WARP_SPECIALIZED, stages=n) for n in (4, 5, 3)],
         "pair": _FP8_ROW,
         "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
         "wgrad": [

@@ -71,14 +71,21 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     step(7168, 2048, 32, 512, 8, 128)
     label[0] = "gpt-oss (partial K blocks)"
     step(2880, 2880, 32, 512, 4, 128)
-    label[0] = "dsv3, whole 64-row tiles"
     default_tiles = dict(fp8_gemm.GPU_TILES)
+    fp8_gemm.GPU_TILES["mm"] = sweep_tiles.WARP_SPECIALIZED
+    for name, (h, i, top_k) in (("dsv3", (7168, 2048, 8)), ("gpt-oss", (2880, 2880, 4))):
+        label[0] = f"{name}, warp-specialized forward down"
+        s = build_row_schedule(torch.empty((512, top_k), dtype=torch.int64, device="meta"), 32, 128)
+        w_down = fp8.quantize_weight(meta(32, h, i))
+        fp8_gemm.grouped_mm(*fp8.quantize_rows(meta(s.rows, i)), w_down, s)
+    label[0] = "dsv3, whole 64-row tiles"
     fp8_gemm.GPU_TILES.update(unsplit(default_tiles))
     step(7168, 2048, 32, 512, 8, 128)
     fp8_gemm.GPU_TILES.update(default_tiles)
 reports = []
 for launch in launches:
-    fp8_kernel = launch.fn.fn.__module__ in ("megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm")
+    fp8_kernel = launch.fn.fn.__module__ in (
+        "megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm", "megamoe.kernels.fp8_ws")
     if not fp8_kernel and launch.fn.fn.__name__ != "_route_grad_kernel":
         continue  # the row schedule's kernels (tests/compile/test_kernels_sm90a.py)
     r = compile_launch(launch, keep_ptx=True)
@@ -104,7 +111,8 @@ QUANTIZERS = (
     "_quantize_rows_cols_kernel",
     "_quantize_weight_kernel",
 )
-GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel")
+WARP_SPECIALIZED = "_ws_grouped_mm_kernel"  # (fp8_ws, Gluon)
+GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel", WARP_SPECIALIZED)
 ROUTE_GRAD = "_route_grad_kernel"  # its packed-rows variant (the fp8 backward's dy)
 
 

@@ -1,0 +1,288 @@
+"""Warp-specialized block-scaled FP8 grouped GEMM for Hopper (Gluon): the forward down.
+
+Why: ``fp8_gemm``'s Triton kernels promote each 128-deep K step's fp32 partial product on the
+CUDA cores, and within one warpgroup the tensor cores idle while it waits for its MMAs and
+promotes; two programs per SM hide part of that. Here the work of a CTA is split the way
+DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
+
+  * one producer warp streams each K step's A and B tiles into a ring of ``stages``
+    shared-memory slots with TMA ("ready" barriers completed by the copies, "free" barriers
+    released by the consumers);
+  * two consumer warpgroups each own the 64 x 128 fp32 accumulator of one half of a 128 x 128
+    tile (B shared). A consumer issues the step's wgmma (m64n128k32, four along K) into a fresh
+    partial accumulator, waits for it, releases the slot and promotes:
+    ``acc + d * (a_scale * b_scale)[:, None]``. The consumers run independently, so one
+    promotes while the other's MMAs run;
+  * the scales of step k + 1 are loaded during step k into two register sets by step parity
+    (the K loop is unrolled by two), and their product is taken after the step's wait: no
+    instruction before a wgmma issue waits for a global load. (A consumer that multiplied the
+    scales as soon as they were loaded, or copied them into a loop-carried register, waited
+    for the loads before every wgmma: ptxas puts that multiply or copy there.)
+
+Bits: per K step each element's partial product comes from the same four m64n128k32 wgmma
+instructions, in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles,
+and the promotion is the same expression in the same order, so the output is bitwise that of
+``fp8_gemm.grouped_mm`` (the GPU tests compare them). The persistent grid walks the tiles of
+the used row blocks in ``tiles.tile_of``'s order, one CTA per SM.
+
+Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.grouped_mm`` takes this path on
+a Hopper GPU only, when its tiles ask for it (``GemmTiles.warp_specialized``); the CPU tests
+compile it for sm_90a (``megamoe.tools.compile_check``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .fp8 import BLOCK, FP8
+from .runtime import compiling_for_hopper, interpreting, launch_grid
+
+__all__ = ["TILE_ROWS", "TILE_COLS", "SMEM_BYTES", "supported", "launch_grouped_mm"]
+
+HALF_ROWS = gl.constexpr(64)  # rows of one consumer's wgmma tile (m64)
+# one 128-wide weight-scale block: a consumer's columns, the tile's width
+TILE_COLS = gl.constexpr(128)
+TILE_ROWS = 2 * HALF_ROWS.value  # (host) the two consumers' halves
+BK = gl.constexpr(BLOCK)  # the K step: one scale block, the promotion interval
+# Registers per thread (setmaxnreg) of the consumer warpgroups and of the producer warp's
+# warpgroup: 2 * 128 * 232 + 128 * 40 = 64512 of the SM's 65536. The launch asks for their
+# average over the kernel's 12 warps.
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+KERNEL_MAXNREG = 168
+SMEM_BYTES = 227 * 1024  # what one H100/H200 CTA may use
+
+
+def smem_bytes(stages: int) -> int:
+    """The ring (fp8 A and B tiles), the two bf16 staging tiles of the epilogue, the barriers."""
+    step = (TILE_ROWS + TILE_COLS.value) * BLOCK
+    return stages * step + 2 * HALF_ROWS.value * TILE_COLS.value * 2 + 16 * stages
+
+
+@gluon.jit
+def _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr):
+    """(expert, first row, first column) of CTA tile ``tile``: the column is the fast index,
+    the expert that of the tile's row block."""
+    mb = tile // tiles_n
+    expert = gl.load(block_expert_ptr + mb // BLOCK_TILES)
+    return expert, mb * (2 * HALF_ROWS), (tile % tiles_n) * TILE_COLS
+
+
+@gluon.jit
+def _producer(descs, ring, sched, N, K, w_rows, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr):
+    """One warp: every K step of every tile of this CTA, in the consumers' order, into the
+    ring. A slot is refilled once both consumers released it ("free"); its "ready" barrier
+    completes when all of the step's TMA bytes have landed."""
+    a_desc, b_desc = descs
+    a_bufs, b_bufs, ready, free, STAGES = ring
+    block_expert_ptr, num_blocks_ptr = sched
+    STEP_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    tiles_n = gl.cdiv(N, TILE_COLS)
+    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
+    k_steps = gl.cdiv(K, BK)
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
+        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
+        for kb in range(k_steps):
+            slot = it % STAGES
+            # The first pass over the ring waits on phase 1, which a fresh barrier has
+            # completed: the producer runs STAGES steps ahead from the start.
+            mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, STEP_BYTES)
+            for half in gl.static_range(2):
+                tma.async_copy_global_to_shared(
+                    a_desc, [row + half * HALF_ROWS, kb * BK], bar, a_bufs.index(2 * slot + half)
+                )
+            tma.async_copy_global_to_shared(
+                b_desc, [expert * w_rows + col, kb * BK], bar, b_bufs.index(slot)
+            )
+            it += 1
+
+
+@gluon.jit
+def _step_scales(scales, expert, rows, col, kb):
+    """Step ``kb``'s scales of the consumer's rows: a_scale[row, kb] (0 past M) and the
+    weight scale of its 128 columns, b_scale[expert, col // 128, kb]. Columns past N (clipped
+    by the store) read the expert's last scale block. b_scale is loaded per row, masked as
+    a_scale: a scalar (or a row vector ptxas can prove uniform) would live in a uniform
+    register, and ptxas waits for the load where it moves it there, before the next wgmma."""
+    a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk = scales
+    live = rows < M
+    sa = gl.load(a_s_ptr + rows * s_am + kb * s_ak, mask=live, other=0.0)
+    nb = gl.minimum(col // TILE_COLS, gl.cdiv(N, TILE_COLS) - 1)
+    sb = gl.load(b_s_ptr + expert * s_be + nb * s_bn + kb * s_bk + rows * 0, mask=live)
+    return sa, sb
+
+
+@gluon.jit
+def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr):
+    """One K step of a consumer: wait for ring step ``it``, its wgmma into the partial
+    accumulator ``d`` (from zero: ``d``'s values are ignored, its registers reused), the wait,
+    the slot's release, then ``fp8_gemm.fp8_mma``'s promotion. Returns (acc, d)."""
+    a_bufs, b_bufs, ready, free, STAGES = ring
+    slot = it % STAGES
+    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+    b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
+    d = warpgroup_mma(a_bufs.index(2 * slot + HALF), b, d, use_acc=False, is_async=True)
+    d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+    # Both wgmma groups have read the slot: hand it back (the compiler syncs the warpgroup
+    # before its one-thread arrive).
+    mbarrier.arrive(free.index(slot), count=1)
+    sa, sb = scale
+    return acc + d * (sa * sb)[:, None], d
+
+
+@gluon.jit
+def _consumer(
+    c_desc, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr,
+    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA."""
+    block_expert_ptr, num_blocks_ptr = sched
+    # wgmma m64n128k32 over one warpgroup (4 warps along M), the instruction fp8_gemm's 64-row
+    # tiles get
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_COLS, 32]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    c_smem = c_bufs.index(HALF)
+    tiles_n = gl.cdiv(N, TILE_COLS)
+    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
+    k_steps = gl.cdiv(K, BK)
+    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, acc_layout)
+    d = zero
+    it = 0  # ring steps consumed so far (the producer counts the same)
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
+        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
+        row += HALF * HALF_ROWS
+        rows = row + gl.arange(0, HALF_ROWS, layout=row_layout)
+        acc = zero
+        scale0 = _step_scales(scales, expert, rows, col, 0)
+        for kb in range(0, k_steps - 1, 2):
+            scale1 = _step_scales(scales, expert, rows, col, kb + 1)
+            acc, d = _k_step(acc, d, scale0, ring, it, HALF)
+            scale0 = _step_scales(scales, expert, rows, col, gl.minimum(kb + 2, k_steps - 1))
+            acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF)
+            it += 2
+        if k_steps % 2:
+            acc, d = _k_step(acc, d, scale0, ring, it, HALF)
+            it += 1
+        # Epilogue: bf16 through this warpgroup's staging tile, one TMA store (clipped at the
+        # tensor's edges) once the previous tile's store has read the staging tile.
+        tma.store_wait(pendings=0)
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [row, col], c_smem)
+    tma.store_wait(pendings=0)
+
+
+# Not specialized: an int argument equal to 1 (a unit stride) would become a plain Python int,
+# which cannot be handed to a worker partition.
+@gluon.jit(do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"])
+def _ws_grouped_mm_kernel(
+    a_desc, a_s_ptr, b_desc, b_s_ptr, c_desc,  # operands, scales, output
+    block_expert_ptr, num_blocks_ptr,  # the row schedule
+    M, N, K, w_rows,
+    s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
+    STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+):  # fmt: skip
+    a_bufs = gl.allocate_shared_memory(
+        a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout
+    )
+    b_bufs = gl.allocate_shared_memory(
+        b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout
+    )
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA adds the bytes
+        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    ring = (a_bufs, b_bufs, ready, free, STAGES)
+    scales = (a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk)
+    sched = (block_expert_ptr, num_blocks_ptr)
+    gl.warp_specialize(
+        [
+            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 0, BLOCK_TILES, NUM_PROGS)),
+            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 1, BLOCK_TILES, NUM_PROGS)),
+            (_producer, ((a_desc, b_desc), ring, sched, N, K, w_rows, BLOCK_TILES, NUM_PROGS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+def supported(device: torch.device, block_rows: int) -> bool:
+    """Whether this kernel can run here: on a Hopper GPU (or in an sm_90a compile check), not
+    in the interpreter, with 128-row tiles inside each row block. (``fp8_gemm`` has checked
+    the operands' sizes: N % 8, K % 16.)"""
+    if compiling_for_hopper():
+        hopper = True
+    elif interpreting() or device.type != "cuda":
+        hopper = False
+    else:
+        hopper = torch.cuda.get_device_capability(device) == (9, 0)
+    return hopper and block_rows % TILE_ROWS == 0
+
+
+def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of ``block`` boxes in the swizzled shared layout wgmma reads."""
+    dtype = gl.float8e4nv if t.dtype == FP8 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def launch_grouped_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    wb: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_rows: int,
+    sched,
+    out: torch.Tensor,
+    stages: int,
+    programs: int | None = None,
+) -> None:
+    """out[r] = a[r] @ W[e(r)]^T for the used row blocks of ``sched``; ``wb`` is the weights'
+    2-D view (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``). The arguments are
+    ``fp8_gemm.grouped_mm``'s, checked there."""
+    rows, k = a.shape
+    n = out.shape[1]
+    if smem_bytes(stages) > SMEM_BYTES:
+        raise ValueError(f"stages = {stages} needs {smem_bytes(stages)} B of shared memory")
+    block_tiles = sched.block_rows // TILE_ROWS
+    work = sched.max_blocks * block_tiles * triton.cdiv(n, TILE_COLS.value)
+    grid = launch_grid(work, a.device, programs)
+    _ws_grouped_mm_kernel[grid](
+        _nvmma(a, [HALF_ROWS.value, BLOCK]),
+        a_scale,
+        _nvmma(wb, [TILE_COLS.value, BLOCK]),
+        w_scale,
+        _nvmma(out, [HALF_ROWS.value, TILE_COLS.value]),
+        sched.block_expert,
+        sched.num_blocks,
+        rows,
+        n,
+        k,
+        w_rows,
+        *a_scale.stride(),
+        *w_scale.stride(),
+        STAGES=stages,
+        BLOCK_TILES=block_tiles,
+        NUM_PROGS=grid[0],
+        num_warps=4,
+        maxnreg=KERNEL_MAXNREG,
+    )
