@@ -105,3 +105,47 @@ def test_cuda_graph_quantizes_the_current_weights() -> None:
     fp8_weights.clear()
     eager = step()  # quantizes the updated weights afresh
     assert torch.equal(static_y, eager), "the replay used stale quantized weights"
+
+
+@pytest.mark.parametrize("h, i, experts", [(7168, 2048, 8), (2880, 2880, 5), (2048, 768, 6)])
+@pytest.mark.parametrize("programs", [None, 7])
+def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
+    monkeypatch, h: int, i: int, experts: int, programs: int | None
+) -> None:
+    """``fp8_ws``'s Gluon kernel (tiles ``warp_specialized``) against the Triton kernel on
+    the forward down: every written row bitwise, on a poisoned output, with an expert of no
+    rows, K steps odd (2880) and even, a partial last column tile (N 2880), the whole grid and
+    7 CTAs of several tiles each; and both within bf16 rounding of the float64 product of the
+    quantized operands."""
+    from megamoe.kernels import fp8, fp8_gemm
+    from megamoe.kernels.schedule import build_row_schedule
+    from megamoe.tools.sweep_tiles import WARP_SPECIALIZED
+
+    gen = torch.Generator(device=DEV).manual_seed(h + i + experts)
+    tokens, top_k = 1500, 2
+    # expert 1 gets no rows; the others uneven loads
+    choice = torch.tensor([e for e in range(experts) if e != 1], device=DEV)
+    ids = choice[torch.randint(0, len(choice), (tokens, top_k), device=DEV, generator=gen)]
+    sched = build_row_schedule(ids, experts, 128)
+    used = int(sched.num_blocks.item()) * 128
+    real = (sched.row_src >= 0).to(torch.bfloat16)[:, None]
+    hh = torch.randn(sched.rows, i, device=DEV, generator=gen).to(torch.bfloat16) * real
+    wd = torch.randn(experts, h, i, device=DEV, generator=gen) / i**0.5
+    w_down = fp8.quantize_weight(wd.to(torch.bfloat16))
+    a, a_scale = fp8.quantize_rows(hh)
+    with poisoned_buffers():
+        triton_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
+        monkeypatch.setitem(fp8_gemm.GPU_TILES, "mm", WARP_SPECIALIZED)
+        ws_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
+    assert not ws_z[:used].isnan().any(), "rows the kernel did not write"
+    assert torch.equal(ws_z[:used], triton_z[:used]), "not the Triton kernel's bits"
+    # float64 of the quantized operands for the first and last expert with rows
+    a64 = fp8.dequantize_rows(a, a_scale).double()
+    s = w_down.scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    w64 = w_down.q.double() * s[:, :h, :i]
+    row_expert = sched.block_expert[: used // 128].long().repeat_interleave(128)
+    for e in (0, experts - 1):
+        rows = (row_expert == e).nonzero().squeeze(1)
+        ref = a64[rows] @ w64[e].T
+        err = (ws_z[rows].double() - ref).norm() / ref.norm()
+        assert err <= 3e-3, f"expert {e}: relative error {err:.3g} from float64"
