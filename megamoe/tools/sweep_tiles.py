@@ -238,8 +238,9 @@ def sweep_tiles(
     only: str | None = None,
 ) -> list[dict]:
     """The records of the module docstring at each shape of ``models`` with ``tokens`` tokens;
-    ``only`` (a ``GemmTiles`` field: "split_m", "flatten" or "strict_order"): of the candidates
-    only those that set it (split_m > 1, the others True) beside the default."""
+    ``only`` (a ``GemmTiles`` field: "split_m", "flatten", "strict_order" or
+    "warp_specialized"): of the candidates only those that set it (split_m > 1, the others
+    True) beside the default."""
     from ..kernels import fp8_gemm, gemm
 
     modules = {"bf16": gemm, "fp8": fp8_gemm}
@@ -324,7 +325,7 @@ def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int)
 
 _KERNEL_OF_TILE_KIND = {
     "gate_up": ("_gate_up_kernel", "_fp8_gate_up_kernel"),
-    "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
+    "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "pair": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the records as JSON here")
     parser.add_argument(
         "--only",
-        choices=["split_m", "flatten", "strict_order"],
+        choices=["split_m", "flatten", "strict_order", "warp_specialized"],
         help="of the candidates time only those that set this field (split_m: > 1)",
     )
     parser.add_argument(
