@@ -189,6 +189,20 @@ def _fp8_step(cfg, tokens: int) -> None:
     fp8.quantize_rows_cols(_meta(s.rows, h), pad_to=16)
 
 
+def _fp8_warp_specialized_step(cfg, tokens: int) -> None:
+    """``_fp8_step`` with the forward down on the warp-specialized kernel (``fp8_ws``), a tile
+    option the sweep may pick."""
+    from ..kernels import fp8_gemm
+    from .sweep_tiles import WARP_SPECIALIZED
+
+    old = fp8_gemm.GPU_TILES["mm"]
+    fp8_gemm.GPU_TILES["mm"] = WARP_SPECIALIZED
+    try:
+        _fp8_step(cfg, tokens)
+    finally:
+        fp8_gemm.GPU_TILES["mm"] = old
+
+
 def scenarios() -> list[tuple[str, Callable[[], None]]]:
     """(label, run) of every scenario recorded: dsv3's layer (and an odd row width) through
     each backend and the tunables that change the fused kernel's code."""
@@ -231,6 +245,10 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
         ("triton dsv3 W=8 (rank 0), capacity 2", lambda: _ep_step(ep, tokens, 8)),
         ("scaled pull", lambda: _comm_extras(tokens, cfg.hidden_size, cfg.top_k, 2)),
         ("fp8 dsv3 W=1 (kernels only)", lambda: _fp8_step(cfg, tokens)),
+        (
+            "fp8 dsv3 W=1 (kernels only), warp-specialized forward down",
+            lambda: _fp8_warp_specialized_step(cfg, tokens),
+        ),
         (
             "triton fp8 dsv3 W=1",
             lambda: _train_step(unfused, cfg.replace(precision="fp8"), tokens - 7),
