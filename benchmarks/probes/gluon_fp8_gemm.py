@@ -1,52 +1,26 @@
-"""Probe: a warp-specialized Gluon kernel for the block-scaled FP8 forward ``grouped_mm``.
+"""Probe: variants of the warp-specialized Gluon kernel of the fp8 forward ``grouped_mm``.
 
-Why: ``megamoe.kernels.fp8_gemm`` (plain Triton) promotes every 128-deep K step's fp32 partial
-product on the CUDA cores (``acc += dot(a_q, b_q) * (a_scale * b_scale)``). Triton has to wait
-for the step's wgmma group before that FMA pass, so within one program the tensor cores idle
-during every promotion; at DeepSeek-V3's shapes the kernels reach 585-757 TFLOP/s on an H200.
-This kernel splits the work across warps the way DeepGEMM does, so that one warpgroup's
-promotion overlaps another's MMAs:
+``megamoe.kernels.fp8_ws`` (the library's kernel; its docstring has the design) splits a CTA
+into one TMA producer warp and two consumer warpgroups, each promoting its 64 x 128 partial
+products while the other's wgmma runs. This probe times it beside ``fp8_gemm.grouped_mm``
+(the Triton kernel) and beside variants of its consumers, built from the same producer and
+scale loads:
 
-  * one producer warp streams the K steps' A and B tiles into a ring of ``stages`` shared-memory
-    slots with TMA (each slot: a "ready" mbarrier the TMA completes, a "free" mbarrier the
-    consumers release);
-  * two consumer warpgroups each own a 64x128 fp32 accumulator of the CTA's tile: the two
-    64-row halves of a 128x128 tile (``128x128``, A 128 rows, B shared) or the two 128-column
-    halves of a 64x256 tile (``64x256``, A shared). For every K step a consumer issues the
-    step's async wgmma (m64n128k32, x4 along K) into a fresh partial accumulator, waits for
-    it, releases the slot and promotes: ``acc + d * (a_scale[:, None] * b_scale)``. The two
-    warpgroups run independently, so while one promotes the other's wgmma runs;
-  * the scales of step k+1 are loaded during step k, into two register sets by step parity,
-    and their product is taken after the step's wgmma wait. (The first version took the
-    product at load time: ptxas placed that multiply, and so a wait for the global loads,
-    just before the next wgmma issue, so every K step paid the loads' latency; ``early``
-    variants keep that order to time against. Issuing step k+1's wgmma before promoting step
-    k, a second partial accumulator in flight, made ptxas serialize the wgmmas (C7515) and
-    spill, and was dropped.) ``ceiling`` variants leave the scales out, to time the
-    pipeline alone;
-  * with ``pingpong`` the two consumers take turns at the tensor cores. On the first H200 run
-    the plain variant reached only 1.02x grouped_mm at K 7168: both consumers wait on the same
-    "ready" barrier, issue together and promote together, so the tensor cores idle during
-    every promotion. Two more mbarriers (``turn``) hand the right to issue the next wgmma from
-    consumer 0 to consumer 1 and back, right after each issue: consumer 1 issues step k after
-    consumer 0 issued step k, consumer 0 step k+1 after consumer 1 issued step k. The
-    tensor cores then run 0:k, 1:k, 0:k+1, ... back to back, each consumer promoting (and
-    storing a finished tile) while the other's wgmma runs. Per element nothing changes.
-    (A "true" ping-pong, each consumer on its own 128x128 tile, does not fit: a 128x128 fp32
-    accumulator plus its partial product is 256 registers a thread, over the 232 a consumer
-    warpgroup gets, and issuing the two m64 halves one after the other would serialize the
-    consumer again.)
+  * ``early``: the scales' product taken as soon as they are loaded, the first version's
+    order. ptxas then placed that multiply, and with it a wait for the global loads, right
+    before the next wgmma issue: every K step paid the loads' latency. (2026-12-02's probe
+    ran this order: 1.02x the Triton kernel on the long-K GEMM, 1.2x on down.)
+  * ``pingpong``: two more mbarriers hand the right to issue the next wgmma from consumer 0
+    to consumer 1 and back, right after each issue, so the tensor cores take 0:k, 1:k, 0:k+1,
+    ... back to back and each consumer promotes while the other's wgmma runs.
+  * ``ceiling``: no block scales; the tensor cores accumulate over all of K (wrong numbers,
+    not checked): the speed of the pipeline alone.
 
-The grid is persistent (one CTA per SM) over the tiles of the used row blocks, exactly the
-row layout of ``megamoe.kernels.schedule.RowSchedule``: row block ``mb`` holds rows of expert
-``block_expert[mb]``, ``num_blocks[0]`` blocks are used, and expert e's weight rows start at
-``e * w_rows`` of the 2-D view ``gemm.weight_2d`` gives (as ``fp8_gemm._mm_launch``).
-
-Numerics: per K step, each element's partial product comes from the same four k32 wgmma
-instructions, in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma`` (whose 64x128
-tiles issue m64n128k32 too), and the promotion is the same expression in the same order; the
-K steps run in order. So the output is meant to be bitwise that of ``fp8_gemm.grouped_mm``
-(the GPU mode checks it with ``torch.equal`` on the written rows).
+Each variant's output is compared with the Triton kernel's bits and with float64 on a few
+experts; the plain variant is the library kernel's consumer loop. (Issuing step k+1's wgmma
+before promoting step k, a second partial accumulator in flight, made ptxas serialize the
+wgmmas (C7515) and spill; 64 x 256 tiles, the consumers side by side along N, ran 0.84-0.91x
+the Triton kernel in 2026-12-02's run. Both were dropped.)
 
     # on any machine (no GPU): compile for sm_90a, print registers/spills/smem, check the PTX
     # (wgmma present, no local memory, no spills, no ptxas wgmma-serialization warning)
@@ -54,15 +28,6 @@ K steps run in order. So the output is meant to be bitwise that of ``fp8_gemm.gr
     # on one H200: correctness against grouped_mm and float64, timing, JSON record
     PYTHONPATH=. python benchmarks/probes/gluon_fp8_gemm.py --out gluon_fp8.json
     # fewer variants or shapes: --variants 128x128:4,128x128:4:pingpong --shapes down
-
-Compiling without a GPU: the launch is recorded on meta tensors (``compile_check``'s
-``record_launches``, which binds the arguments as an sm_90a launch would) and compiled with
-``triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))``: Gluon's source class
-in place of ``ASTSource``, the rest of the pipeline (ptxas included) as for the Triton kernels.
-
-Limits (a probe, not a library kernel): forward ``grouped_mm`` only (no two pairs, no SwiGLU
-epilogue), bf16 output, N a multiple of 8, K a multiple of 16, ``block_rows`` a multiple of
-the tile height; the activation scales are read with plain loads (any strides).
 """
 
 from __future__ import annotations
@@ -86,140 +51,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from megamoe.kernels import fp8_ws
 from megamoe.kernels.fp8 import BLOCK, FP8, Fp8Weight
+from megamoe.kernels.fp8_ws import (
+    BK,
+    CONSUMER_REGS,
+    HALF_ROWS,
+    KERNEL_MAXNREG,
+    PRODUCER_REGS,
+    TILE_COLS,
+    _nvmma,
+    _producer,
+    _step_scales,
+    _tile_origin,
+)
 from megamoe.kernels.gemm import weight_2d
-from megamoe.kernels.runtime import empty
+from megamoe.kernels.runtime import empty, launch_grid
 from megamoe.kernels.schedule import RowSchedule
 
-# (constexpr globals: the kernels read them; ``.value`` on the host)
-WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma tile (m64)
-WG_COLS = gl.constexpr(128)  # columns of one consumer's tile: one 128-wide weight-scale block
-BK = gl.constexpr(BLOCK)  # the K step: one scale block, the promotion interval
-# Registers per thread (setmaxnreg) of the consumer warpgroups and of the producer warp's
-# warpgroup: 2 * 128 * 232 + 128 * 40 = 64512 of the SM's 65536.
-CONSUMER_REGS = gl.constexpr(232)
-PRODUCER_REGS = gl.constexpr(40)
-KERNEL_MAXNREG = 168  # the average over the 12 warps (3 warpgroups) the kernel launches
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 CTA may use
+SMEM_LIMIT = fp8_ws.SMEM_BYTES
 H200_SMS = 132
-
 
 # ------------------------------------------------------------------------------------ kernel
 
 
 @gluon.jit
-def _tile_origin(
-    tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr
-):
-    """(expert, first row, first column) of CTA tile ``tile``: the column is the fast index
-    (``tiles.tile_of``), the expert that of the tile's row block."""
-    mb = tile // tiles_n
-    nb = tile % tiles_n
-    expert = gl.load(block_expert_ptr + mb // BLOCK_TILES)
-    return expert, mb * BM, nb * BN
-
-
-@gluon.jit
-def _producer(
-    a_desc,
-    b_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    free,
-    block_expert_ptr,
-    num_blocks_ptr,
-    N,
-    K,
-    w_rows,
-    SPLIT_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
-):
-    """One warp: every K step of every tile of this CTA, in the consumers' order, into the
-    ring. A slot is refilled once both consumers released it ("free"); its "ready" barrier
-    completes when all of the step's TMA bytes have landed."""
-    NA: gl.constexpr = 1 if SPLIT_N else 2  # 64-row A boxes per step
-    NB: gl.constexpr = 2 if SPLIT_N else 1  # 128-row B boxes per step
-    BM: gl.constexpr = WG_ROWS * NA
-    BN: gl.constexpr = WG_COLS * NB
-    STEP_BYTES: gl.constexpr = NA * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
-    tiles_n = gl.cdiv(N, BN)
-    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
-    k_steps = gl.cdiv(K, BK)
-    it = 0
-    for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES, BM, BN)
-        w_row = expert * w_rows + col
-        for kb in range(k_steps):
-            slot = it % STAGES
-            # The first pass over the ring waits on phase 1, which a fresh barrier has
-            # completed: the producer runs STAGES steps ahead from the start.
-            mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, STEP_BYTES)
-            k = kb * BK
-            for i in gl.static_range(NA):
-                tma.async_copy_global_to_shared(
-                    a_desc, [row + i * WG_ROWS, k], bar, a_bufs.index(slot * NA + i)
-                )
-            for j in gl.static_range(NB):
-                tma.async_copy_global_to_shared(
-                    b_desc, [w_row + j * WG_COLS, k], bar, b_bufs.index(slot * NB + j)
-                )
-            it += 1
-
-
-@gluon.jit
-def _step_scales(scales, expert, rows, col, kb):
-    """The K step's scales of the consumer's rows: a_scale[row, kb] (0 past M) and the one
-    weight scale of its 128 columns, b_scale[expert, col // 128, kb] (``scales``: the pointers,
-    M, N and the strides). A tile's columns past N (clipped by the store) read the expert's
-    last scale block, never another expert's or past the tensor. Returned apart: their product
-    is taken after the step's wgmma wait (``_scale_product``), so that no instruction before
-    the wgmma issue waits for these loads."""
-    a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk = scales
-    sa = gl.load(a_s_ptr + rows * s_am + kb * s_ak, mask=rows < M, other=0.0)
-    nb = gl.minimum(col // WG_COLS, gl.cdiv(N, WG_COLS) - 1)
-    # Loaded per row, masked as sa (a product past M is 0 either way): a scalar, or a row
-    # vector ptxas can prove uniform, goes into a uniform register at the loop's back edge,
-    # and ptxas waits for the load there, before the next step's wgmma.
-    sb = gl.load(b_s_ptr + expert * s_be + nb * s_bn + kb * s_bk + rows * 0, mask=rows < M)
-    return sa, sb
-
-
-@gluon.jit
-def _issue(
-    a_bufs,
-    b_bufs,
-    ready,
-    it,
-    regs,
-    STAGES: gl.constexpr,
-    NA: gl.constexpr,
-    NB: gl.constexpr,
-    A_SUB: gl.constexpr,
-    B_SUB: gl.constexpr,
-    USE_ACC: gl.constexpr = False,
-):
-    """Wait for ring step ``it`` to land and issue its async wgmma (m64n128k32, four along K)
-    into a partial accumulator that starts from zero (``use_acc=False``: the values of
-    ``regs``, whose registers it takes, are ignored; ``ceiling`` variants add to them)."""
-    slot = it % STAGES
-    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-    a = a_bufs.index(slot * NA + A_SUB)
-    b = b_bufs.index(slot * NB + B_SUB).permute((1, 0))  # [128 N, 128 K] viewed K-major
-    return warpgroup_mma(a, b, regs, use_acc=USE_ACC, is_async=True)
-
-
-@gluon.jit
 def _early(scale, EARLY: gl.constexpr):
-    """(``early`` variants) the scales' product taken as soon as they are loaded, as the first
-    version of this kernel did: ptxas then placed that multiply, and so a wait for the loads,
-    before the next step's wgmma issue."""
+    """(``early``) the scales' product taken at once, where they are loaded."""
     if EARLY:
         sa, sb = scale
         return sa * sb
@@ -228,144 +87,86 @@ def _early(scale, EARLY: gl.constexpr):
 
 
 @gluon.jit
-def _promote(acc, d, scale, EARLY: gl.constexpr):
-    """fp8_mma's promotion of a step's partial product ``d``: the scales' product first, then
-    one FMA per element (so the bits of ``fp8_gemm.grouped_mm``)."""
+def _k_step(acc, d, scale, ring, turn, it, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+            EARLY: gl.constexpr):  # fmt: skip
+    """``fp8_ws._k_step`` with the variants' options. (pingpong) ``turn[w]`` completes a phase
+    when warpgroup w may issue its next wgmma: warpgroup 0 issues its ring step j after
+    warpgroup 1 issued step j - 1, warpgroup 1 its step j after warpgroup 0 issued step j;
+    ``it`` counts the same ring steps in both, so the j-th wait of turn[0] (parity
+    (j & 1) ^ 1; the first passes on a fresh barrier) meets warpgroup 1's arrival j - 1, the
+    j-th wait of turn[1] (parity j & 1) warpgroup 0's arrival j."""
+    a_bufs, b_bufs, ready, free, STAGES = ring
+    slot = it % STAGES
+    if PINGPONG:
+        mbarrier.wait(turn.index(HALF), (it & 1) ^ (1 - HALF))
+    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+    b = b_bufs.index(slot).permute((1, 0))
+    d = warpgroup_mma(a_bufs.index(2 * slot + HALF), b, d, use_acc=False, is_async=True)
+    if PINGPONG:  # hand the turn over as soon as the wgmma is issued
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+    mbarrier.arrive(free.index(slot), count=1)
     if EARLY:
-        return acc + d * scale[:, None]
+        return acc + d * scale[:, None], d
     else:
         sa, sb = scale
-        return acc + d * (sa * sb)[:, None]
-
-
-@gluon.jit
-def _k_step(
-    acc, ra, scale, ring, it, WG: gl.constexpr, PINGPONG: gl.constexpr, EARLY: gl.constexpr
-):
-    """One K step of a consumer: ring step ``it``'s wgmma into the partial accumulator ``ra``,
-    its wait, the slot's release, the promotion into ``acc``. Returns (acc, ra).
-
-    (pingpong) ``turn``: two mbarriers of one arrival each; ``turn[w]`` completes a phase when
-    warpgroup w may issue its next wgmma. Warpgroup 0 issues its ring step j after warpgroup 1
-    issued step j - 1, warpgroup 1 its step j after warpgroup 0 issued step j, so the tensor
-    cores take the steps' wgmmas in the order 0:j, 1:j, 0:j+1, 1:j+1, ... and each warpgroup's
-    promotion of step j runs while the other's wgmma runs. ``it`` counts the same ring steps
-    in both warpgroups, so the j-th wait of turn[0] (parity (j & 1) ^ 1; the first passes on a
-    fresh barrier) meets warpgroup 1's arrival j - 1, the j-th wait of turn[1] (parity j & 1)
-    warpgroup 0's arrival j."""
-    a_bufs, b_bufs, ready, free, turn, STAGES, NA, NB, A_SUB, B_SUB = ring
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), (it & 1) ^ (1 - WG))
-    pa = _issue(a_bufs, b_bufs, ready, it, ra, STAGES, NA, NB, A_SUB, B_SUB)
-    if PINGPONG:
-        # Hand the turn over as soon as the wgmma is issued (not completed): the other
-        # warpgroup's wgmma queues behind it and runs while this one is promoted.
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-    ra = warpgroup_mma_wait(num_outstanding=0, deps=(pa,))
-    # Both wgmma groups have read the slot: hand it back to the producer (the compiler syncs
-    # the warpgroup before its one-thread arrive).
-    mbarrier.arrive(free.index(it % STAGES), count=1)
-    return _promote(acc, ra, scale, EARLY), ra
+        return acc + d * (sa * sb)[:, None], d
 
 
 @gluon.jit
 def _consumer(
-    c_desc,
-    a_bufs,
-    b_bufs,
-    c_bufs,
-    ready,
-    free,
-    turn,
-    a_s_ptr,
-    b_s_ptr,
-    block_expert_ptr,
-    num_blocks_ptr,
-    M,
-    N,
-    K,
-    s_am,
-    s_ak,
-    s_be,
-    s_bn,
-    s_bk,
-    WG: gl.constexpr,
-    SPLIT_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    EARLY: gl.constexpr,
-    CEILING: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
-):
-    """One warpgroup: the [64, 128] part ``WG`` (0 or 1) of every tile of this CTA.
+    c_desc, c_bufs, ring, turn, scales, sched, N, K, HALF: gl.constexpr,
+    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, PINGPONG: gl.constexpr,
+    EARLY: gl.constexpr, CEILING: gl.constexpr,
+):  # fmt: skip
+    """``fp8_ws._consumer`` with the variants' options.
 
-    (pingpong, ``_k_step``) No deadlock: both warpgroups walk the same tiles with the same K
-    steps, so each makes as many turn waits as the other makes arrivals (none in a CTA without
-    tiles; the count runs across tiles, so an odd tile count changes nothing); warpgroup 0's
-    wait j needs only warpgroup 1's step j - 1 issued, warpgroup 1's wait j only warpgroup 0's
-    step j issued, and a step's issue needs only its ring slot, which the producer fills once
-    both released step j - STAGES: every wait depends only on events earlier in the order 0:0,
-    1:0, 0:1, 1:1, ... (no cycle). Neither barrier gets more than one phase ahead of its waiter
-    (its next phase needs an arrival the waiter makes only after passing its current wait), so
-    no parity wait misses a phase."""
-    NA: gl.constexpr = 1 if SPLIT_N else 2
-    NB: gl.constexpr = 2 if SPLIT_N else 1
-    BM: gl.constexpr = WG_ROWS * NA
-    BN: gl.constexpr = WG_COLS * NB
-    # This warpgroup's A box and B box within a ring slot, and its offset in the CTA tile.
-    A_SUB: gl.constexpr = 0 if SPLIT_N else WG
-    B_SUB: gl.constexpr = WG if SPLIT_N else 0
-    ROW_OFF: gl.constexpr = 0 if SPLIT_N else WG * WG_ROWS
-    COL_OFF: gl.constexpr = WG * WG_COLS if SPLIT_N else 0
-    # wgmma m64n128k32 over one warpgroup (4 warps along M): the instruction fp8_gemm's 64x128
-    # tiles with 4 warps get.
+    (pingpong) No deadlock: both warpgroups walk the same tiles with the same K steps, so each
+    makes as many turn waits as the other makes arrivals; warpgroup 0's wait j needs only
+    warpgroup 1's step j - 1 issued, warpgroup 1's wait j only warpgroup 0's step j issued, and
+    a step's issue needs only its ring slot, which the producer fills once both released step
+    j - STAGES: every wait depends only on earlier events in the order 0:0, 1:0, 0:1, 1:1, ...
+    Neither barrier gets more than one phase ahead of its waiter, so no parity wait misses a
+    phase."""
+    a_bufs, b_bufs, ready, free, STAGES = ring
+    block_expert_ptr, num_blocks_ptr = sched
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WG_COLS, 32]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_COLS, 32]
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    c_smem = c_bufs.index(WG)
-    scales = (a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk)
-    ring = (a_bufs, b_bufs, ready, free, turn, STAGES, NA, NB, A_SUB, B_SUB)
-
-    tiles_n = gl.cdiv(N, BN)
+    c_smem = c_bufs.index(HALF)
+    tiles_n = gl.cdiv(N, TILE_COLS)
     num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     k_steps = gl.cdiv(K, BK)
-    zero = gl.zeros([WG_ROWS, WG_COLS], gl.float32, acc_layout)
-    ra = zero  # the partial accumulator's registers, handed from step to step
-    it = 0  # ring steps consumed so far (the producer counts the same)
+    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, acc_layout)
+    d = zero
+    it = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES, BM, BN)
-        row += ROW_OFF
-        col += COL_OFF
-        rows = row + gl.arange(0, WG_ROWS, layout=row_layout)
+        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
+        row += HALF * HALF_ROWS
+        rows = row + gl.arange(0, HALF_ROWS, layout=row_layout)
         acc = zero
         if CEILING:
-            # No block scales: the tensor cores accumulate over all of K (wrong numbers; the
-            # pipeline's own speed, for timing only).
             for kb in range(k_steps):
-                pa = _issue(a_bufs, b_bufs, ready, it, acc, STAGES, NA, NB, A_SUB, B_SUB, True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(pa,))
-                mbarrier.arrive(free.index(it % STAGES), count=1)
+                slot = it % STAGES
+                mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                b = b_bufs.index(slot).permute((1, 0))
+                acc = warpgroup_mma(a_bufs.index(2 * slot + HALF), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(free.index(slot), count=1)
                 it += 1
         else:
-            # The scales are loaded one step ahead, into two register sets by step parity (the
-            # loop is unrolled by two): a load's destination is read only after the next step's
-            # wgmma, never copied into a loop-carried register before it (such a copy made ptxas
-            # wait for the load between a step's wgmma instructions).
             scale0 = _early(_step_scales(scales, expert, rows, col, 0), EARLY)
             for kb in range(0, k_steps - 1, 2):
                 scale1 = _early(_step_scales(scales, expert, rows, col, kb + 1), EARLY)
-                acc, ra = _k_step(acc, ra, scale0, ring, it, WG, PINGPONG, EARLY)
+                acc, d = _k_step(acc, d, scale0, ring, turn, it, HALF, PINGPONG, EARLY)
                 last = gl.minimum(kb + 2, k_steps - 1)
                 scale0 = _early(_step_scales(scales, expert, rows, col, last), EARLY)
-                acc, ra = _k_step(acc, ra, scale1, ring, it + 1, WG, PINGPONG, EARLY)
+                acc, d = _k_step(acc, d, scale1, ring, turn, it + 1, HALF, PINGPONG, EARLY)
                 it += 2
             if k_steps % 2:
-                acc, ra = _k_step(acc, ra, scale0, ring, it, WG, PINGPONG, EARLY)
+                acc, d = _k_step(acc, d, scale0, ring, turn, it, HALF, PINGPONG, EARLY)
                 it += 1
-        # Epilogue: bf16 through this warpgroup's staging buffer, one TMA store (clipped at
-        # the tensor's edges). The previous tile's store must have read the buffer first.
         tma.store_wait(pendings=0)
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
@@ -373,219 +174,89 @@ def _consumer(
     tma.store_wait(pendings=0)
 
 
-# Not specialized: an int argument equal to 1 (a unit stride) would become a plain Python int,
-# which cannot be handed to a worker partition.
 @gluon.jit(do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"])
-def _gluon_fp8_grouped_mm_kernel(
-    a_desc,
-    a_s_ptr,
-    b_desc,
-    b_s_ptr,
-    c_desc,
-    block_expert_ptr,
-    num_blocks_ptr,
-    M,
-    N,
-    K,
-    w_rows,
-    s_am,
-    s_ak,
-    s_be,
-    s_bn,
-    s_bk,
-    SPLIT_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    EARLY: gl.constexpr,
-    CEILING: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
-):
-    NA: gl.constexpr = 1 if SPLIT_N else 2
-    NB: gl.constexpr = 2 if SPLIT_N else 1
+def _variant_kernel(
+    a_desc, a_s_ptr, b_desc, b_s_ptr, c_desc, block_expert_ptr, num_blocks_ptr,
+    M, N, K, w_rows, s_am, s_ak, s_be, s_bn, s_bk,
+    STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+    PINGPONG: gl.constexpr, EARLY: gl.constexpr, CEILING: gl.constexpr,
+):  # fmt: skip
+    """``fp8_ws._ws_grouped_mm_kernel`` with the variants' consumers (and, for pingpong, the
+    two turn barriers)."""
     a_bufs = gl.allocate_shared_memory(
-        a_desc.dtype, [STAGES * NA] + a_desc.block_type.shape, a_desc.layout
+        a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout
     )
     b_bufs = gl.allocate_shared_memory(
-        b_desc.dtype, [STAGES * NB] + b_desc.block_type.shape, b_desc.layout
+        b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout
     )
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA adds the bytes
-        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
-    if PINGPONG:
-        # turn[w]: warpgroup w may issue its next wgmma (one arrival: the other warpgroup's)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-    else:
-        turn = free  # (not used)
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
-
-    # (The argument tuples are written out: concatenating tuples would unwrap the constexprs,
-    # which a worker partition cannot take as plain Python values.)
+    ring = (a_bufs, b_bufs, ready, free, STAGES)
+    scales = (a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk)
+    sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
-            (
-                _consumer,
-                (
-                    c_desc,
-                    a_bufs,
-                    b_bufs,
-                    c_bufs,
-                    ready,
-                    free,
-                    turn,
-                    a_s_ptr,
-                    b_s_ptr,
-                    block_expert_ptr,
-                    num_blocks_ptr,
-                    M,
-                    N,
-                    K,
-                    s_am,
-                    s_ak,
-                    s_be,
-                    s_bn,
-                    s_bk,
-                    gl.constexpr(0),
-                    SPLIT_N,
-                    STAGES,
-                    EARLY,
-                    CEILING,
-                    PINGPONG,
-                    BLOCK_TILES,
-                    NUM_PROGS,
-                ),
-            ),
-            (
-                _consumer,
-                (
-                    c_desc,
-                    a_bufs,
-                    b_bufs,
-                    c_bufs,
-                    ready,
-                    free,
-                    turn,
-                    a_s_ptr,
-                    b_s_ptr,
-                    block_expert_ptr,
-                    num_blocks_ptr,
-                    M,
-                    N,
-                    K,
-                    s_am,
-                    s_ak,
-                    s_be,
-                    s_bn,
-                    s_bk,
-                    gl.constexpr(1),
-                    SPLIT_N,
-                    STAGES,
-                    EARLY,
-                    CEILING,
-                    PINGPONG,
-                    BLOCK_TILES,
-                    NUM_PROGS,
-                ),
-            ),
-            (
-                _producer,
-                (
-                    a_desc,
-                    b_desc,
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    free,
-                    block_expert_ptr,
-                    num_blocks_ptr,
-                    N,
-                    K,
-                    w_rows,
-                    SPLIT_N,
-                    STAGES,
-                    BLOCK_TILES,
-                    NUM_PROGS,
-                ),
-            ),
+            (_consumer, (c_desc, c_bufs, ring, turn, scales, sched, N, K, 0, BLOCK_TILES,
+                         NUM_PROGS, PINGPONG, EARLY, CEILING)),
+            (_consumer, (c_desc, c_bufs, ring, turn, scales, sched, N, K, 1, BLOCK_TILES,
+                         NUM_PROGS, PINGPONG, EARLY, CEILING)),
+            (_producer, ((a_desc, b_desc), ring, sched, N, K, w_rows, BLOCK_TILES, NUM_PROGS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
-    )
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------- host
-
 
 VARIANT_OPTIONS = ("pingpong", "early", "ceiling")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A tile choice: ``split_n`` puts the two consumers side by side along N (a 64x256 CTA
-    tile, A shared) instead of stacked along M (128x128, B shared); ``stages`` ring slots;
-    ``pingpong`` orders the two consumers' wgmmas (each K step: consumer 0's, then consumer
-    1's, then consumer 0's next) so that one's promotion overlaps the other's wgmma; ``early``
-    takes the scales' product when they are loaded, before the next wgmma issue (the first
-    version's order, kept to time against); ``ceiling`` leaves the block scales out and lets
-    the tensor cores accumulate over all of K: wrong numbers, the pipeline's own speed (timed,
-    not checked)."""
+    """``stages`` ring slots and the options of the module docstring."""
 
-    split_n: bool = False
     stages: int = 4
     pingpong: bool = False
     early: bool = False
     ceiling: bool = False
 
     @property
-    def bm(self) -> int:
-        return WG_ROWS.value * (1 if self.split_n else 2)
-
-    @property
-    def bn(self) -> int:
-        return WG_COLS.value * (2 if self.split_n else 1)
-
-    @property
     def name(self) -> str:
         options = ":pingpong" * self.pingpong + ":early" * self.early
-        options += ":ceiling" * self.ceiling
-        return f"{self.bm}x{self.bn}:{self.stages}{options}"
-
-    def smem_bytes(self) -> int:
-        """The ring (fp8 A and B tiles), the two bf16 staging tiles and the barriers."""
-        step = (self.bm + self.bn) * BK.value
-        barriers = 16 * self.stages + (16 if self.pingpong else 0)
-        return self.stages * step + 2 * WG_ROWS.value * WG_COLS.value * 2 + barriers
+        return f"128x128:{self.stages}{options}" + ":ceiling" * self.ceiling
 
     @staticmethod
     def parse(text: str) -> Variant:
-        """``128x128:4``, ``64x256:3``, ``128x128:4:pingpong``, ``128x128:4:pingpong:early``
-        (tile, stages, options)."""
+        """``128x128:4``, ``128x128:4:pingpong``, ``128x128:4:pingpong:early`` (tile, stages,
+        options)."""
         parts = text.split(":")
         options = set(parts[2:])
-        if parts[0] not in ("128x128", "64x256") or not options <= set(VARIANT_OPTIONS):
+        if parts[0] != "128x128" or not options <= set(VARIANT_OPTIONS):
             raise ValueError(
-                f"variant {text!r}: want 128x128|64x256[:stages], then options out of "
-                f"{VARIANT_OPTIONS}"
+                f"variant {text!r}: want 128x128[:stages], then options out of {VARIANT_OPTIONS}"
             )
         v = Variant(
-            split_n=parts[0] == "64x256",
             stages=int(parts[1]) if len(parts) > 1 else 4,
             pingpong="pingpong" in options,
             early="early" in options,
             ceiling="ceiling" in options,
         )
-        if v.smem_bytes() > SMEM_LIMIT:
-            raise ValueError(f"variant {text!r} needs {v.smem_bytes()} B of shared memory")
+        if fp8_ws.smem_bytes(v.stages) + 16 > SMEM_LIMIT:
+            raise ValueError(f"variant {text!r} needs too much shared memory")
         return v
 
 
-# (The first GPU run's 128x128:6 and 64x256:4 are left out: 128x128:6 was no faster than
-# 128x128:4, 64x256:4 slower. Each order of the scales' product is timed, plain and ping-pong.)
+# (128x128:6 was no faster than 128x128:4 in 2026-12-02's run.) Each order of the scales'
+# product, plain and ping-pong, and the pipeline without scales.
 DEFAULT_VARIANTS = (
     "128x128:4",
     "128x128:4:early",
@@ -593,10 +264,6 @@ DEFAULT_VARIANTS = (
     "128x128:4:pingpong:early",
     "128x128:4:ceiling",
 )
-
-
-def _nvmma(block: list[int], dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
 def gluon_grouped_mm(
@@ -607,10 +274,8 @@ def gluon_grouped_mm(
     variant: Variant = Variant(),
     programs: int | None = None,
 ) -> torch.Tensor:
-    """C[r] = a[r] @ w.q[e(r)]^T in bf16, like ``fp8_gemm.grouped_mm`` (same arguments, same
-    written rows: the used row blocks)."""
-    from megamoe.kernels.runtime import persistent_programs
-
+    """C[r] = a[r] @ w.q[e(r)]^T in bf16 by a variant kernel, like ``fp8_gemm.grouped_mm``
+    (same arguments, same written rows: the used row blocks)."""
     if a.dtype != FP8 or a.dim() != 2 or a.stride(1) != 1 or a.shape[1] % 16:
         raise ValueError(f"a must be float8_e4m3fn [rows, K], K % 16 == 0, got {a.shape}")
     rows, k = a.shape
@@ -620,24 +285,20 @@ def gluon_grouped_mm(
         raise ValueError(f"w.q must be float8_e4m3fn [E, N, {k}], N % 8 == 0, got {q.shape}")
     if list(a_scale.shape) != [rows, triton.cdiv(k, BK.value)]:
         raise ValueError(f"a_scale must be [{rows}, {triton.cdiv(k, BK.value)}]")
-    if sched.block_rows % variant.bm:
-        raise ValueError(f"block_rows {sched.block_rows} is not a multiple of {variant.bm}")
+    if sched.block_rows % fp8_ws.TILE_ROWS:
+        raise ValueError(f"block_rows {sched.block_rows} is not a multiple of 128")
     wb, w_rows = weight_2d(q)
-    a_box, b_box, c_box = [WG_ROWS.value, BK.value], [WG_COLS.value, BK.value], [64, 128]
-    a_desc = TensorDescriptor.from_tensor(a, a_box, _nvmma(a_box, gl.float8e4nv))
-    b_desc = TensorDescriptor.from_tensor(wb, b_box, _nvmma(b_box, gl.float8e4nv))
     out = empty((rows, n), torch.bfloat16, a.device)
-    c_desc = TensorDescriptor.from_tensor(out, c_box, _nvmma(c_box, gl.bfloat16))
-    block_tiles = sched.block_rows // variant.bm
-    work = sched.max_blocks * block_tiles * triton.cdiv(n, variant.bn)
-    sms = persistent_programs(a.device) if programs is None else programs
-    grid = (max(1, min(sms, work)),)
-    _gluon_fp8_grouped_mm_kernel[grid](
-        a_desc,
+    block_tiles = sched.block_rows // fp8_ws.TILE_ROWS
+    grid = launch_grid(
+        sched.max_blocks * block_tiles * triton.cdiv(n, TILE_COLS.value), a.device, programs
+    )
+    _variant_kernel[grid](
+        _nvmma(a, [HALF_ROWS.value, BK.value]),
         a_scale,
-        b_desc,
+        _nvmma(wb, [TILE_COLS.value, BK.value]),
         s,
-        c_desc,
+        _nvmma(out, [HALF_ROWS.value, TILE_COLS.value]),
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -646,13 +307,12 @@ def gluon_grouped_mm(
         w_rows,
         *a_scale.stride(),
         *s.stride(),
-        SPLIT_N=variant.split_n,
         STAGES=variant.stages,
-        EARLY=variant.early,
-        CEILING=variant.ceiling,
-        PINGPONG=variant.pingpong,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
+        PINGPONG=variant.pingpong,
+        EARLY=variant.early,
+        CEILING=variant.ceiling,
         num_warps=4,
         maxnreg=KERNEL_MAXNREG,
     )
