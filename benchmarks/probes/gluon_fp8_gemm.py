@@ -63,6 +63,7 @@ from megamoe.kernels.fp8_ws import (
     TILE_COLS,
     _nvmma,
     _producer,
+    _shared_ring,
     _step_scales,
     _tile_origin,
 )
@@ -183,23 +184,11 @@ def _variant_kernel(
 ):  # fmt: skip
     """``fp8_ws._ws_grouped_mm_kernel`` with the variants' consumers (and, for pingpong, the
     two turn barriers)."""
-    a_bufs = gl.allocate_shared_memory(
-        a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout
-    )
-    b_bufs = gl.allocate_shared_memory(
-        b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout
-    )
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
-    ring = (a_bufs, b_bufs, ready, free, STAGES)
     scales = (a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk)
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(

@@ -188,16 +188,10 @@ def _consumer(
     tma.store_wait(pendings=0)
 
 
-# Not specialized: an int argument equal to 1 (a unit stride) would become a plain Python int,
-# which cannot be handed to a worker partition.
-@gluon.jit(do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"])
-def _ws_grouped_mm_kernel(
-    a_desc, a_s_ptr, b_desc, b_s_ptr, c_desc,  # operands, scales, output
-    block_expert_ptr, num_blocks_ptr,  # the row schedule
-    M, N, K, w_rows,
-    s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
-    STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
-):  # fmt: skip
+@gluon.jit
+def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
+    """The ring's shared memory (per slot: two 64-row A tiles, one B tile, a "ready" and a
+    "free" barrier), initialized, and the two consumers' bf16 staging tiles."""
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout
     )
@@ -211,7 +205,20 @@ def _ws_grouped_mm_kernel(
         mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA adds the bytes
         mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
-    ring = (a_bufs, b_bufs, ready, free, STAGES)
+    return (a_bufs, b_bufs, ready, free, STAGES), c_bufs
+
+
+# Not specialized: an int argument equal to 1 (a unit stride) would become a plain Python int,
+# which cannot be handed to a worker partition.
+@gluon.jit(do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"])
+def _ws_grouped_mm_kernel(
+    a_desc, a_s_ptr, b_desc, b_s_ptr, c_desc,  # operands, scales, output
+    block_expert_ptr, num_blocks_ptr,  # the row schedule
+    M, N, K, w_rows,
+    s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
+    STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+):  # fmt: skip
+    ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
     scales = (a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk)
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
