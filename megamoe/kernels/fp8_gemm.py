@@ -60,6 +60,7 @@ from .tiles import (
 __all__ = [
     "GPU_TILES",
     "INTERPRETER_TILES",
+    "WARP_SPECIALIZED",
     "tiles_for",
     "fp8_mma",
     "fp8_mm_acc",
@@ -86,6 +87,10 @@ __all__ = [
 # split tile spills unless its halves are strictly ordered (``strict_order``), which costs
 # the other split tiles up to 20% but gives it 1.02-1.17x the 64-row tile (2026-12-04).
 _SPLIT = GemmTiles(bm=128, bn=128, bk=BLOCK, stages=3, warps=4, programs_per_sm=2, split_m=2)
+# The forward down as the warp-specialized Gluon kernel (``fp8_ws``: a TMA producer warp, two
+# consumer warpgroups, 128 x 128 tiles, ``stages`` ring slots, one CTA per SM) on Hopper; where
+# it cannot run (the interpreter, other GPUs) the Triton kernel runs these split tiles.
+WARP_SPECIALIZED = dataclasses.replace(_SPLIT, stages=4, strict_order=True, warp_specialized=True)
 GPU_TILES: dict[str, GemmTiles] = {
     "gate_up": dataclasses.replace(_SPLIT, bn=64),  # two accumulators a half
     "mm": dataclasses.replace(_SPLIT, strict_order=True),

@@ -193,10 +193,9 @@ def _fp8_warp_specialized_step(cfg, tokens: int) -> None:
     """``_fp8_step`` with the forward down on the warp-specialized kernel (``fp8_ws``), a tile
     option the sweep may pick."""
     from ..kernels import fp8_gemm
-    from .sweep_tiles import WARP_SPECIALIZED
 
     old = fp8_gemm.GPU_TILES["mm"]
-    fp8_gemm.GPU_TILES["mm"] = WARP_SPECIALIZED
+    fp8_gemm.GPU_TILES["mm"] = fp8_gemm.WARP_SPECIALIZED
     try:
         _fp8_step(cfg, tokens)
     finally:

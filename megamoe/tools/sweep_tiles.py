@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..kernels import fp8_gemm, fp8_ws
 from ..kernels.gemm import GemmTiles
 from .bench_kernels import KERNELS, _flops, _gpu_name, event_times_ms, gemm_shapes, kernel_calls
 
-__all__ = ["CANDIDATES", "TILE_KIND", "WARP_SPECIALIZED", "sweep_tiles", "fits_shared_memory"]
+__all__ = ["CANDIDATES", "TILE_KIND", "sweep_tiles", "fits_shared_memory"]
 
 # The tile table entry each kernel of the bench reads (fp8's dgrad of gate/up has its own:
 # ``FP8_TILE_KIND``).
@@ -71,9 +72,6 @@ _FP8_ROW = [
 # 8 B), the weight gradient, the one-pair grouped mm (not "pair"; the forward down's spills
 # unless strictly ordered, the SwiGLU backward's 204 B)
 _FP8_FLAT = T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2, flatten=True)
-# the forward down as a warp-specialized Gluon kernel (``fp8_ws``: a producer warp, two consumer
-# warpgroups, 128 x 128 tiles, one CTA per SM)
-WARP_SPECIALIZED = T(bm=128, bn=128, bk=128, stages=4, warps=4, warp_specialized=True)
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
     T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2),
@@ -120,7 +118,8 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         ],
         "mm": _FP8_ROW
         + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
-        + [dataclasses.replace(WARP_SPECIALIZED, stages=n) for n in (4, 5, 3)],
+        # the warp-specialized Gluon kernel (``fp8_ws``)
+        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 5, 3)],
         "pair": _FP8_ROW,
         "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
         "wgrad": [
@@ -152,6 +151,8 @@ def fits_shared_memory(tile_kind: str, t: GemmTiles, precision: str, block_rows:
     memory: the operand stages plus one bf16 epilogue tile (Triton reuses it for the others;
     a split tile stores one sub-tile at a time).
     A compile that does not fit fails anyway; this keeps the sweep from compiling it."""
+    if t.warp_specialized:  # (fp8_ws: one CTA per SM)
+        return fp8_ws.smem_bytes(t.stages) + _BLOCK_RESERVED_BYTES <= _SM_SHARED_BYTES
     a_bytes = 1 if precision == "fp8" else 2
     bm = t.bm or block_rows
     b_tiles = 2 if tile_kind == "gate_up" else 1
@@ -241,7 +242,7 @@ def sweep_tiles(
     ``only`` (a ``GemmTiles`` field: "split_m", "flatten", "strict_order" or
     "warp_specialized"): of the candidates only those that set it (split_m > 1, the others
     True) beside the default."""
-    from ..kernels import fp8_gemm, gemm
+    from ..kernels import gemm
 
     modules = {"bf16": gemm, "fp8": fp8_gemm}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -298,7 +299,7 @@ def _sets(t: GemmTiles, field: str) -> bool:
 
 def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int) -> None:
     """Every grouped GEMM of one training step on meta tensors (nothing runs: launches only)."""
-    from ..kernels import fp8, fp8_gemm, gemm
+    from ..kernels import fp8, gemm
     from ..kernels.schedule import build_row_schedule
 
     def meta(*shape: int) -> torch.Tensor:
@@ -341,7 +342,7 @@ def compile_candidates(
     DeepSeek-V3's expert sizes, with their registers, spills and shared memory, so that the
     timed sweep spends no GPU time on tiles that spill or do not fit. Run with
     ``TRITON_INTERPRET`` unset."""
-    from ..kernels import fp8_gemm, gemm
+    from ..kernels import gemm
     from ..kernels.runtime import assume_programs
     from . import compile_check as cc
 

@@ -72,7 +72,7 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     label[0] = "gpt-oss (partial K blocks)"
     step(2880, 2880, 32, 512, 4, 128)
     default_tiles = dict(fp8_gemm.GPU_TILES)
-    fp8_gemm.GPU_TILES["mm"] = sweep_tiles.WARP_SPECIALIZED
+    fp8_gemm.GPU_TILES["mm"] = fp8_gemm.WARP_SPECIALIZED
     for name, (h, i, top_k) in (("dsv3", (7168, 2048, 8)), ("gpt-oss", (2880, 2880, 4))):
         label[0] = f"{name}, warp-specialized forward down"
         s = build_row_schedule(torch.empty((512, top_k), dtype=torch.int64, device="meta"), 32, 128)

@@ -119,7 +119,6 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     quantized operands."""
     from megamoe.kernels import fp8, fp8_gemm
     from megamoe.kernels.schedule import build_row_schedule
-    from megamoe.tools.sweep_tiles import WARP_SPECIALIZED
 
     gen = torch.Generator(device=DEV).manual_seed(h + i + experts)
     tokens, top_k = 1500, 2
@@ -135,7 +134,7 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     a, a_scale = fp8.quantize_rows(hh)
     with poisoned_buffers():
         triton_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
-        monkeypatch.setitem(fp8_gemm.GPU_TILES, "mm", WARP_SPECIALIZED)
+        monkeypatch.setitem(fp8_gemm.GPU_TILES, "mm", fp8_gemm.WARP_SPECIALIZED)
         ws_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
     assert not ws_z[:used].isnan().any(), "rows the kernel did not write"
     assert torch.equal(ws_z[:used], triton_z[:used]), "not the Triton kernel's bits"
