@@ -88,12 +88,17 @@ __all__ = [
 # the other split tiles up to 20% but gives it 1.02-1.17x the 64-row tile (2026-12-04).
 _SPLIT = GemmTiles(bm=128, bn=128, bk=BLOCK, stages=3, warps=4, programs_per_sm=2, split_m=2)
 # The forward down as the warp-specialized Gluon kernel (``fp8_ws``: a TMA producer warp, two
-# consumer warpgroups, 128 x 128 tiles, ``stages`` ring slots, one CTA per SM) on Hopper; where
-# it cannot run (the interpreter, other GPUs) the Triton kernel runs these split tiles.
-WARP_SPECIALIZED = dataclasses.replace(_SPLIT, stages=4, strict_order=True, warp_specialized=True)
+# consumer warpgroups, 128 x 128 tiles, ``stages`` ring slots, one CTA per SM) on Hopper:
+# 1.23-1.42x the split tiles below, same bits (4 stages; 3: 1.18-1.29x, 5: as 4; the model
+# table's first 7 models at 16384 tokens, H100, 2026-12-06). Where it cannot run (the interpreter,
+# other GPUs) the Triton kernel runs the same tile as two strictly ordered halves
+# (``strict_order``), one program per SM (two would not fit its 4 stages).
+WARP_SPECIALIZED = dataclasses.replace(
+    _SPLIT, stages=4, programs_per_sm=1, strict_order=True, warp_specialized=True
+)
 GPU_TILES: dict[str, GemmTiles] = {
     "gate_up": dataclasses.replace(_SPLIT, bn=64),  # two accumulators a half
-    "mm": dataclasses.replace(_SPLIT, strict_order=True),
+    "mm": WARP_SPECIALIZED,
     "pair": _SPLIT,  # the dgrad of gate/up: two (A, W) pairs into one accumulator
     "swiglu_bwd": _SPLIT,
     "wgrad": _SPLIT,

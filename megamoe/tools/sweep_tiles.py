@@ -248,7 +248,15 @@ def sweep_tiles(
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     records = []
     for name, e, rows, h, i in gemm_shapes(models, tokens):
-        calls, sched = kernel_calls(e, rows, h, i, precisions)
+        try:
+            calls, sched = kernel_calls(e, rows, h, i, precisions)
+        except torch.OutOfMemoryError:
+            # all of a model's experts on one GPU may not fit (Kimi-K2's 384 on an H100):
+            # the model is skipped and said so, the others still run
+            torch.cuda.empty_cache()
+            progress(f"{name}: its {e} experts' operands do not fit this GPU's memory; skipped")
+            records.append(dict(shape=name, tokens=tokens, experts=e, skipped="out of memory"))
+            continue
         written = (sched.rows, int(sched.num_blocks.item()) * sched.block_rows)
         for precision in precisions:
             module = modules[precision]
@@ -401,13 +409,16 @@ def _row_kind(launch, precision: str) -> str | None:
 
 def _line(rec: dict) -> str:
     t = rec["tiles"]
-    tiles = (
-        f"{t['bm'] or 'blk'}x{t['bn']}x{t['bk']} s{t['stages']} w{t['warps']}"
-        f" p{t['programs_per_sm']}"
-        + (f" split{t['split_m']}" if t.get("split_m", 1) > 1 else "")
-        + (" strict" if t.get("strict_order") else "")
-        + (" flat" if t.get("flatten") else "")
-    )
+    tiles = f"{t['bm'] or 'blk'}x{t['bn']}x{t['bk']} s{t['stages']}"
+    if t.get("warp_specialized"):  # (its other fields are the Triton fallback's)
+        tiles += " warp-specialized"
+    else:
+        tiles += (
+            f" w{t['warps']} p{t['programs_per_sm']}"
+            + (f" split{t['split_m']}" if t.get("split_m", 1) > 1 else "")
+            + (" strict" if t.get("strict_order") else "")
+            + (" flat" if t.get("flatten") else "")
+        )
     head = f"{rec['shape']:16s} {rec['precision']:4s} {rec['kernel']:14s} {tiles:28s}"
     if "error" in rec:
         return f"{head} ERROR {rec['error'][:90]}"
@@ -456,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
+    skipped = [r["shape"] for r in records if "skipped" in r]
+    if skipped:
+        print(f"skipped (out of memory): {', '.join(skipped)}")
     differ = [r for r in records if r.get("same_bits") is False]
     if differ:
         print(f"{len(differ)} candidates changed bits: a tile choice must not")

@@ -61,7 +61,8 @@ def test_fp8_layer_within_the_recipe_bars_and_reproducible(name: str) -> None:
 def test_fp8_tiles_never_change_bits(monkeypatch, bn: int, row_bm: int, per_sm: int) -> None:
     """The block-scaled GEMMs give the same bits with other tiles than the defaults (narrower
     output tiles, 64-row tiles of one warpgroup instead of the split 128-row ones, one or two
-    programs per SM): each element's K loop, 128 a step, is the same in every tile."""
+    programs per SM, the forward down's Triton kernel instead of the warp-specialized one):
+    each element's K loop, 128 a step, is the same in every tile."""
     import dataclasses
 
     from megamoe.kernels import fp8_gemm
@@ -76,6 +77,7 @@ def test_fp8_tiles_never_change_bits(monkeypatch, bn: int, row_bm: int, per_sm: 
             warps=4 if row_bm == 64 else t.warps,
             programs_per_sm=per_sm,
             split_m=t.split_m if row_bm == 0 else 1,  # (a WGMMA's sub-tile is 64 rows)
+            warp_specialized=False,  # (the forward down's Triton kernel against fp8_ws)
         )
         for kind, t in fp8_gemm.GPU_TILES.items()
     }
@@ -117,6 +119,8 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     rows, K steps odd (2880) and even, a partial last column tile (N 2880), the whole grid and
     7 CTAs of several tiles each; and both within bf16 rounding of the float64 product of the
     quantized operands."""
+    import dataclasses
+
     from megamoe.kernels import fp8, fp8_gemm
     from megamoe.kernels.schedule import build_row_schedule
 
@@ -132,10 +136,12 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     wd = torch.randn(experts, h, i, device=DEV, generator=gen) / i**0.5
     w_down = fp8.quantize_weight(wd.to(torch.bfloat16))
     a, a_scale = fp8.quantize_rows(hh)
+    triton_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, warp_specialized=False)
     with poisoned_buffers():
-        triton_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
         monkeypatch.setitem(fp8_gemm.GPU_TILES, "mm", fp8_gemm.WARP_SPECIALIZED)
         ws_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
+        monkeypatch.setitem(fp8_gemm.GPU_TILES, "mm", triton_tiles)
+        triton_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
     assert not ws_z[:used].isnan().any(), "rows the kernel did not write"
     assert torch.equal(ws_z[:used], triton_z[:used]), "not the Triton kernel's bits"
     # float64 of the quantized operands for the first and last expert with rows

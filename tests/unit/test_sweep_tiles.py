@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,11 +75,35 @@ def test_bits_compare_only_the_rows_the_kernels_write() -> None:
 
 
 def test_lines_name_tiles_and_errors() -> None:
-    base = dict(shape="dsv3", precision="fp8", kernel="down", tiles=vars_of(fp8_gemm, "mm"))
+    strict = dataclasses.replace(fp8_gemm.GPU_TILES["swiglu_bwd"], strict_order=True)
+    base = dict(shape="dsv3", precision="fp8", kernel="down", tiles=dataclasses.asdict(strict))
     ok = sweep_tiles._line(dict(base, ms=1.25, tflops=700.0, vs_default=1.07, same_bits=True))
     assert "128x128x128 s3 w4 p2 split2 strict" in ok and "1.07x" in ok and "same bits" in ok
     bad = sweep_tiles._line(dict(base, error="OutOfResources: shared memory"))
     assert "ERROR OutOfResources" in bad
+    ws = dict(base, tiles=dataclasses.asdict(fp8_gemm.WARP_SPECIALIZED))
+    line = sweep_tiles._line(dict(ws, ms=1.0, tflops=900.0, vs_default=1.3, same_bits=True))
+    assert "128x128x128 s4 warp-specialized " in line and "split" not in line
+
+
+def test_a_model_that_does_not_fit_is_skipped_and_said(monkeypatch, capsys) -> None:
+    """All of a model's experts on one GPU may not fit its memory: the sweep says so, records
+    the model as skipped and goes on with the others."""
+    tried = []
+
+    def no_memory(e, rows, h, i, precisions):
+        tried.append(e)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 GiB")
+
+    monkeypatch.setattr(sweep_tiles, "kernel_calls", no_memory)
+    monkeypatch.setattr(sweep_tiles.torch.cuda, "empty_cache", lambda: None)
+    records = sweep_tiles.sweep_tiles(["kimi-k2", "dsv3"], 16384, ("fp8",))
+    assert tried == [384, 32]
+    assert [(r["shape"], r["skipped"]) for r in records] == [
+        ("kimi-k2", "out of memory"),
+        ("dsv3", "out of memory"),
+    ]
+    assert "kimi-k2: its 384 experts' operands do not fit" in capsys.readouterr().out
 
 
 def vars_of(module, kind: str) -> dict:
