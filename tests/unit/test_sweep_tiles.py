@@ -106,12 +106,6 @@ def test_a_model_that_does_not_fit_is_skipped_and_said(monkeypatch, capsys) -> N
     assert "kimi-k2: its 384 experts' operands do not fit" in capsys.readouterr().out
 
 
-def vars_of(module, kind: str) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(module.GPU_TILES[kind])
-
-
 def _schedule(tokens: int, top_k: int, experts: int, world_size: int = 1) -> RowSchedule:
     none = torch.empty(0, dtype=torch.int32)
     return RowSchedule(
