@@ -197,7 +197,8 @@ def _variant_kernel(
                          NUM_PROGS, PINGPONG, EARLY, CEILING)),
             (_consumer, (c_desc, c_bufs, ring, turn, scales, sched, N, K, 1, BLOCK_TILES,
                          NUM_PROGS, PINGPONG, EARLY, CEILING)),
-            (_producer, ((a_desc, b_desc), ring, sched, N, K, w_rows, BLOCK_TILES, NUM_PROGS)),
+            (_producer, (((a_desc, b_desc, w_rows),), ring, sched, N, K, False, BLOCK_TILES,
+                         NUM_PROGS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -411,7 +412,7 @@ def compile_only(variants: list[Variant], keep: str | None = None) -> int:
             for v in variants:
                 label[0] = f"gluon {v.name}"  # (one specialization for both shapes)
                 gluon_grouped_mm(*problem, variant=v)
-            label[0] = f"triton grouped_mm {shape}"
+            label[0] = f"fp8_gemm.grouped_mm {shape}"
             fp8_gemm.grouped_mm(*problem)
     failures = []
     results = []
@@ -559,7 +560,7 @@ def _run_shape(shape: tuple, seed: int, variants: list[Variant], args, failures:
     def library():  # the library's warp-specialized kernel (fp8_ws), 4 stages
         out = torch.empty((a.shape[0], n), dtype=torch.bfloat16, device=a.device)
         wb, w_rows = weight_2d(w.q)
-        fp8_ws.launch_grouped_mm(a, a_scale, wb, w.scale, w_rows, sched, out, 4)
+        fp8_ws.launch_grouped_mm([(a, a_scale, wb, w.scale, w_rows)], sched, out, 4)
         return out
 
     calls["fp8_ws:4"] = library

@@ -1009,15 +1009,7 @@ def _mm_launch(
             f"{list(out.shape)} strides {out.stride()}"
         )
     outs = list(out)
-    ws = t.warp_specialized and a2 is None and gu is None and out.dtype == torch.bfloat16
-    if ws and fp8_ws.supported(a.device, sched.block_rows):
-        fp8_ws.launch_grouped_mm(a, a_scale, wb, s, w_rows, sched, outs[0], t.stages, programs)
-        return outs
-    bm, block_tiles = row_tile(t, sched.block_rows)
-    hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
-    a_desc = descriptor(a, [hm, t.bk])
-    b_desc = descriptor(wb, [t.bn, t.bk])
-    a2_desc, a2_s, b2_desc, s2, w2_rows = a_desc, a_scale, b_desc, s, w_rows
+    pairs = [(a, a_scale, wb, s, w_rows)]
     if a2 is not None:
         a2_q, a2_scale, w2 = a2
         if _check_rows(names2[0], a2_q, a2_scale) != (rows, k):
@@ -1026,8 +1018,19 @@ def _mm_launch(
         if q2.shape != q.shape:
             raise ValueError(f"{names2[1]} is {list(q2.shape)}, {names[1]} is {list(q.shape)}")
         wb2, w2_rows = weight_2d(q2)
+        pairs.append((a2_q, _like(a2_scale, a_scale), wb2, _like(s2, s), w2_rows))
+    ws = t.warp_specialized and gu is None and out.dtype == torch.bfloat16
+    if ws and fp8_ws.supported(a.device, sched.block_rows):
+        fp8_ws.launch_grouped_mm(pairs, sched, outs[0], t.stages, programs)
+        return outs
+    bm, block_tiles = row_tile(t, sched.block_rows)
+    hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
+    a_desc = descriptor(a, [hm, t.bk])
+    b_desc = descriptor(wb, [t.bn, t.bk])
+    a2_desc, a2_s, b2_desc, s2, w2_rows = a_desc, a_scale, b_desc, s, w_rows
+    if a2 is not None:
+        a2_q, a2_s, wb2, s2, w2_rows = pairs[1]
         a2_desc, b2_desc = descriptor(a2_q, [hm, t.bk]), descriptor(wb2, [t.bn, t.bk])
-        a2_s, s2 = _like(a2_scale, a_scale), _like(s2, s)
     c_descs = [descriptor(o, [hm, t.bn]) for o in outs]
     if gu is not None:
         for name, x in zip(("g", "u"), gu):

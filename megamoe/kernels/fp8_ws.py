@@ -80,35 +80,48 @@ def _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(descs, ring, sched, N, K, w_rows, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr):
-    """One warp: every K step of every tile of this CTA, in the consumers' order, into the
-    ring. A slot is refilled once both consumers released it ("free"); its "ready" barrier
-    completes when all of the step's TMA bytes have landed."""
-    a_desc, b_desc = descs
+def _load_pair(a_desc, b_desc, w_rows, ring, expert, row, col, k_steps, it):
+    """Every K step of one (A, W) pair of a tile into the ring, from ring step ``it`` on;
+    returns the next ring step."""
     a_bufs, b_bufs, ready, free, STAGES = ring
-    block_expert_ptr, num_blocks_ptr = sched
     STEP_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for kb in range(k_steps):
+        slot = it % STAGES
+        # The first pass over the ring waits on phase 1, which a fresh barrier has completed:
+        # the producer runs STAGES steps ahead from the start.
+        mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, STEP_BYTES)
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(
+                a_desc, [row + half * HALF_ROWS, kb * BK], bar, a_bufs.index(2 * slot + half)
+            )
+        tma.async_copy_global_to_shared(
+            b_desc, [expert * w_rows + col, kb * BK], bar, b_bufs.index(slot)
+        )
+        it += 1
+    return it
+
+
+@gluon.jit
+def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl.constexpr,
+              NUM_PROGS: gl.constexpr):  # fmt: skip
+    """One warp: every K step of every tile of this CTA, in the consumers' order, into the
+    ring: the first pair's (``pairs[i]``: A's and W's descriptors, W's rows an expert), then
+    with ``TWO_PAIRS`` the second's. A slot is refilled once both consumers released it
+    ("free"); its "ready" barrier completes when all of the step's TMA bytes have landed."""
+    block_expert_ptr, num_blocks_ptr = sched
     tiles_n = gl.cdiv(N, TILE_COLS)
     num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     k_steps = gl.cdiv(K, BK)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
-        for kb in range(k_steps):
-            slot = it % STAGES
-            # The first pass over the ring waits on phase 1, which a fresh barrier has
-            # completed: the producer runs STAGES steps ahead from the start.
-            mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, STEP_BYTES)
-            for half in gl.static_range(2):
-                tma.async_copy_global_to_shared(
-                    a_desc, [row + half * HALF_ROWS, kb * BK], bar, a_bufs.index(2 * slot + half)
-                )
-            tma.async_copy_global_to_shared(
-                b_desc, [expert * w_rows + col, kb * BK], bar, b_bufs.index(slot)
-            )
-            it += 1
+        a_desc, b_desc, w_rows = pairs[0]
+        it = _load_pair(a_desc, b_desc, w_rows, ring, expert, row, col, k_steps, it)
+        if TWO_PAIRS:
+            a_desc, b_desc, w_rows = pairs[1]
+            it = _load_pair(a_desc, b_desc, w_rows, ring, expert, row, col, k_steps, it)
 
 
 @gluon.jit
@@ -145,11 +158,32 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr):
 
 
 @gluon.jit
+def _pass(acc, d, scales, ring, it, expert, rows, col, k_steps, HALF: gl.constexpr):
+    """Every K step of one (A, W) pair of a tile (``scales``: its scales' pointers, M, N and
+    the strides), from ring step ``it`` on. The scales of step k + 1 are loaded during step k
+    into two register sets by step parity (the loop is unrolled by two). Returns (acc, d, the
+    next ring step)."""
+    scale0 = _step_scales(scales, expert, rows, col, 0)
+    for kb in range(0, k_steps - 1, 2):
+        scale1 = _step_scales(scales, expert, rows, col, kb + 1)
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF)
+        scale0 = _step_scales(scales, expert, rows, col, gl.minimum(kb + 2, k_steps - 1))
+        acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF)
+        it += 2
+    if k_steps % 2:
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF)
+        it += 1
+    return acc, d, it
+
+
+@gluon.jit
 def _consumer(
-    c_desc, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr,
+    c_desc, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, TWO_PAIRS: gl.constexpr,
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA."""
+    """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA, the
+    first pair's K steps and then, with ``TWO_PAIRS``, the second's into one accumulator (the
+    Triton kernel's order). ``scales[i]``: pair i's scale pointers, M, N and the strides."""
     block_expert_ptr, num_blocks_ptr = sched
     # wgmma m64n128k32 over one warpgroup (4 warps along M), the instruction fp8_gemm's 64-row
     # tiles get
@@ -168,17 +202,9 @@ def _consumer(
         expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
         row += HALF * HALF_ROWS
         rows = row + gl.arange(0, HALF_ROWS, layout=row_layout)
-        acc = zero
-        scale0 = _step_scales(scales, expert, rows, col, 0)
-        for kb in range(0, k_steps - 1, 2):
-            scale1 = _step_scales(scales, expert, rows, col, kb + 1)
-            acc, d = _k_step(acc, d, scale0, ring, it, HALF)
-            scale0 = _step_scales(scales, expert, rows, col, gl.minimum(kb + 2, k_steps - 1))
-            acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF)
-            it += 2
-        if k_steps % 2:
-            acc, d = _k_step(acc, d, scale0, ring, it, HALF)
-            it += 1
+        acc, d, it = _pass(zero, d, scales[0], ring, it, expert, rows, col, k_steps, HALF)
+        if TWO_PAIRS:
+            acc, d, it = _pass(acc, d, scales[1], ring, it, expert, rows, col, k_steps, HALF)
         # Epilogue: bf16 through this warpgroup's staging tile, one TMA store (clipped at the
         # tensor's edges) once the previous tile's store has read the staging tile.
         tma.store_wait(pendings=0)
@@ -210,26 +236,35 @@ def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
 
 # Not specialized: an int argument equal to 1 (a unit stride) would become a plain Python int,
 # which cannot be handed to a worker partition.
-@gluon.jit(do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"])
+@gluon.jit(
+    do_not_specialize=["M", "N", "K", "w_rows", "w2_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"]
+)
 def _ws_grouped_mm_kernel(
-    a_desc, a_s_ptr, b_desc, b_s_ptr, c_desc,  # operands, scales, output
+    a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows,  # the first (A, W) pair and their scales
+    a2_desc, a2_s_ptr, b2_desc, b2_s_ptr, w2_rows,  # the second (TWO_PAIRS), scales alike
+    c_desc,
     block_expert_ptr, num_blocks_ptr,  # the row schedule
-    M, N, K, w_rows,
+    M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
-    STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+    TWO_PAIRS: gl.constexpr, STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
-    scales = (a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk)
+    strides = (s_am, s_ak, s_be, s_bn, s_bk)
+    scales = ((a_s_ptr, b_s_ptr, M, N) + strides, (a2_s_ptr, b2_s_ptr, M, N) + strides)
+    pairs = ((a_desc, b_desc, w_rows), (a2_desc, b2_desc, w2_rows))
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
-            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 0, BLOCK_TILES, NUM_PROGS)),
-            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 1, BLOCK_TILES, NUM_PROGS)),
-            (_producer, ((a_desc, b_desc), ring, sched, N, K, w_rows, BLOCK_TILES, NUM_PROGS)),
+            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 0, TWO_PAIRS, BLOCK_TILES,
+                         NUM_PROGS)),
+            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 1, TWO_PAIRS, BLOCK_TILES,
+                         NUM_PROGS)),
+            (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
-    )
+    )  # fmt: skip
 
 
 def supported(device: torch.device, block_rows: int) -> bool:
@@ -253,40 +288,46 @@ def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def launch_grouped_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    wb: torch.Tensor,
-    w_scale: torch.Tensor,
-    w_rows: int,
+    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]],
     sched,
     out: torch.Tensor,
     stages: int,
     programs: int | None = None,
 ) -> None:
-    """out[r] = a[r] @ W[e(r)]^T for the used row blocks of ``sched``; ``wb`` is the weights'
-    2-D view (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``). The arguments are
-    ``fp8_gemm.grouped_mm``'s, checked there."""
-    rows, k = a.shape
-    n = out.shape[1]
+    """out[r] = sum over the (one or two) pairs of a[r] @ W[e(r)]^T, in pair order, for the
+    used row blocks of ``sched``. A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the
+    weights' 2-D view (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``); the
+    second pair's scales have the first's strides. ``fp8_gemm`` has checked the arguments."""
     if smem_bytes(stages) > SMEM_BYTES:
         raise ValueError(f"stages = {stages} needs {smem_bytes(stages)} B of shared memory")
+    a, a_scale, wb, w_scale, w_rows = pairs[0]
+    a2, a2_scale, wb2, w2_scale, w2_rows = pairs[-1]
+    rows, k = a.shape
+    n = out.shape[1]
     block_tiles = sched.block_rows // TILE_ROWS
     work = sched.max_blocks * block_tiles * triton.cdiv(n, TILE_COLS.value)
     grid = launch_grid(work, a.device, programs)
+    a_box, b_box = [HALF_ROWS.value, BLOCK], [TILE_COLS.value, BLOCK]
     _ws_grouped_mm_kernel[grid](
-        _nvmma(a, [HALF_ROWS.value, BLOCK]),
+        _nvmma(a, a_box),
         a_scale,
-        _nvmma(wb, [TILE_COLS.value, BLOCK]),
+        _nvmma(wb, b_box),
         w_scale,
+        w_rows,
+        _nvmma(a2, a_box),
+        a2_scale,
+        _nvmma(wb2, b_box),
+        w2_scale,
+        w2_rows,
         _nvmma(out, [HALF_ROWS.value, TILE_COLS.value]),
         sched.block_expert,
         sched.num_blocks,
         rows,
         n,
         k,
-        w_rows,
         *a_scale.stride(),
         *w_scale.stride(),
+        TWO_PAIRS=len(pairs) == 2,
         STAGES=stages,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],

@@ -120,7 +120,7 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
         # the warp-specialized Gluon kernel (``fp8_ws``)
         + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 5, 3)],
-        "pair": _FP8_ROW,
+        "pair": _FP8_ROW + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 3)],
         "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
@@ -335,7 +335,7 @@ def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int)
 _KERNEL_OF_TILE_KIND = {
     "gate_up": ("_gate_up_kernel", "_fp8_gate_up_kernel"),
     "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
-    "pair": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
+    "pair": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
     "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
     "wgrad_few_rows": ("_wgrad_kernel", "_fp8_wgrad_kernel"),

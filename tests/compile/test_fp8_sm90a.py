@@ -76,6 +76,10 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     fp8_gemm.GPU_TILES["mm"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
                                                    warp_specialized=False)
     step(7168, 2048, 32, 512, 8, 128)
+    label[0] = "dsv3, the warp-specialized dgrad of gate/up"
+    fp8_gemm.GPU_TILES.update(default_tiles)
+    fp8_gemm.GPU_TILES["pair"] = fp8_gemm.WARP_SPECIALIZED
+    step(7168, 2048, 32, 512, 8, 128)
     label[0] = "dsv3, whole 64-row tiles"
     fp8_gemm.GPU_TILES.update(unsplit(default_tiles))
     step(7168, 2048, 32, 512, 8, 128)

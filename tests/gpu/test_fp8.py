@@ -109,48 +109,105 @@ def test_cuda_graph_quantizes_the_current_weights() -> None:
     assert torch.equal(static_y, eager), "the replay used stale quantized weights"
 
 
-@pytest.mark.parametrize("h, i, experts", [(7168, 2048, 8), (2880, 2880, 5), (2048, 768, 6)])
+def _routed_rows(experts: int, seed: int):
+    """A schedule of 1500 tokens, top-2, 128-row blocks, expert 1 without rows and the others
+    unevenly loaded; its used rows; each used row's expert."""
+    from megamoe.kernels.schedule import build_row_schedule
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    choice = torch.tensor([e for e in range(experts) if e != 1], device=DEV)
+    ids = choice[torch.randint(0, len(choice), (1500, 2), device=DEV, generator=gen)]
+    sched = build_row_schedule(ids, experts, 128)
+    used = int(sched.num_blocks.item()) * 128
+    row_expert = sched.block_expert[: used // 128].long().repeat_interleave(128)
+    return sched, used, row_expert, gen
+
+
+def _rows(sched, width: int, gen) -> torch.Tensor:
+    """bf16 rows of the schedule's layout, zeros in its padding rows (as the layer's)."""
+    real = (sched.row_src >= 0).to(torch.bfloat16)[:, None]
+    return torch.randn(sched.rows, width, device=DEV, generator=gen).to(torch.bfloat16) * real
+
+
+def _weights64(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 of 128x128-quantized weights [E, N, K]."""
+    s = scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return q.double() * s[:, : q.shape[1], : q.shape[2]]
+
+
+def _warp_specialized_and_triton(monkeypatch, kind: str, run):
+    """``run()`` with tiles[kind] warp-specialized and then the same tiles on the Triton
+    kernel, on poisoned buffers: (ws, triton)."""
+    import dataclasses
+
+    from megamoe.kernels import fp8_gemm
+
+    triton_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, warp_specialized=False)
+    with poisoned_buffers():
+        monkeypatch.setitem(fp8_gemm.GPU_TILES, kind, fp8_gemm.WARP_SPECIALIZED)
+        ws = run()
+        monkeypatch.setitem(fp8_gemm.GPU_TILES, kind, triton_tiles)
+        return ws, run()
+
+
+def _check_ws(ws, triton_out, used, row_expert, experts, reference) -> None:
+    """Every written row bitwise the Triton kernel's, none left unwritten, and the first and
+    last experts within bf16 rounding of the float64 product (``reference(rows, e)``)."""
+    assert not ws[:used].isnan().any(), "rows the kernel did not write"
+    assert torch.equal(ws[:used], triton_out[:used]), "not the Triton kernel's bits"
+    for e in (0, experts - 1):
+        rows = (row_expert == e).nonzero().squeeze(1)
+        ref = reference(rows, e)
+        err = (ws[rows].double() - ref).norm() / ref.norm()
+        assert err <= 3e-3, f"expert {e}: relative error {err:.3g} from float64"
+
+
+SHAPES_WS = [(7168, 2048, 8), (2880, 2880, 5), (2048, 768, 6)]
+
+
+@pytest.mark.parametrize("h, i, experts", SHAPES_WS)
 @pytest.mark.parametrize("programs", [None, 7])
 def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     monkeypatch, h: int, i: int, experts: int, programs: int | None
 ) -> None:
     """``fp8_ws``'s Gluon kernel (tiles ``warp_specialized``) against the Triton kernel on
-    the forward down: every written row bitwise, on a poisoned output, with an expert of no
-    rows, K steps odd (2880) and even, a partial last column tile (N 2880), the whole grid and
-    7 CTAs of several tiles each; and both within bf16 rounding of the float64 product of the
-    quantized operands."""
-    import dataclasses
-
+    the forward down: an expert of no rows, K steps odd (2880) and even, a partial last column
+    tile (N 2880), the whole grid and 7 CTAs of several tiles each."""
     from megamoe.kernels import fp8, fp8_gemm
-    from megamoe.kernels.schedule import build_row_schedule
 
-    gen = torch.Generator(device=DEV).manual_seed(h + i + experts)
-    tokens, top_k = 1500, 2
-    # expert 1 gets no rows; the others uneven loads
-    choice = torch.tensor([e for e in range(experts) if e != 1], device=DEV)
-    ids = choice[torch.randint(0, len(choice), (tokens, top_k), device=DEV, generator=gen)]
-    sched = build_row_schedule(ids, experts, 128)
-    used = int(sched.num_blocks.item()) * 128
-    real = (sched.row_src >= 0).to(torch.bfloat16)[:, None]
-    hh = torch.randn(sched.rows, i, device=DEV, generator=gen).to(torch.bfloat16) * real
+    sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts)
+    a, a_scale = fp8.quantize_rows(_rows(sched, i, gen))
     wd = torch.randn(experts, h, i, device=DEV, generator=gen) / i**0.5
     w_down = fp8.quantize_weight(wd.to(torch.bfloat16))
-    a, a_scale = fp8.quantize_rows(hh)
-    triton_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, warp_specialized=False)
-    with poisoned_buffers():
-        monkeypatch.setitem(fp8_gemm.GPU_TILES, "mm", fp8_gemm.WARP_SPECIALIZED)
-        ws_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
-        monkeypatch.setitem(fp8_gemm.GPU_TILES, "mm", triton_tiles)
-        triton_z = fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
-    assert not ws_z[:used].isnan().any(), "rows the kernel did not write"
-    assert torch.equal(ws_z[:used], triton_z[:used]), "not the Triton kernel's bits"
-    # float64 of the quantized operands for the first and last expert with rows
-    a64 = fp8.dequantize_rows(a, a_scale).double()
-    s = w_down.scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
-    w64 = w_down.q.double() * s[:, :h, :i]
-    row_expert = sched.block_expert[: used // 128].long().repeat_interleave(128)
-    for e in (0, experts - 1):
-        rows = (row_expert == e).nonzero().squeeze(1)
-        ref = a64[rows] @ w64[e].T
-        err = (ws_z[rows].double() - ref).norm() / ref.norm()
-        assert err <= 3e-3, f"expert {e}: relative error {err:.3g} from float64"
+    ws, triton_z = _warp_specialized_and_triton(
+        monkeypatch, "mm", lambda: fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
+    )
+    a64, w64 = fp8.dequantize_rows(a, a_scale).double(), _weights64(w_down.q, w_down.scale)
+    _check_ws(ws, triton_z, used, row_expert, experts, lambda rows, e: a64[rows] @ w64[e].T)
+
+
+@pytest.mark.parametrize("h, i, experts", SHAPES_WS)
+def test_warp_specialized_dgrad_of_gate_up_gives_the_triton_kernels_bits(
+    monkeypatch, h: int, i: int, experts: int
+) -> None:
+    """The same for the two-pair product d_x = d_g W_gate + d_u W_up (one accumulator, the
+    first pair's K steps first), on 7 CTAs."""
+    from megamoe.kernels import fp8, fp8_gemm
+
+    sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 1)
+    dg, du = (fp8.quantize_rows(_rows(sched, i, gen)) for _ in range(2))
+    w = [torch.randn(experts, i, h, device=DEV, generator=gen) / h**0.5 for _ in range(2)]
+    w_gate, w_up = (fp8.quantize_weight(x.to(torch.bfloat16), transposed=True) for x in w)
+    ws, triton_dx = _warp_specialized_and_triton(
+        monkeypatch, "pair", lambda: fp8_gemm.dgrad_pair(*dg, w_gate, *du, w_up, sched, 7)
+    )
+    dg64, du64 = (fp8.dequantize_rows(*x).double() for x in (dg, du))
+    wg64, wu64 = (_weights64(x.q_t, x.scale_t) for x in (w_gate, w_up))
+    _check_ws(
+        ws,
+        triton_dx,
+        used,
+        row_expert,
+        experts,
+        lambda rows, e: dg64[rows] @ wg64[e].T + du64[rows] @ wu64[e].T,
+    )
