@@ -78,10 +78,10 @@ class GemmTiles:
     # for real (``fp8_gemm.opaque_zero``'s STRICT: one more instruction an element), where
     # ptxas would otherwise overlap the two products and spill
     strict_order: bool = False
-    # fp8 forward down (``fp8_gemm.grouped_mm``) on Hopper: the warp-specialized Gluon kernel
-    # (``fp8_ws``: 128 x 128 tiles, one producer warp and two consumer warpgroups, ``stages``
-    # ring slots) in place of the Triton one; the same bits. Elsewhere (the interpreter, other
-    # GPUs, the two-pair and SwiGLU-backward products) the Triton kernel with these tiles runs.
+    # fp8's one- and two-pair grouped mm (the forward down, the dgrad of gate/up) on Hopper:
+    # the warp-specialized Gluon kernel (``fp8_ws``: 128 x 128 tiles, one producer warp and
+    # two consumer warpgroups, ``stages`` ring slots) in place of the Triton one; the same bits.
+    # Elsewhere (the interpreter, other GPUs, fp32 outputs) the Triton kernel runs these tiles.
     warp_specialized: bool = False
 
 

@@ -196,13 +196,12 @@ def _fp8_triton_down_step(cfg, tokens: int) -> None:
 
     from ..kernels import fp8_gemm
 
-    fp8_gemm.GPU_TILES["mm"] = dataclasses.replace(
-        fp8_gemm.WARP_SPECIALIZED, warp_specialized=False
-    )
+    old = fp8_gemm.GPU_TILES["mm"]
+    fp8_gemm.GPU_TILES["mm"] = dataclasses.replace(old, warp_specialized=False)
     try:
         _fp8_step(cfg, tokens)
     finally:
-        fp8_gemm.GPU_TILES["mm"] = fp8_gemm.WARP_SPECIALIZED
+        fp8_gemm.GPU_TILES["mm"] = old
 
 
 def scenarios() -> list[tuple[str, Callable[[], None]]]:

@@ -120,7 +120,8 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
         # the warp-specialized Gluon kernel (``fp8_ws``)
         + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 5, 3)],
-        "pair": _FP8_ROW + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 3)],
+        "pair": _FP8_ROW
+        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 3)],
         "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
