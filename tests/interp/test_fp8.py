@@ -748,3 +748,20 @@ def test_gemms_name_bad_arguments() -> None:
         with pytest.raises(ValueError, match=r"tiles\['wgrad'\].split_m = 2 must be 1 or 2"):
             fp8_gemm.wgrad(*fp8.quantize_cols(p.x[:, :128]), *fp8.quantize_cols(p.x), s128)
     assert math.isclose(fp8.E4M3_MAX, torch.finfo(FP8).max)
+
+
+def test_the_warp_specialized_kernel_is_chosen_only_where_it_can_run(monkeypatch) -> None:
+    """``fp8_ws`` (Gluon) runs on a Hopper GPU or in an sm_90a compile check, never in the
+    interpreter or on the CPU, and only with 128-row tiles inside each row block; elsewhere
+    ``fp8_gemm`` runs its Triton kernel (whose bits the GPU tests compare it with)."""
+    from megamoe.kernels import fp8_ws
+    from megamoe.kernels.runtime import assume_programs
+
+    cpu = torch.device("cpu")
+    assert not fp8_ws.supported(cpu, 128)  # the interpreter
+    with assume_programs(132):
+        assert not fp8_ws.supported(cpu, 128)  # still the interpreter
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert fp8_ws.supported(torch.device("meta"), 128)  # an sm_90a compile check
+        assert not fp8_ws.supported(torch.device("meta"), 64)  # tiles would cross blocks
+    assert not fp8_ws.supported(cpu, 128)  # no GPU, no compile check
