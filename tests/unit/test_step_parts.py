@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from megamoe.tools import step_parts
@@ -83,11 +82,12 @@ def test_parts_time_forward_and_backward_of_every_call():
         assert 2 * per_module <= got[name] < 2 * per_module + 40, (name, got)
     assert got["moe_block"] >= got["experts"]  # nests the experts
     assert 10 <= got["optimizer"] < 40, got
-    # (medians of each column: the identity holds per step, within the steps' spread here)
-    assert got["rest"] == pytest.approx(
-        got["step"] - got["optimizer"] - got["moe_block"] - got["attention"], abs=5.0
-    )
-    assert got["rest"] >= -1.0  # the top-level parts do not overlap
+    # the top-level parts do not overlap, in any step (the medians of separate columns need
+    # not add up: they may come from different steps, far apart on a loaded machine)
+    for s in marks._steps:
+        p = marks.step_parts_ms(s)
+        assert p["step"] - p["optimizer"] - p["moe_block"] - p["attention"] >= -1.0, p
+    assert got["rest"] >= -1.0
     assert got["step"] >= 4 * per_module
 
 
