@@ -1,4 +1,5 @@
-"""Warp-specialized block-scaled FP8 grouped GEMM for Hopper (Gluon): the forward down.
+"""Warp-specialized block-scaled FP8 grouped GEMM for Hopper (Gluon): the forward down (one
+(A, W) pair) and the dgrad of gate/up (two pairs into one accumulator).
 
 Why: ``fp8_gemm``'s Triton kernels promote each 128-deep K step's fp32 partial product on the
 CUDA cores, and within one warpgroup the tensor cores idle while it waits for its MMAs and
@@ -25,9 +26,9 @@ and the promotion is the same expression in the same order, so the output is bit
 ``fp8_gemm.grouped_mm`` (the GPU tests compare them). The persistent grid walks the tiles of
 the used row blocks in ``tiles.tile_of``'s order, one CTA per SM.
 
-Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.grouped_mm`` takes this path on
-a Hopper GPU only, when its tiles ask for it (``GemmTiles.warp_specialized``); the CPU tests
-compile it for sm_90a (``megamoe.tools.compile_check``).
+Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.grouped_mm`` and ``dgrad_pair``
+take this path on a Hopper GPU only, when their tiles ask for it (``GemmTiles.
+warp_specialized``); the CPU tests compile it for sm_90a (``megamoe.tools.compile_check``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .fp8 import BLOCK, FP8
 from .runtime import compiling_for_hopper, interpreting, launch_grid
 
-__all__ = ["TILE_ROWS", "TILE_COLS", "SMEM_BYTES", "supported", "launch_grouped_mm"]
+__all__ = ["TILE_ROWS", "TILE_COLS", "SMEM_BYTES", "smem_bytes", "supported", "launch_grouped_mm"]
 
 HALF_ROWS = gl.constexpr(64)  # rows of one consumer's wgmma tile (m64)
 # one 128-wide weight-scale block: a consumer's columns, the tile's width
