@@ -391,9 +391,10 @@ def _ptxas(ptx: str) -> dict:
 
 
 def compile_only(variants: list[Variant], keep: str | None = None) -> int:
-    """Compile the Gluon kernel (each variant) and fp8_gemm's Triton kernel for sm_90a on this
-    machine, print registers, spills and shared memory, and check the PTX: wgmma, no local
-    memory, no spills, shared memory within the limit. Returns the exit status."""
+    """Compile each variant kernel and ``fp8_gemm.grouped_mm``'s (on Hopper: ``fp8_ws``) for
+    sm_90a on this machine, print registers, spills and shared memory, and check the PTX:
+    wgmma, no local memory, no spills, shared memory within the limit. Returns the exit
+    status."""
     from triton.compiler import ASTSource
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -658,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
-        help="comma-separated tile variants: 128x128|64x256[:stages][:pingpong][:early][:ceiling]",
+        help="comma-separated tile variants: 128x128[:stages][:pingpong][:early][:ceiling]",
     )
     parser.add_argument("--out", help="(GPU) write the JSON record here")
     parser.add_argument("--rounds", type=int, default=25, help="(GPU) timed rounds, >= 20")
