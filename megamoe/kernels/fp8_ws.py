@@ -49,7 +49,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .fp8 import BLOCK, FP8
 from .runtime import compiling_for_hopper, interpreting, launch_grid
 
-__all__ = ["TILE_ROWS", "TILE_COLS", "SMEM_BYTES", "smem_bytes", "supported", "launch_grouped_mm"]
+__all__ = [
+    "TILE_ROWS",
+    "TILE_COLS",
+    "SMEM_BYTES",
+    "smem_bytes",
+    "supported",
+    "launch_grouped_mm",
+    "launch_wgrad",
+]
 
 HALF_ROWS = gl.constexpr(64)  # rows of one consumer's wgmma tile (m64)
 # one 128-wide weight-scale block: a consumer's columns, the tile's width
@@ -62,13 +70,19 @@ BK = gl.constexpr(BLOCK)  # the K step: one scale block, the promotion interval
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
 KERNEL_MAXNREG = 168
+# A consumer's accumulator: wgmma m64n128k32 over one warpgroup (4 warps along M), the
+# instruction fp8_gemm's 64-row tiles get
+ACC_LAYOUT = gl.constexpr(
+    gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+)
 SMEM_BYTES = 227 * 1024  # what one H100/H200 CTA may use
 
 
-def smem_bytes(stages: int) -> int:
-    """The ring (fp8 A and B tiles), the two bf16 staging tiles of the epilogue, the barriers."""
+def smem_bytes(stages: int, out_bytes: int = 2) -> int:
+    """The ring (fp8 A and B tiles), the two staging tiles of the epilogue (``out_bytes`` an
+    element: 2 for bf16, 4 for fp32), the barriers."""
     step = (TILE_ROWS + TILE_COLS.value) * BLOCK
-    return stages * step + 2 * HALF_ROWS.value * TILE_COLS.value * 2 + 16 * stages
+    return stages * step + 2 * HALF_ROWS.value * TILE_COLS.value * out_bytes + 16 * stages
 
 
 @gluon.jit
@@ -81,9 +95,10 @@ def _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _load_pair(a_desc, b_desc, w_rows, ring, expert, row, col, k_steps, it):
-    """Every K step of one (A, W) pair of a tile into the ring, from ring step ``it`` on;
-    returns the next ring step."""
+def _load_steps(a_desc, b_desc, ring, a_row, b_row, k0, k_steps, it):
+    """``k_steps`` K steps of one tile into the ring, from ring step ``it`` on: the two 64-row
+    A boxes at (a_row, k) and (a_row + 64, k) and the B box at (b_row, k), k from ``k0`` on in
+    steps of 128; returns the next ring step."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     STEP_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     for kb in range(k_steps):
@@ -93,13 +108,12 @@ def _load_pair(a_desc, b_desc, w_rows, ring, expert, row, col, k_steps, it):
         mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, STEP_BYTES)
+        k = k0 + kb * BK
         for half in gl.static_range(2):
             tma.async_copy_global_to_shared(
-                a_desc, [row + half * HALF_ROWS, kb * BK], bar, a_bufs.index(2 * slot + half)
+                a_desc, [a_row + half * HALF_ROWS, k], bar, a_bufs.index(2 * slot + half)
             )
-        tma.async_copy_global_to_shared(
-            b_desc, [expert * w_rows + col, kb * BK], bar, b_bufs.index(slot)
-        )
+        tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_bufs.index(slot))
         it += 1
     return it
 
@@ -119,10 +133,10 @@ def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
         a_desc, b_desc, w_rows = pairs[0]
-        it = _load_pair(a_desc, b_desc, w_rows, ring, expert, row, col, k_steps, it)
+        it = _load_steps(a_desc, b_desc, ring, row, expert * w_rows + col, 0, k_steps, it)
         if TWO_PAIRS:
             a_desc, b_desc, w_rows = pairs[1]
-            it = _load_pair(a_desc, b_desc, w_rows, ring, expert, row, col, k_steps, it)
+            it = _load_steps(a_desc, b_desc, ring, row, expert * w_rows + col, 0, k_steps, it)
 
 
 @gluon.jit
@@ -141,40 +155,89 @@ def _step_scales(scales, expert, rows, col, kb):
 
 
 @gluon.jit
-def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr):
+def _wgrad_step_scales(scales, rows, col, kb):
+    """Step ``kb``'s scales of a weight-gradient tile: the 128x1 scales of A^T's rows
+    (a_scale[row, kb], 0 past M), and where the tile's columns' (B^T's rows') scales
+    b_scale[col:, kb] start with how many of them there are (N - col), for ``_k_step`` to load
+    (``scales``: pointers, M and N, which a tile without steps sets to 0, and the strides along
+    the rows; the features' are 1)."""
+    a_s_ptr, b_s_ptr, M, N, s_ak, s_bk = scales
+    sa = gl.load(a_s_ptr + kb * s_ak + rows, mask=rows < M, other=0.0)
+    return sa, (b_s_ptr + kb * s_bk + col, N - col)
+
+
+@gluon.jit
+def _scales_at(scales, at, kb, OUTER: gl.constexpr):
+    """Step ``kb``'s scales: ``_wgrad_step_scales(scales, *at)`` with ``OUTER`` (the weight
+    gradient), else ``_step_scales(scales, *at)`` (at = (expert, rows, col))."""
+    if OUTER:
+        rows, col = at
+        return _wgrad_step_scales(scales, rows, col, kb)
+    else:
+        expert, rows, col = at
+        return _step_scales(scales, expert, rows, col, kb)
+
+
+@gluon.jit
+def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, OUTER: gl.constexpr):
     """One K step of a consumer: wait for ring step ``it``, its wgmma into the partial
     accumulator ``d`` (from zero: ``d``'s values are ignored, its registers reused), the wait,
-    the slot's release, then ``fp8_gemm.fp8_mma``'s promotion. Returns (acc, d)."""
+    the slot's release, then ``fp8_gemm.fp8_mma``'s promotion: by a row vector's product
+    (a_scale * w_scale), or with ``OUTER`` (the weight gradient) by the rows' and then the
+    columns' scales, the latter loaded while the wgmma runs (a second register set of 32 a
+    thread would not fit). Returns (acc, d)."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
     d = warpgroup_mma(a_bufs.index(2 * slot + HALF), b, d, use_acc=False, is_async=True)
+    sa, sb = scale
+    if OUTER:
+        sb_ptr, cols_left = sb
+        cols = gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
+        sb = gl.load(sb_ptr + cols, mask=cols < cols_left, other=0.0)
     d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
     # Both wgmma groups have read the slot: hand it back (the compiler syncs the warpgroup
     # before its one-thread arrive).
     mbarrier.arrive(free.index(slot), count=1)
-    sa, sb = scale
-    return acc + d * (sa * sb)[:, None], d
+    if OUTER:
+        return acc + d * sa[:, None] * sb[None, :], d
+    else:
+        return acc + d * (sa * sb)[:, None], d
 
 
 @gluon.jit
-def _pass(acc, d, scales, ring, it, expert, rows, col, k_steps, HALF: gl.constexpr):
-    """Every K step of one (A, W) pair of a tile (``scales``: its scales' pointers, M, N and
-    the strides), from ring step ``it`` on. The scales of step k + 1 are loaded during step k
-    into two register sets by step parity (the loop is unrolled by two). Returns (acc, d, the
-    next ring step)."""
-    scale0 = _step_scales(scales, expert, rows, col, 0)
-    for kb in range(0, k_steps - 1, 2):
-        scale1 = _step_scales(scales, expert, rows, col, kb + 1)
-        acc, d = _k_step(acc, d, scale0, ring, it, HALF)
-        scale0 = _step_scales(scales, expert, rows, col, gl.minimum(kb + 2, k_steps - 1))
-        acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF)
+def _pass(acc, d, scales, ring, it, at, k0, k_steps, HALF: gl.constexpr, OUTER: gl.constexpr):
+    """``k_steps`` K steps of a tile (``scales``: its scales' pointers, sizes and strides; the
+    steps' scale blocks from ``k0`` on; ``at``: where ``_scales_at`` reads), from ring step
+    ``it`` on. The scales of step k + 1 are loaded during step k into two register sets by step
+    parity (the loop is unrolled by two). Returns (acc, d, the next ring step)."""
+    last = k0 + gl.maximum(k_steps - 1, 0)
+    scale0 = _scales_at(scales, at, k0, OUTER)
+    for kb in range(k0, k0 + k_steps - 1, 2):
+        scale1 = _scales_at(scales, at, kb + 1, OUTER)
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF, OUTER)
+        scale0 = _scales_at(scales, at, gl.minimum(kb + 2, last), OUTER)
+        acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF, OUTER)
         it += 2
     if k_steps % 2:
-        acc, d = _k_step(acc, d, scale0, ring, it, HALF)
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF, OUTER)
         it += 1
     return acc, d, it
+
+
+@gluon.jit
+def _store_tile(c_desc, c_smem, acc, coord):
+    """The epilogue: ``acc`` in the output's dtype through this warpgroup's staging tile, one
+    TMA store at ``coord`` (clipped at the tensor's edges) once the previous tile's store has
+    read the staging tile."""
+    tma.store_wait(pendings=0)
+    if len(c_desc.block_type.shape) == 3:  # a [1, 64, 128] box of an [E, M, N] output
+        c_smem.reshape([HALF_ROWS, TILE_COLS]).store(acc.to(c_desc.dtype))
+    else:
+        c_smem.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, coord, c_smem)
 
 
 @gluon.jit
@@ -186,32 +249,73 @@ def _consumer(
     first pair's K steps and then, with ``TWO_PAIRS``, the second's into one accumulator (the
     Triton kernel's order). ``scales[i]``: pair i's scale pointers, M, N and the strides."""
     block_expert_ptr, num_blocks_ptr = sched
-    # wgmma m64n128k32 over one warpgroup (4 warps along M), the instruction fp8_gemm's 64-row
-    # tiles get
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_COLS, 32]
-    )
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
     c_smem = c_bufs.index(HALF)
     tiles_n = gl.cdiv(N, TILE_COLS)
     num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     k_steps = gl.cdiv(K, BK)
-    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, acc_layout)
+    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
     d = zero
     it = 0  # ring steps consumed so far (the producer counts the same)
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
         row += HALF * HALF_ROWS
-        rows = row + gl.arange(0, HALF_ROWS, layout=row_layout)
-        acc, d, it = _pass(zero, d, scales[0], ring, it, expert, rows, col, k_steps, HALF)
+        at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
+        acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF, False)
         if TWO_PAIRS:
-            acc, d, it = _pass(acc, d, scales[1], ring, it, expert, rows, col, k_steps, HALF)
-        # Epilogue: bf16 through this warpgroup's staging tile, one TMA store (clipped at the
-        # tensor's edges) once the previous tile's store has read the staging tile.
-        tma.store_wait(pendings=0)
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [row, col], c_smem)
+            acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, False)
+        _store_tile(c_desc, c_smem, acc, [row, col])
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _wgrad_tile(tile, row_start_ptr, M, N):
+    """(expert, first row, first column, first K row, K steps) of weight-gradient tile
+    ``tile``: the experts' tiles in order, each expert's column-fast (``tiles.tile_of``); its
+    K rows are the expert's rows, 128 a step."""
+    tiles_n = gl.cdiv(N, TILE_COLS)
+    tiles_per_expert = gl.cdiv(M, (2 * HALF_ROWS)) * tiles_n
+    expert = tile // tiles_per_expert
+    t = tile % tiles_per_expert
+    r0 = gl.load(row_start_ptr + expert)
+    steps = gl.cdiv(gl.load(row_start_ptr + expert + 1) - r0, BK)
+    return expert, (t // tiles_n) * (2 * HALF_ROWS), (t % tiles_n) * TILE_COLS, r0, steps
+
+
+@gluon.jit
+def _wgrad_producer(at_desc, bt_desc, ring, row_start_ptr, E, M, N, NUM_PROGS: gl.constexpr):
+    """One warp: every K step of every weight-gradient tile of this CTA into the ring (the
+    A^T rows of the tile's two halves and the B^T rows of its columns, at the expert's rows)."""
+    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
+    it = 0
+    for tile in range(gl.program_id(0), tiles, NUM_PROGS):
+        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
+        it = _load_steps(at_desc, bt_desc, ring, row, col, r0, steps, it)
+
+
+@gluon.jit
+def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.constexpr,
+                    NUM_PROGS: gl.constexpr):  # fmt: skip
+    """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every weight-gradient tile of
+    this CTA, the expert's rows in order (``fp8_gemm.fp8_wgrad_tile``'s sums). A tile of an
+    expert without rows stores zeros. ``scales``: pointers, M, N and the strides."""
+    a_s_ptr, b_s_ptr, M, N, s_ak, s_bk = scales
+    c_smem = c_bufs.index(HALF)
+    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
+    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
+    d = zero
+    it = 0
+    for tile in range(gl.program_id(0), tiles, NUM_PROGS):
+        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
+        row += HALF * HALF_ROWS
+        rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
+        # no steps: no scale is read (its block index would be past the rows)
+        live = (a_s_ptr, b_s_ptr, gl.where(steps > 0, M, 0), gl.where(steps > 0, N, 0))
+        at = (rows, col)
+        acc, d, it = _pass(
+            zero, d, live + (s_ak, s_bk), ring, it, at, r0 // BK, steps, HALF, True
+        )
+        _store_tile(c_desc, c_smem, acc, [expert, row, col])
     tma.store_wait(pendings=0)
 
 
@@ -268,6 +372,28 @@ def _ws_grouped_mm_kernel(
     )  # fmt: skip
 
 
+@gluon.jit(do_not_specialize=["E", "M", "N", "s_ak", "s_bk"])
+def _ws_wgrad_kernel(
+    at_desc, at_s_ptr, bt_desc, bt_s_ptr,  # A^T [M, rows], B^T [N, rows], their 128x1 scales
+    c_desc,  # d_W [E, M, N]
+    row_start_ptr,  # the experts' first rows
+    E, M, N,
+    s_ak, s_bk,  # the scales' strides along the rows (the features' are 1)
+    STAGES: gl.constexpr, NUM_PROGS: gl.constexpr,
+):  # fmt: skip
+    ring, c_bufs = _shared_ring(at_desc, bt_desc, c_desc, STAGES)
+    scales = (at_s_ptr, bt_s_ptr, M, N, s_ak, s_bk)
+    gl.warp_specialize(
+        [
+            (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 0, NUM_PROGS)),
+            (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 1, NUM_PROGS)),
+            (_wgrad_producer, (at_desc, bt_desc, ring, row_start_ptr, E, M, N, NUM_PROGS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
+
+
 def supported(device: torch.device, block_rows: int) -> bool:
     """Whether this kernel can run here: on a Hopper GPU (or in an sm_90a compile check), not
     in the interpreter, with 128-row tiles inside each row block. (``fp8_gemm`` has checked
@@ -283,9 +409,17 @@ def supported(device: torch.device, block_rows: int) -> bool:
 
 def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``block`` boxes in the swizzled shared layout wgmma reads."""
-    dtype = gl.float8e4nv if t.dtype == FP8 else gl.bfloat16
+    dtype = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
     return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _check_stages(stages: int, out_bytes: int) -> None:
+    if smem_bytes(stages, out_bytes) > SMEM_BYTES:
+        raise ValueError(
+            f"stages = {stages} needs {smem_bytes(stages, out_bytes)} B of shared memory with "
+            f"{out_bytes}-byte outputs; a CTA has {SMEM_BYTES}"
+        )
 
 
 def launch_grouped_mm(
@@ -299,8 +433,7 @@ def launch_grouped_mm(
     used row blocks of ``sched``. A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the
     weights' 2-D view (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``); the
     second pair's scales have the first's strides. ``fp8_gemm`` has checked the arguments."""
-    if smem_bytes(stages) > SMEM_BYTES:
-        raise ValueError(f"stages = {stages} needs {smem_bytes(stages)} B of shared memory")
+    _check_stages(stages, out.element_size())
     a, a_scale, wb, w_scale, w_rows = pairs[0]
     a2, a2_scale, wb2, w2_scale, w2_rows = pairs[-1]
     rows, k = a.shape
@@ -331,6 +464,46 @@ def launch_grouped_mm(
         TWO_PAIRS=len(pairs) == 2,
         STAGES=stages,
         BLOCK_TILES=block_tiles,
+        NUM_PROGS=grid[0],
+        num_warps=4,
+        maxnreg=KERNEL_MAXNREG,
+    )
+
+
+def launch_wgrad(
+    a_t: torch.Tensor,
+    a_t_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_t_scale: torch.Tensor,
+    row_start: torch.Tensor,
+    out: torch.Tensor,
+    stages: int,
+    programs: int | None = None,
+) -> None:
+    """out[e] = a_e^T @ b_e over expert e's rows (``row_start[e]`` to ``row_start[e + 1]``,
+    128-row aligned), from the transposed 128x1-quantized operands a_t [M, rows] and b_t [N,
+    rows]; ``out`` an [E, M, N] bf16 or fp32 view with contiguous rows. ``fp8_gemm.wgrad`` has
+    checked the arguments."""
+    _check_stages(stages, out.element_size())
+    # the kernel reads a step's scales of consecutive features as vectors
+    a_t_scale, b_t_scale = (s if s.stride(0) == 1 else s.t().contiguous().t()
+                            for s in (a_t_scale, b_t_scale))  # fmt: skip
+    e, m, n = out.shape
+    work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, TILE_COLS.value)
+    grid = launch_grid(work, a_t.device, programs)
+    _ws_wgrad_kernel[grid](
+        _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
+        a_t_scale,
+        _nvmma(b_t, [TILE_COLS.value, BLOCK]),
+        b_t_scale,
+        _nvmma(out, [1, HALF_ROWS.value, TILE_COLS.value]),
+        row_start,
+        e,
+        m,
+        n,
+        a_t_scale.stride(1),
+        b_t_scale.stride(1),
+        STAGES=stages,
         NUM_PROGS=grid[0],
         num_warps=4,
         maxnreg=KERNEL_MAXNREG,

@@ -131,7 +131,8 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             # one loop over all of a program's K steps, the pipeline running on across tiles
             dataclasses.replace(_FP8_FLAT, stages=3),
             _FP8_FLAT,
-        ],
+        ]
+        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 3)],
         # fp32 outputs (the kernel picks the entry by the output dtype; the bench's weight
         # gradients are bf16, so a sweep times these only through "wgrad")
         "wgrad_fp32": [
@@ -338,9 +339,9 @@ _KERNEL_OF_TILE_KIND = {
     "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "pair": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
-    "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
-    "wgrad_few_rows": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
-    "wgrad_fp32": ("_wgrad_kernel", "_fp8_wgrad_kernel"),
+    "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel", "_ws_wgrad_kernel"),
+    "wgrad_few_rows": ("_wgrad_kernel", "_fp8_wgrad_kernel", "_ws_wgrad_kernel"),
+    "wgrad_fp32": ("_wgrad_kernel", "_fp8_wgrad_kernel", "_ws_wgrad_kernel"),
 }
 
 

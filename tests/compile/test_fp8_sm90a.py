@@ -76,9 +76,11 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     fp8_gemm.GPU_TILES["mm"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
                                                    warp_specialized=False)
     step(7168, 2048, 32, 512, 8, 128)
-    label[0] = "dsv3, the warp-specialized dgrad of gate/up"
+    label[0] = "dsv3, the Triton kernels of the dgrad of gate/up and the weight gradients"
     fp8_gemm.GPU_TILES.update(default_tiles)
-    fp8_gemm.GPU_TILES["pair"] = fp8_gemm.WARP_SPECIALIZED
+    for kind in ("pair", "wgrad", "wgrad_fp32"):
+        fp8_gemm.GPU_TILES[kind] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
+                                                       warp_specialized=False)
     step(7168, 2048, 32, 512, 8, 128)
     label[0] = "dsv3, whole 64-row tiles"
     fp8_gemm.GPU_TILES.update(unsplit(default_tiles))
@@ -113,8 +115,8 @@ QUANTIZERS = (
     "_quantize_rows_cols_kernel",
     "_quantize_weight_kernel",
 )
-WARP_SPECIALIZED = "_ws_grouped_mm_kernel"  # (fp8_ws, Gluon)
-GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel", WARP_SPECIALIZED)
+WARP_SPECIALIZED = ("_ws_grouped_mm_kernel", "_ws_wgrad_kernel")  # (fp8_ws, Gluon)
+GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel", *WARP_SPECIALIZED)
 ROUTE_GRAD = "_route_grad_kernel"  # its packed-rows variant (the fp8 backward's dy)
 
 

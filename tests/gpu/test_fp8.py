@@ -211,3 +211,31 @@ def test_warp_specialized_dgrad_of_gate_up_gives_the_triton_kernels_bits(
         experts,
         lambda rows, e: dg64[rows] @ wg64[e].T + du64[rows] @ wu64[e].T,
     )
+
+
+@pytest.mark.parametrize("h, i, experts", SHAPES_WS)
+@pytest.mark.parametrize("out_dtype, programs", [(torch.bfloat16, None), (torch.float32, 7)])
+def test_warp_specialized_weight_gradient_gives_the_triton_kernels_bits(
+    monkeypatch, h: int, i: int, experts: int, out_dtype: torch.dtype, programs: int | None
+) -> None:
+    """The same for the weight gradient d_W[e] = A_e^T B_e over each expert's rows (the K
+    loop's length per expert; expert 1 has none and gets zeros), in bf16 and in fp32
+    (``wgrad_fp32``), as the down's [E, H, I] from d_z [rows, H] and h [rows, I]."""
+    from megamoe.kernels import fp8, fp8_gemm
+
+    sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 2)
+    a_t, b_t = (fp8.quantize_cols(_rows(sched, width, gen)) for width in (h, i))
+    kind = "wgrad_fp32" if out_dtype == torch.float32 else "wgrad"
+    ws, triton_dw = _warp_specialized_and_triton(
+        monkeypatch, kind, lambda: fp8_gemm.wgrad(*a_t, *b_t, sched, programs, out_dtype=out_dtype)
+    )
+    assert not ws.isnan().any(), "elements the kernel did not write"
+    assert torch.equal(ws, triton_dw), "not the Triton kernel's bits"
+    assert not ws[1].any(), "the expert without rows has a nonzero gradient"
+    a64, b64 = (fp8.dequantize_rows(*x).double() for x in (a_t, b_t))
+    starts = sched.row_start.tolist()
+    for e in (0, experts - 1):
+        rows = slice(starts[e], starts[e + 1])
+        ref = a64[:, rows] @ b64[:, rows].T
+        err = (ws[e].double() - ref).norm() / ref.norm()
+        assert err <= 3e-3, f"expert {e}: relative error {err:.3g} from float64"
