@@ -1196,7 +1196,9 @@ def wgrad(
     kind = "wgrad_fp32" if out.element_size() == 4 else "wgrad"
     t = tiles_for(kind)
     if t.warp_specialized and fp8_ws.supported(a_t.device, sched.block_rows):
-        fp8_ws.launch_wgrad(a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs)
+        fp8_ws.launch_wgrad(
+            a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs
+        )
         return out
     hm = _sub_rows(kind, t, t.bm)
     work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)

@@ -309,12 +309,10 @@ def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.con
         expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
         row += HALF * HALF_ROWS
         rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
-        # no steps: no scale is read (its block index would be past the rows)
-        live = (a_s_ptr, b_s_ptr, gl.where(steps > 0, M, 0), gl.where(steps > 0, N, 0))
-        at = (rows, col)
-        acc, d, it = _pass(
-            zero, d, live + (s_ak, s_bk), ring, it, at, r0 // BK, steps, HALF, True
-        )
+        # a tile without steps reads no scale (its block index would be past the rows)
+        sizes = (gl.where(steps > 0, M, 0), gl.where(steps > 0, N, 0))
+        tile_scales = (a_s_ptr, b_s_ptr) + sizes + (s_ak, s_bk)
+        acc, d, it = _pass(zero, d, tile_scales, ring, it, (rows, col), r0 // BK, steps, HALF, True)
         _store_tile(c_desc, c_smem, acc, [expert, row, col])
     tma.store_wait(pendings=0)
 

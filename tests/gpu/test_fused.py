@@ -41,7 +41,7 @@ from megamoe.tools.harness import layer_fn  # noqa: E402
 from support.dist import agree, shared_seed  # noqa: E402
 from support.expert_parallel import ep_vs_single  # noqa: E402
 from support.oracle import compare, reference_grads, run_backend  # noqa: E402
-from support.problems import Case, case_of, make_problem  # noqa: E402
+from support.problems import PRESET_CASES, Case, case_of, make_problem  # noqa: E402
 
 DEV = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 # Under torchrun the one-GPU tests run on every rank before any NCCL fixture picked the device.
@@ -49,9 +49,7 @@ torch.cuda.set_device(DEV)
 BF16_RTOL = 2e-2
 # The presets' layer shapes (one rank's experts), and odd ones; tokens keep the oracle quick.
 CASES = {
-    "dsv3": Case(768, 7168, 2048, 32, 8, shared=2048, block_rows=128),
-    "qwen3-30b": Case(1024, 2048, 768, 64, 8, block_rows=128),
-    "mok-v4": Case(512, 7168, 3072, 48, 6, shared=3072, block_rows=128),
+    **PRESET_CASES,
     "empty_experts": Case(333, 512, 384, 16, 2, routing="empty_experts", block_rows=128),
     "one_expert_all_rows": Case(
         517, 768, 512, 8, 3, shared=256, routing="one_expert", block_rows=128

@@ -17,17 +17,10 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
 
 from megamoe.backends import triton as backend  # noqa: E402
 from support.oracle import compare, reference_grads, run_backend  # noqa: E402
-from support.problems import Case, make_problem, params  # noqa: E402
+from support.problems import PRESET_CASES, Case, make_problem, params  # noqa: E402
 
 DEV = torch.device("cuda")
 
-# The presets' layer shapes (dsv3, qwen3-30b, mok-v4, one rank's experts); tokens are sliced to
-# keep the float64 oracle quick.
-PRESETS = {
-    "dsv3": Case(768, 7168, 2048, 32, 8, shared=2048, block_rows=128),
-    "qwen3-30b": Case(1024, 2048, 768, 64, 8, block_rows=128),
-    "mok-v4": Case(512, 7168, 3072, 48, 6, shared=3072, block_rows=128),
-}
 # T not a multiple of 128, experts with no rows, one expert with every token, a single token.
 ODD = [
     Case(1000, 1024, 768, 16, 4, shared=512, block_rows=128),
@@ -40,7 +33,7 @@ ODD = [
 
 
 def _preset_problem(name: str, seed: int):
-    return make_problem(PRESETS[name], seed, DEV)
+    return make_problem(PRESET_CASES[name], seed, DEV)
 
 
 def _check(p) -> None:
@@ -50,7 +43,7 @@ def _check(p) -> None:
     print(" ".join(f"{k}={v:.2e}" for k, v in errors.items()))
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(PRESET_CASES))
 def test_preset_matches_reference(name: str) -> None:
     _check(_preset_problem(name, seed=1))
 
@@ -89,7 +82,7 @@ def test_cuda_graph_of_a_whole_step_replays_to_the_same_bits() -> None:
     for a, b in zip(static[1], eager[1]):
         assert a is None or torch.equal(a, b)
     # New routing in the same buffers: the graph must follow it (sizes live on the device).
-    q = make_problem(PRESETS["dsv3"]._replace(routing="zipf"), seed=4, device=DEV)
+    q = make_problem(PRESET_CASES["dsv3"]._replace(routing="zipf"), seed=4, device=DEV)
     ids.copy_(q.topk_ids)
     w.copy_(q.topk_weights)
     graph.replay()
@@ -154,7 +147,7 @@ def test_a_step_never_waits_for_the_device(name: str) -> None:
 
     # dsv3's layer with 8192 tokens: 33 ms of GPU time per step (triton; the fused one runs
     # the tests' one-minibatch ring and replays in the backward: 94 ms), some 4 ms of host time
-    p = make_problem(PRESETS["dsv3"]._replace(tokens=8192), seed=8, device=DEV)
+    p = make_problem(PRESET_CASES["dsv3"]._replace(tokens=8192), seed=8, device=DEV)
     x, ids, w, dy = p.x.requires_grad_(True), p.topk_ids, p.topk_weights, p.grad_y
 
     def step() -> None:
@@ -178,7 +171,7 @@ def test_a_step_never_waits_for_the_device(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["triton", "fused"])
-@pytest.mark.parametrize("case", params(PRESETS["dsv3"], ODD[5]))
+@pytest.mark.parametrize("case", params(PRESET_CASES["dsv3"], ODD[5]))
 def test_stacked_gate_up_gives_the_bits_of_separate_weights(name: str, case: Case) -> None:
     """transformers' [E, 2I, H] gate_up_proj, read in place by TMA (the up half's descriptor
     starts I rows into each expert), gives separate weights' bits; its gradient is one tensor."""
