@@ -370,7 +370,9 @@ def _ws_grouped_mm_kernel(
     )  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["E", "M", "N", "s_ak", "s_bk"])
+# N and s_bk (= N) are specialized (multiples of 8, so never 1): their divisibility lets the
+# column scales load as vectors.
+@gluon.jit(do_not_specialize=["E", "M", "s_ak"])
 def _ws_wgrad_kernel(
     at_desc, at_s_ptr, bt_desc, bt_s_ptr,  # A^T [M, rows], B^T [N, rows], their 128x1 scales
     c_desc,  # d_W [E, M, N]
@@ -468,6 +470,15 @@ def launch_grouped_mm(
     )
 
 
+def _features_contiguous(scale: torch.Tensor) -> torch.Tensor:
+    """128x1 scales [features, row blocks] with the features contiguous, a row block
+    ``features`` apart (``fp8.quantize_cols``'s layout), which the kernel reads as vectors."""
+    features = scale.shape[0]
+    if scale.stride(0) == 1 and scale.stride(1) == features:
+        return scale
+    return scale.t().contiguous().t()
+
+
 def launch_wgrad(
     a_t: torch.Tensor,
     a_t_scale: torch.Tensor,
@@ -483,9 +494,7 @@ def launch_wgrad(
     rows]; ``out`` an [E, M, N] bf16 or fp32 view with contiguous rows. ``fp8_gemm.wgrad`` has
     checked the arguments."""
     _check_stages(stages, out.element_size())
-    # the kernel reads a step's scales of consecutive features as vectors
-    a_t_scale, b_t_scale = (s if s.stride(0) == 1 else s.t().contiguous().t()
-                            for s in (a_t_scale, b_t_scale))  # fmt: skip
+    a_t_scale, b_t_scale = _features_contiguous(a_t_scale), _features_contiguous(b_t_scale)
     e, m, n = out.shape
     work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, TILE_COLS.value)
     grid = launch_grid(work, a_t.device, programs)
