@@ -100,8 +100,8 @@ GPU_TILES: dict[str, GemmTiles] = {
     "gate_up": dataclasses.replace(_SPLIT, bn=64),  # two accumulators a half
     "mm": WARP_SPECIALIZED,
     # the dgrad of gate/up, two (A, W) pairs into one accumulator: 1.04-1.29x the split tiles
-    # on 15 of the table's 16 models, 1.00x on DeepSeek-V3 and Mixtral (H100, 2026-12-06;
-    # Kimi-K2 does not fit one H100)
+    # on 13 of the 15 table models that fit one H100, 1.00-1.01x on DeepSeek-V3 and Mixtral
+    # (16384 tokens, 2026-12-06)
     "pair": WARP_SPECIALIZED,
     "swiglu_bwd": _SPLIT,
     # (the warp-specialized weight gradient, same bits, ran 0.85-1.07x these on the table's
