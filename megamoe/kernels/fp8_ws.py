@@ -78,11 +78,10 @@ ACC_LAYOUT = gl.constexpr(
 SMEM_BYTES = 227 * 1024  # what one H100/H200 CTA may use
 
 
-def smem_bytes(stages: int, out_bytes: int = 2, col_scales: bool = False) -> int:
-    """The ring (fp8 A and B tiles; with ``col_scales``, the weight gradient's, a step's 128
-    fp32 column scales), the two staging tiles of the epilogue (``out_bytes`` an element: 2
-    for bf16, 4 for fp32), the barriers."""
-    step = (TILE_ROWS + TILE_COLS.value) * BLOCK + (4 * TILE_COLS.value if col_scales else 0)
+def smem_bytes(stages: int, out_bytes: int = 2) -> int:
+    """The ring (fp8 A and B tiles), the two staging tiles of the epilogue (``out_bytes`` an
+    element: 2 for bf16, 4 for fp32), the barriers."""
+    step = (TILE_ROWS + TILE_COLS.value) * BLOCK
     return stages * step + 2 * HALF_ROWS.value * TILE_COLS.value * out_bytes + 16 * stages
 
 
@@ -96,12 +95,10 @@ def _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _load_steps(a_desc, b_desc, ring, a_row, b_row, k0, k_steps, it, col_scales=None):
+def _load_steps(a_desc, b_desc, ring, a_row, b_row, k0, k_steps, it):
     """``k_steps`` K steps of one tile into the ring, from ring step ``it`` on: the two 64-row
     A boxes at (a_row, k) and (a_row + 64, k) and the B box at (b_row, k), k from ``k0`` on in
-    steps of 128; with ``col_scales`` = (descriptor, buffers) also the 128x1 scales of the B
-    rows, box (k // 128, b_row) (the weight gradient's column scales). Returns the next ring
-    step."""
+    steps of 128; returns the next ring step."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     STEP_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     for kb in range(k_steps):
@@ -110,13 +107,8 @@ def _load_steps(a_desc, b_desc, ring, a_row, b_row, k0, k_steps, it, col_scales=
         # the producer runs STAGES steps ahead from the start.
         mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
+        mbarrier.expect(bar, STEP_BYTES)
         k = k0 + kb * BK
-        if col_scales is None:
-            mbarrier.expect(bar, STEP_BYTES)
-        else:
-            s_desc, s_bufs = col_scales
-            mbarrier.expect(bar, STEP_BYTES + s_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(s_desc, [k // BK, b_row], bar, s_bufs.index(slot))
         for half in gl.static_range(2):
             tma.async_copy_global_to_shared(
                 a_desc, [a_row + half * HALF_ROWS, k], bar, a_bufs.index(2 * slot + half)
@@ -163,62 +155,73 @@ def _step_scales(scales, expert, rows, col, kb):
 
 
 @gluon.jit
+def _wgrad_step_scales(scales, rows, col, kb):
+    """Step ``kb``'s scales of a weight-gradient tile: the 128x1 scales of A^T's rows
+    (a_scale[row, kb], 0 past M), and where the tile's columns' (B^T's rows') scales
+    b_scale[col:, kb] start with how many of them there are (N - col), for ``_k_step`` to load
+    (``scales``: pointers, M and N, which a tile without steps sets to 0, and the strides along
+    the rows; the features' are 1)."""
+    a_s_ptr, b_s_ptr, M, N, s_ak, s_bk = scales
+    sa = gl.load(a_s_ptr + kb * s_ak + rows, mask=rows < M, other=0.0)
+    return sa, (b_s_ptr + kb * s_bk + col, N - col)
+
+
+@gluon.jit
 def _scales_at(scales, at, kb, OUTER: gl.constexpr):
-    """Step ``kb``'s scales that the consumer loads itself: with ``OUTER`` (the weight
-    gradient) the 128x1 scales of its A^T rows, a_scale[row, kb] (0 past M; at = rows;
-    ``scales``: pointer, M, which a tile without steps sets to 0, and the stride along the
-    rows), else ``_step_scales(scales, *at)`` (at = (expert, rows, col))."""
+    """Step ``kb``'s scales: ``_wgrad_step_scales(scales, *at)`` with ``OUTER`` (the weight
+    gradient), else ``_step_scales(scales, *at)`` (at = (expert, rows, col))."""
     if OUTER:
-        a_s_ptr, M, s_ak = scales
-        return gl.load(a_s_ptr + kb * s_ak + at, mask=at < M, other=0.0)
+        rows, col = at
+        return _wgrad_step_scales(scales, rows, col, kb)
     else:
         expert, rows, col = at
         return _step_scales(scales, expert, rows, col, kb)
 
 
 @gluon.jit
-def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, col_scales=None):
+def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, OUTER: gl.constexpr):
     """One K step of a consumer: wait for ring step ``it``, its wgmma into the partial
     accumulator ``d`` (from zero: ``d``'s values are ignored, its registers reused), the wait,
-    the slot's release, then ``fp8_gemm.fp8_mma``'s promotion: by the product of the row and
-    weight scales (``scale`` = both), or with ``col_scales`` (the weight gradient: the ring's
-    column-scale buffers) by the rows' scales (``scale``) and then the columns', read from
-    the slot while the wgmma runs. Returns (acc, d)."""
+    the slot's release, then ``fp8_gemm.fp8_mma``'s promotion: by a row vector's product
+    (a_scale * w_scale), or with ``OUTER`` (the weight gradient) by the rows' and then the
+    columns' scales, the latter loaded while the wgmma runs (a second register set of 32 a
+    thread would not fit). Returns (acc, d)."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
     d = warpgroup_mma(a_bufs.index(2 * slot + HALF), b, d, use_acc=False, is_async=True)
-    if col_scales is not None:
-        sb = col_scales.index(slot).load(ACC_LAYOUT)  # [1, 128]
+    sa, sb = scale
+    if OUTER:
+        sb_ptr, cols_left = sb
+        cols = gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
+        sb = gl.load(sb_ptr + cols, mask=cols < cols_left, other=0.0)
     d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
     # Both wgmma groups have read the slot: hand it back (the compiler syncs the warpgroup
     # before its one-thread arrive).
     mbarrier.arrive(free.index(slot), count=1)
-    if col_scales is not None:
-        return acc + d * scale[:, None] * sb, d
+    if OUTER:
+        return acc + d * sa[:, None] * sb[None, :], d
     else:
-        sa, sb = scale
         return acc + d * (sa * sb)[:, None], d
 
 
 @gluon.jit
-def _pass(acc, d, scales, ring, it, at, k0, k_steps, HALF: gl.constexpr, col_scales=None):
-    """``k_steps`` K steps of a tile (``scales``: what ``_scales_at`` reads, the steps' scale
-    blocks from ``k0`` on; ``col_scales``: the weight gradient's), from ring step ``it`` on.
-    The scales of step k + 1 are loaded during step k into two register sets by step parity
-    (the loop is unrolled by two). Returns (acc, d, the next ring step)."""
-    OUTER: gl.constexpr = col_scales is not None
+def _pass(acc, d, scales, ring, it, at, k0, k_steps, HALF: gl.constexpr, OUTER: gl.constexpr):
+    """``k_steps`` K steps of a tile (``scales``: its scales' pointers, sizes and strides; the
+    steps' scale blocks from ``k0`` on; ``at``: where ``_scales_at`` reads), from ring step
+    ``it`` on. The scales of step k + 1 are loaded during step k into two register sets by step
+    parity (the loop is unrolled by two). Returns (acc, d, the next ring step)."""
     last = k0 + gl.maximum(k_steps - 1, 0)
     scale0 = _scales_at(scales, at, k0, OUTER)
     for kb in range(k0, k0 + k_steps - 1, 2):
         scale1 = _scales_at(scales, at, kb + 1, OUTER)
-        acc, d = _k_step(acc, d, scale0, ring, it, HALF, col_scales)
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF, OUTER)
         scale0 = _scales_at(scales, at, gl.minimum(kb + 2, last), OUTER)
-        acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF, col_scales)
+        acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF, OUTER)
         it += 2
     if k_steps % 2:
-        acc, d = _k_step(acc, d, scale0, ring, it, HALF, col_scales)
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF, OUTER)
         it += 1
     return acc, d, it
 
@@ -258,9 +261,9 @@ def _consumer(
         expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
         row += HALF * HALF_ROWS
         at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
-        acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF)
+        acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF, False)
         if TWO_PAIRS:
-            acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF)
+            acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, False)
         _store_tile(c_desc, c_smem, acc, [row, col])
     tma.store_wait(pendings=0)
 
@@ -280,26 +283,23 @@ def _wgrad_tile(tile, row_start_ptr, M, N):
 
 
 @gluon.jit
-def _wgrad_producer(at_desc, bt_desc, col_scales, ring, row_start_ptr, E, M, N,
-                    NUM_PROGS: gl.constexpr):  # fmt: skip
-    """One warp: every K step of every weight-gradient tile of this CTA into the ring: the
-    A^T rows of the tile's two halves, the B^T rows of its columns and their 128x1 scales
-    (``col_scales``: descriptor, buffers), at the expert's rows."""
+def _wgrad_producer(at_desc, bt_desc, ring, row_start_ptr, E, M, N, NUM_PROGS: gl.constexpr):
+    """One warp: every K step of every weight-gradient tile of this CTA into the ring (the
+    A^T rows of the tile's two halves and the B^T rows of its columns, at the expert's rows)."""
     tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
         expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
-        it = _load_steps(at_desc, bt_desc, ring, row, col, r0, steps, it, col_scales)
+        it = _load_steps(at_desc, bt_desc, ring, row, col, r0, steps, it)
 
 
 @gluon.jit
-def _wgrad_consumer(c_desc, c_bufs, s_bufs, ring, scales, row_start_ptr, E, N,
-                    HALF: gl.constexpr, NUM_PROGS: gl.constexpr):  # fmt: skip
+def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.constexpr,
+                    NUM_PROGS: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every weight-gradient tile of
     this CTA, the expert's rows in order (``fp8_gemm.fp8_wgrad_tile``'s sums). A tile of an
-    expert without rows stores zeros. ``scales``: A^T's scale pointer, M and its stride along
-    the rows; ``s_bufs``: the ring's column-scale buffers."""
-    a_s_ptr, M, s_ak = scales
+    expert without rows stores zeros. ``scales``: pointers, M, N and the strides."""
+    a_s_ptr, b_s_ptr, M, N, s_ak, s_bk = scales
     c_smem = c_bufs.index(HALF)
     tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
     zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
@@ -310,8 +310,9 @@ def _wgrad_consumer(c_desc, c_bufs, s_bufs, ring, scales, row_start_ptr, E, N,
         row += HALF * HALF_ROWS
         rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
         # a tile without steps reads no scale (its block index would be past the rows)
-        tile_scales = (a_s_ptr, gl.where(steps > 0, M, 0), s_ak)
-        acc, d, it = _pass(zero, d, tile_scales, ring, it, rows, r0 // BK, steps, HALF, s_bufs)
+        sizes = (gl.where(steps > 0, M, 0), gl.where(steps > 0, N, 0))
+        tile_scales = (a_s_ptr, b_s_ptr) + sizes + (s_ak, s_bk)
+        acc, d, it = _pass(zero, d, tile_scales, ring, it, (rows, col), r0 // BK, steps, HALF, True)
         _store_tile(c_desc, c_smem, acc, [expert, row, col])
     tma.store_wait(pendings=0)
 
@@ -369,29 +370,24 @@ def _ws_grouped_mm_kernel(
     )  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["E", "M", "N", "s_ak"])
+# N and s_bk (= N) are specialized (multiples of 8, so never 1): their divisibility lets the
+# column scales load as vectors.
+@gluon.jit(do_not_specialize=["E", "M", "s_ak"])
 def _ws_wgrad_kernel(
-    at_desc, at_s_ptr, bt_desc,  # A^T [M, rows], its 128x1 scales; B^T [N, rows]
-    bs_desc,  # B^T's 128x1 scales, feature-major [row blocks, N]
+    at_desc, at_s_ptr, bt_desc, bt_s_ptr,  # A^T [M, rows], B^T [N, rows], their 128x1 scales
     c_desc,  # d_W [E, M, N]
     row_start_ptr,  # the experts' first rows
     E, M, N,
-    s_ak,  # A^T's scales' stride along the rows (its features' is 1)
+    s_ak, s_bk,  # the scales' strides along the rows (the features' are 1)
     STAGES: gl.constexpr, NUM_PROGS: gl.constexpr,
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(at_desc, bt_desc, c_desc, STAGES)
-    s_bufs = gl.allocate_shared_memory(
-        bs_desc.dtype, [STAGES] + bs_desc.block_type.shape, bs_desc.layout
-    )
-    scales = (at_s_ptr, M, s_ak)
+    scales = (at_s_ptr, bt_s_ptr, M, N, s_ak, s_bk)
     gl.warp_specialize(
         [
-            (_wgrad_consumer, (c_desc, c_bufs, s_bufs, ring, scales, row_start_ptr, E, N, 0,
-                               NUM_PROGS)),
-            (_wgrad_consumer, (c_desc, c_bufs, s_bufs, ring, scales, row_start_ptr, E, N, 1,
-                               NUM_PROGS)),
-            (_wgrad_producer, (at_desc, bt_desc, (bs_desc, s_bufs), ring, row_start_ptr, E, M,
-                               N, NUM_PROGS)),
+            (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 0, NUM_PROGS)),
+            (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 1, NUM_PROGS)),
+            (_wgrad_producer, (at_desc, bt_desc, ring, row_start_ptr, E, M, N, NUM_PROGS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -418,12 +414,11 @@ def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def _check_stages(stages: int, out_bytes: int, col_scales: bool = False) -> None:
-    need = smem_bytes(stages, out_bytes, col_scales)
-    if need > SMEM_BYTES:
+def _check_stages(stages: int, out_bytes: int) -> None:
+    if smem_bytes(stages, out_bytes) > SMEM_BYTES:
         raise ValueError(
-            f"stages = {stages} needs {need} B of shared memory with {out_bytes}-byte outputs; "
-            f"a CTA has {SMEM_BYTES}"
+            f"stages = {stages} needs {smem_bytes(stages, out_bytes)} B of shared memory with "
+            f"{out_bytes}-byte outputs; a CTA has {SMEM_BYTES}"
         )
 
 
@@ -477,8 +472,7 @@ def launch_grouped_mm(
 
 def _features_contiguous(scale: torch.Tensor) -> torch.Tensor:
     """128x1 scales [features, row blocks] with the features contiguous, a row block
-    ``features`` apart (``fp8.quantize_cols``'s layout): the kernel reads a step's scales as
-    one row of their transpose."""
+    ``features`` apart (``fp8.quantize_cols``'s layout), which the kernel reads as vectors."""
     features = scale.shape[0]
     if scale.stride(0) == 1 and scale.stride(1) == features:
         return scale
@@ -499,24 +493,23 @@ def launch_wgrad(
     128-row aligned), from the transposed 128x1-quantized operands a_t [M, rows] and b_t [N,
     rows]; ``out`` an [E, M, N] bf16 or fp32 view with contiguous rows. ``fp8_gemm.wgrad`` has
     checked the arguments."""
-    _check_stages(stages, out.element_size(), col_scales=True)
+    _check_stages(stages, out.element_size())
     a_t_scale, b_t_scale = _features_contiguous(a_t_scale), _features_contiguous(b_t_scale)
     e, m, n = out.shape
     work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, TILE_COLS.value)
     grid = launch_grid(work, a_t.device, programs)
-    # a step's column scales: one unswizzled 512-byte row of the [row blocks, N] scales
-    col_scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     _ws_wgrad_kernel[grid](
         _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
         a_t_scale,
         _nvmma(b_t, [TILE_COLS.value, BLOCK]),
-        TensorDescriptor.from_tensor(b_t_scale.t(), [1, TILE_COLS.value], col_scale_layout),
+        b_t_scale,
         _nvmma(out, [1, HALF_ROWS.value, TILE_COLS.value]),
         row_start,
         e,
         m,
         n,
         a_t_scale.stride(1),
+        b_t_scale.stride(1),
         STAGES=stages,
         NUM_PROGS=grid[0],
         num_warps=4,
