@@ -189,16 +189,20 @@ def _fp8_step(cfg, tokens: int) -> None:
     fp8.quantize_rows_cols(_meta(s.rows, h), pad_to=16)
 
 
-def _fp8_triton_step(cfg, tokens: int) -> None:
-    """``_fp8_step`` with every GEMM on its Triton kernel, as GPUs other than Hopper run them
-    (Hopper runs the warp-specialized ``fp8_ws`` where the tiles ask for it)."""
+def _fp8_step_with(cfg, tokens: int, warp_specialized: bool) -> None:
+    """``_fp8_step`` with every GEMM that has a warp-specialized ``fp8_ws`` kernel on it (the
+    weight gradients too, a sweep candidate), or with every GEMM on its Triton kernel, as GPUs
+    other than Hopper run them."""
     import dataclasses
 
     from ..kernels import fp8_gemm
 
     old = dict(fp8_gemm.GPU_TILES)
     for kind, t in old.items():
-        fp8_gemm.GPU_TILES[kind] = dataclasses.replace(t, warp_specialized=False)
+        if not warp_specialized:
+            fp8_gemm.GPU_TILES[kind] = dataclasses.replace(t, warp_specialized=False)
+        elif kind in ("mm", "pair", "wgrad", "wgrad_fp32"):
+            fp8_gemm.GPU_TILES[kind] = fp8_gemm.WARP_SPECIALIZED
     try:
         _fp8_step(cfg, tokens)
     finally:
@@ -248,8 +252,12 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
         ("scaled pull", lambda: _comm_extras(tokens, cfg.hidden_size, cfg.top_k, 2)),
         ("fp8 dsv3 W=1 (kernels only)", lambda: _fp8_step(cfg, tokens)),
         (
+            "fp8 dsv3 W=1 (kernels only), every warp-specialized GEMM",
+            lambda: _fp8_step_with(cfg, tokens, warp_specialized=True),
+        ),
+        (
             "fp8 dsv3 W=1 (kernels only), Triton kernels only",
-            lambda: _fp8_triton_step(cfg, tokens),
+            lambda: _fp8_step_with(cfg, tokens, warp_specialized=False),
         ),
         (
             "triton fp8 dsv3 W=1",
