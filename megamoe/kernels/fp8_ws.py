@@ -1,5 +1,6 @@
-"""Warp-specialized block-scaled FP8 grouped GEMM for Hopper (Gluon): the forward down (one
-(A, W) pair) and the dgrad of gate/up (two pairs into one accumulator).
+"""Warp-specialized block-scaled FP8 grouped GEMMs for Hopper (Gluon): the forward down (one
+(A, W) pair), the dgrad of gate/up (two pairs into one accumulator) and the weight gradient
+(each expert's rows as the K steps; its 128x1 scales on both operands).
 
 Why: ``fp8_gemm``'s Triton kernels promote each 128-deep K step's fp32 partial product on the
 CUDA cores, and within one warpgroup the tensor cores idle while it waits for its MMAs and
@@ -23,11 +24,12 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
 Bits: per K step each element's partial product comes from the same four m64n128k32 wgmma
 instructions, in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles,
 and the promotion is the same expression in the same order, so the output is bitwise that of
-``fp8_gemm.grouped_mm`` (the GPU tests compare them). The persistent grid walks the tiles of
-the used row blocks in ``tiles.tile_of``'s order, one CTA per SM.
+``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid walks the tiles in
+their order (``tiles.tile_of``: the used row blocks, or each expert's weight tiles), one CTA
+per SM.
 
-Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.grouped_mm`` and ``dgrad_pair``
-take this path on a Hopper GPU only, when their tiles ask for it (``GemmTiles.
+Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.grouped_mm``, ``dgrad_pair``
+and ``wgrad`` take this path on a Hopper GPU only, when their tiles ask for it (``GemmTiles.
 warp_specialized``); the CPU tests compile it for sm_90a (``megamoe.tools.compile_check``).
 """
 
