@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from megamoe.kernels import fp8_ws
 from megamoe.kernels.fp8 import BLOCK, FP8, Fp8Weight
 from megamoe.kernels.fp8_ws import (
+    ACC_LAYOUT,
     BK,
     CONSUMER_REGS,
     HALF_ROWS,
@@ -65,6 +66,7 @@ from megamoe.kernels.fp8_ws import (
     _producer,
     _shared_ring,
     _step_scales,
+    _store_tile,
     _tile_origin,
 )
 from megamoe.kernels.gemm import weight_2d
@@ -131,15 +133,12 @@ def _consumer(
     phase."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     block_expert_ptr, num_blocks_ptr = sched
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_COLS, 32]
-    )
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
     c_smem = c_bufs.index(HALF)
     tiles_n = gl.cdiv(N, TILE_COLS)
     num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     k_steps = gl.cdiv(K, BK)
-    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, acc_layout)
+    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
     d = zero
     it = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
@@ -168,10 +167,7 @@ def _consumer(
             if k_steps % 2:
                 acc, d = _k_step(acc, d, scale0, ring, turn, it, HALF, PINGPONG, EARLY)
                 it += 1
-        tma.store_wait(pendings=0)
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [row, col], c_smem)
+        _store_tile(c_desc, c_smem, acc, [row, col])
     tma.store_wait(pendings=0)
 
 
