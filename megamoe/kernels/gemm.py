@@ -78,10 +78,11 @@ class GemmTiles:
     # for real (``fp8_gemm.opaque_zero``'s STRICT: one more instruction an element), where
     # ptxas would otherwise overlap the two products and spill
     strict_order: bool = False
-    # fp8's one- and two-pair grouped mm (the forward down, the dgrad of gate/up) on Hopper:
-    # the warp-specialized Gluon kernel (``fp8_ws``: 128 x 128 tiles, one producer warp and
-    # two consumer warpgroups, ``stages`` ring slots) in place of the Triton one; the same bits.
-    # Elsewhere (the interpreter, other GPUs, fp32 outputs) the Triton kernel runs these tiles.
+    # fp8's one- and two-pair grouped mm (the forward down, the dgrad of gate/up) and weight
+    # gradient on Hopper: the warp-specialized Gluon kernel (``fp8_ws``: 128 x 128 tiles, one
+    # producer warp and two consumer warpgroups, ``stages`` ring slots) in place of the Triton
+    # one; the same bits. Elsewhere (the interpreter, other GPUs, a grouped mm into fp32) the
+    # Triton kernel runs these tiles.
     warp_specialized: bool = False
 
 
