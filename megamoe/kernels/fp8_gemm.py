@@ -97,7 +97,9 @@ WARP_SPECIALIZED = dataclasses.replace(
     _SPLIT, stages=4, programs_per_sm=1, strict_order=True, warp_specialized=True
 )
 GPU_TILES: dict[str, GemmTiles] = {
-    "gate_up": dataclasses.replace(_SPLIT, bn=64),  # two accumulators a half
+    # gate/up on the warp-specialized kernel, 64 columns of gate and of up a tile (two
+    # accumulators a consumer; the Triton fallback: the split tile's halves strictly ordered)
+    "gate_up": dataclasses.replace(WARP_SPECIALIZED, bn=64),
     "mm": WARP_SPECIALIZED,
     # the dgrad of gate/up, two (A, W) pairs into one accumulator: 1.04-1.29x the split tiles
     # on 13 of the 15 table models that fit one H100, 1.00-1.01x on DeepSeek-V3 and Mixtral
@@ -939,6 +941,12 @@ def gate_up(
     n = qg.shape[1]
     g, u, h = (empty((rows, n), out_dtype, a.device) for _ in range(3))
     (wg, w_rows), (wu, _) = weight_2d(qg), weight_2d(qu)
+    ws = t.warp_specialized and out_dtype == torch.bfloat16
+    if ws and fp8_ws.supported(a.device, sched.block_rows):
+        fp8_ws.launch_gate_up(
+            a, a_scale, (wg, sg), (wu, su), w_rows, sched, (g, u, h), t.stages, programs
+        )
+        return g, u, h
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _fp8_gate_up_kernel[grid](

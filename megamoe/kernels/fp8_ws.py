@@ -1,6 +1,7 @@
-"""Warp-specialized block-scaled FP8 grouped GEMMs for Hopper (Gluon): the forward down (one
-(A, W) pair), the dgrad of gate/up (two pairs into one accumulator) and the weight gradient
-(each expert's rows as the K steps; its 128x1 scales on both operands).
+"""Warp-specialized block-scaled FP8 grouped GEMMs for Hopper (Gluon): gate/up with its SwiGLU
+epilogue (two weights, 64 columns of each a tile), the forward down (one (A, W) pair), the dgrad
+of gate/up (two pairs into one accumulator) and the weight gradient (each expert's rows as the K
+steps; its 128x1 scales on both operands).
 
 Why: ``fp8_gemm``'s Triton kernels promote each 128-deep K step's fp32 partial product on the
 CUDA cores, and within one warpgroup the tensor cores idle while it waits for its MMAs and
@@ -22,14 +23,15 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
     for the loads before every wgmma: ptxas puts that multiply or copy there.)
 
 Bits: per K step each element's partial product comes from the same four m64n128k32 wgmma
-instructions, in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles,
-and the promotion is the same expression in the same order, so the output is bitwise that of
-``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid walks the tiles in
+instructions (gate/up: m64n64k32, one accumulator per weight, as its Triton tiles of 64
+columns), in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, and
+the promotion and the epilogue are the same expressions in the same order, so the output is
+bitwise that of ``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid walks the tiles in
 their order (``tiles.tile_of``: the used row blocks, or each expert's weight tiles), one CTA
 per SM.
 
-Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.grouped_mm``, ``dgrad_pair``
-and ``wgrad`` take this path on a Hopper GPU only, when their tiles ask for it (``GemmTiles.
+Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.gate_up``, ``grouped_mm``,
+``dgrad_pair`` and ``wgrad`` take this path on a Hopper GPU only, when their tiles ask for it (``GemmTiles.
 warp_specialized``); the CPU tests compile it for sm_90a (``megamoe.tools.compile_check``).
 """
 
@@ -57,6 +59,7 @@ __all__ = [
     "SMEM_BYTES",
     "smem_bytes",
     "supported",
+    "launch_gate_up",
     "launch_grouped_mm",
     "launch_wgrad",
 ]
@@ -77,32 +80,49 @@ KERNEL_MAXNREG = 168
 ACC_LAYOUT = gl.constexpr(
     gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
 )
+# gate/up: a tile's columns of each weight; the two weights' B boxes fill one 128-row ring slot
+GATE_UP_COLS = gl.constexpr(64)
+# a gate/up consumer's two accumulators: wgmma m64n64k32, the instruction of fp8_gemm's 64-column
+# gate/up tiles
+GATE_UP_LAYOUT = gl.constexpr(
+    gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+)
 SMEM_BYTES = 227 * 1024  # what one H100/H200 CTA may use
+# What a consumer's K step computes (``_k_step``)
+MM = gl.constexpr(0)  # acc += d * (a_scale * w_scale): one weight scale per row's 128 columns
+WGRAD = gl.constexpr(1)  # acc += d * a_scale * b_scale: 128x1 scales on both operands
+GATE_UP = gl.constexpr(2)  # MM's for each of two weights (gate, up) into two accumulators
 
 
-def smem_bytes(stages: int, out_bytes: int = 2) -> int:
-    """The ring (fp8 A and B tiles), the two staging tiles of the epilogue (``out_bytes`` an
-    element: 2 for bf16, 4 for fp32), the barriers."""
+def smem_bytes(stages: int, out_bytes: int = 2, gate_up: bool = False) -> int:
+    """The ring (fp8 A and B tiles), each consumer's staging tiles of the epilogue (one 64 x
+    128 tile, or gate/up's three 64 x 64 tiles of g, u and h; ``out_bytes`` an element: 2 for
+    bf16, 4 for fp32), the barriers."""
     step = (TILE_ROWS + TILE_COLS.value) * BLOCK
-    return stages * step + 2 * HALF_ROWS.value * TILE_COLS.value * out_bytes + 16 * stages
+    staging = 3 * GATE_UP_COLS.value if gate_up else TILE_COLS.value
+    return stages * step + 2 * HALF_ROWS.value * staging * out_bytes + 16 * stages
 
 
 @gluon.jit
-def _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr):
-    """(expert, first row, first column) of CTA tile ``tile``: the column is the fast index,
-    the expert that of the tile's row block."""
+def _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr,
+                 COLS: gl.constexpr = TILE_COLS):  # fmt: skip
+    """(expert, first row, first column) of CTA tile ``tile`` (``COLS`` wide): the column is
+    the fast index, the expert that of the tile's row block."""
     mb = tile // tiles_n
     expert = gl.load(block_expert_ptr + mb // BLOCK_TILES)
-    return expert, mb * (2 * HALF_ROWS), (tile % tiles_n) * TILE_COLS
+    return expert, mb * (2 * HALF_ROWS), (tile % tiles_n) * COLS
 
 
 @gluon.jit
-def _load_steps(a_desc, b_desc, ring, a_row, b_row, k0, k_steps, it):
+def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it):
     """``k_steps`` K steps of one tile into the ring, from ring step ``it`` on: the two 64-row
-    A boxes at (a_row, k) and (a_row + 64, k) and the B box at (b_row, k), k from ``k0`` on in
-    steps of 128; returns the next ring step."""
+    A boxes at (a_row, k) and (a_row + 64, k) and the B box at (b_row, k) of each descriptor
+    of ``b_descs`` (one, or gate/up's two 64-row boxes stacked in the slot), k from ``k0`` on
+    in steps of 128; returns the next ring step."""
     a_bufs, b_bufs, ready, free, STAGES = ring
-    STEP_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    NB: gl.constexpr = len(b_descs)
+    B_ROWS: gl.constexpr = b_descs[0].block_type.shape[0]
+    STEP_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + NB * b_descs[0].block_type.nbytes
     for kb in range(k_steps):
         slot = it % STAGES
         # The first pass over the ring waits on phase 1, which a fresh barrier has completed:
@@ -115,45 +135,57 @@ def _load_steps(a_desc, b_desc, ring, a_row, b_row, k0, k_steps, it):
             tma.async_copy_global_to_shared(
                 a_desc, [a_row + half * HALF_ROWS, k], bar, a_bufs.index(2 * slot + half)
             )
-        tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_bufs.index(slot))
+        if NB == 1:
+            tma.async_copy_global_to_shared(b_descs[0], [b_row, k], bar, b_bufs.index(slot))
+        else:
+            for i in gl.static_range(NB):
+                dst = b_bufs.index(slot).slice(i * B_ROWS, B_ROWS)
+                tma.async_copy_global_to_shared(b_descs[i], [b_row, k], bar, dst)
         it += 1
     return it
 
 
 @gluon.jit
 def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl.constexpr,
-              NUM_PROGS: gl.constexpr):  # fmt: skip
+              NUM_PROGS: gl.constexpr, COLS: gl.constexpr = TILE_COLS):  # fmt: skip
     """One warp: every K step of every tile of this CTA, in the consumers' order, into the
-    ring: the first pair's (``pairs[i]``: A's and W's descriptors, W's rows an expert), then
-    with ``TWO_PAIRS`` the second's. A slot is refilled once both consumers released it
-    ("free"); its "ready" barrier completes when all of the step's TMA bytes have landed."""
+    ring: the first pair's (``pairs[i]``: A's descriptor, the weights' (one, or gate and up),
+    their rows an expert), then with ``TWO_PAIRS`` the second's. A slot is refilled once both
+    consumers released it ("free"); its "ready" barrier completes when all of the step's TMA
+    bytes have landed."""
     block_expert_ptr, num_blocks_ptr = sched
-    tiles_n = gl.cdiv(N, TILE_COLS)
+    tiles_n = gl.cdiv(N, COLS)
     num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
     k_steps = gl.cdiv(K, BK)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
-        a_desc, b_desc, w_rows = pairs[0]
-        it = _load_steps(a_desc, b_desc, ring, row, expert * w_rows + col, 0, k_steps, it)
+        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES, COLS)
+        a_desc, b_descs, w_rows = pairs[0]
+        it = _load_steps(a_desc, b_descs, ring, row, expert * w_rows + col, 0, k_steps, it)
         if TWO_PAIRS:
-            a_desc, b_desc, w_rows = pairs[1]
-            it = _load_steps(a_desc, b_desc, ring, row, expert * w_rows + col, 0, k_steps, it)
+            a_desc, b_descs, w_rows = pairs[1]
+            it = _load_steps(a_desc, b_descs, ring, row, expert * w_rows + col, 0, k_steps, it)
 
 
 @gluon.jit
 def _step_scales(scales, expert, rows, col, kb):
     """Step ``kb``'s scales of the consumer's rows: a_scale[row, kb] (0 past M) and the
-    weight scale of its 128 columns, b_scale[expert, col // 128, kb]. Columns past N (clipped
-    by the store) read the expert's last scale block. b_scale is loaded per row, masked as
-    a_scale: a scalar (or a row vector ptxas can prove uniform) would live in a uniform
-    register, and ptxas waits for the load where it moves it there, before the next wgmma."""
-    a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk = scales
+    weight scale of its columns' 128-column block, b_scale[expert, col // 128, kb], of each
+    weight (``scales[1]``: one scale pointer, or gate's and up's, which share the strides).
+    Columns past N (clipped by the store) read the expert's last scale block. b_scale is
+    loaded per row, masked as a_scale: a scalar (or a row vector ptxas can prove uniform)
+    would live in a uniform register, and ptxas waits for the load where it moves it there,
+    before the next wgmma."""
+    a_s_ptr, b_s_ptrs, M, N, s_am, s_ak, s_be, s_bn, s_bk = scales
     live = rows < M
     sa = gl.load(a_s_ptr + rows * s_am + kb * s_ak, mask=live, other=0.0)
     nb = gl.minimum(col // TILE_COLS, gl.cdiv(N, TILE_COLS) - 1)
-    sb = gl.load(b_s_ptr + expert * s_be + nb * s_bn + kb * s_bk + rows * 0, mask=live)
-    return sa, sb
+    at = expert * s_be + nb * s_bn + kb * s_bk + rows * 0
+    sb = gl.load(b_s_ptrs[0] + at, mask=live)
+    if len(b_s_ptrs) == 2:
+        return sa, sb, gl.load(b_s_ptrs[1] + at, mask=live)
+    else:
+        return sa, sb
 
 
 @gluon.jit
@@ -169,10 +201,10 @@ def _wgrad_step_scales(scales, rows, col, kb):
 
 
 @gluon.jit
-def _scales_at(scales, at, kb, OUTER: gl.constexpr):
-    """Step ``kb``'s scales: ``_wgrad_step_scales(scales, *at)`` with ``OUTER`` (the weight
-    gradient), else ``_step_scales(scales, *at)`` (at = (expert, rows, col))."""
-    if OUTER:
+def _scales_at(scales, at, kb, KIND: gl.constexpr):
+    """Step ``kb``'s scales: ``_wgrad_step_scales(scales, *at)`` for the weight gradient
+    (``KIND`` WGRAD), else ``_step_scales(scales, *at)`` (at = (expert, rows, col))."""
+    if KIND == WGRAD:
         rows, col = at
         return _wgrad_step_scales(scales, rows, col, kb)
     else:
@@ -181,49 +213,64 @@ def _scales_at(scales, at, kb, OUTER: gl.constexpr):
 
 
 @gluon.jit
-def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, OUTER: gl.constexpr):
+def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
     """One K step of a consumer: wait for ring step ``it``, its wgmma into the partial
     accumulator ``d`` (from zero: ``d``'s values are ignored, its registers reused), the wait,
-    the slot's release, then ``fp8_gemm.fp8_mma``'s promotion: by a row vector's product
-    (a_scale * w_scale), or with ``OUTER`` (the weight gradient) by the rows' and then the
+    the slot's release, then ``fp8_gemm.fp8_mma``'s promotion (``KIND``): MM by a row
+    vector's product (a_scale * w_scale); GATE_UP the same for each of the slot's two 64-row
+    B boxes into its own (acc, d) (both tuples: gate, up); WGRAD by the rows' and then the
     columns' scales, the latter loaded while the wgmma runs (a second register set of 32 a
     thread would not fit). Returns (acc, d)."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-    b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
-    d = warpgroup_mma(a_bufs.index(2 * slot + HALF), b, d, use_acc=False, is_async=True)
-    sa, sb = scale
-    if OUTER:
-        sb_ptr, cols_left = sb
-        cols = gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
-        sb = gl.load(sb_ptr + cols, mask=cols < cols_left, other=0.0)
-    d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
-    # Both wgmma groups have read the slot: hand it back (the compiler syncs the warpgroup
-    # before its one-thread arrive).
-    mbarrier.arrive(free.index(slot), count=1)
-    if OUTER:
-        return acc + d * sa[:, None] * sb[None, :], d
+    a = a_bufs.index(2 * slot + HALF)
+    if KIND == GATE_UP:
+        b = b_bufs.index(slot)
+        bg = b.slice(0, GATE_UP_COLS).permute((1, 0))  # [64 N, 128 K] viewed K-major
+        bu = b.slice(GATE_UP_COLS, GATE_UP_COLS).permute((1, 0))
+        dg, du = d
+        dg = warpgroup_mma(a, bg, dg, use_acc=False, is_async=True)
+        du = warpgroup_mma(a, bu, du, use_acc=False, is_async=True)
+        dg, du = warpgroup_mma_wait(num_outstanding=0, deps=(dg, du))
+        mbarrier.arrive(free.index(slot), count=1)
+        acc_g, acc_u = acc
+        sa, sg, su = scale
+        return (acc_g + dg * (sa * sg)[:, None], acc_u + du * (sa * su)[:, None]), (dg, du)
     else:
-        return acc + d * (sa * sb)[:, None], d
+        b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
+        d = warpgroup_mma(a, b, d, use_acc=False, is_async=True)
+        sa, sb = scale
+        if KIND == WGRAD:
+            sb_ptr, cols_left = sb
+            cols = gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
+            sb = gl.load(sb_ptr + cols, mask=cols < cols_left, other=0.0)
+        d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+        # Both wgmma groups have read the slot: hand it back (the compiler syncs the warpgroup
+        # before its one-thread arrive).
+        mbarrier.arrive(free.index(slot), count=1)
+        if KIND == WGRAD:
+            return acc + d * sa[:, None] * sb[None, :], d
+        else:
+            return acc + d * (sa * sb)[:, None], d
 
 
 @gluon.jit
-def _pass(acc, d, scales, ring, it, at, k0, k_steps, HALF: gl.constexpr, OUTER: gl.constexpr):
+def _pass(acc, d, scales, ring, it, at, k0, k_steps, HALF: gl.constexpr, KIND: gl.constexpr):
     """``k_steps`` K steps of a tile (``scales``: its scales' pointers, sizes and strides; the
     steps' scale blocks from ``k0`` on; ``at``: where ``_scales_at`` reads), from ring step
     ``it`` on. The scales of step k + 1 are loaded during step k into two register sets by step
     parity (the loop is unrolled by two). Returns (acc, d, the next ring step)."""
     last = k0 + gl.maximum(k_steps - 1, 0)
-    scale0 = _scales_at(scales, at, k0, OUTER)
+    scale0 = _scales_at(scales, at, k0, KIND)
     for kb in range(k0, k0 + k_steps - 1, 2):
-        scale1 = _scales_at(scales, at, kb + 1, OUTER)
-        acc, d = _k_step(acc, d, scale0, ring, it, HALF, OUTER)
-        scale0 = _scales_at(scales, at, gl.minimum(kb + 2, last), OUTER)
-        acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF, OUTER)
+        scale1 = _scales_at(scales, at, kb + 1, KIND)
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF, KIND)
+        scale0 = _scales_at(scales, at, gl.minimum(kb + 2, last), KIND)
+        acc, d = _k_step(acc, d, scale1, ring, it + 1, HALF, KIND)
         it += 2
     if k_steps % 2:
-        acc, d = _k_step(acc, d, scale0, ring, it, HALF, OUTER)
+        acc, d = _k_step(acc, d, scale0, ring, it, HALF, KIND)
         it += 1
     return acc, d, it
 
@@ -263,10 +310,59 @@ def _consumer(
         expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
         row += HALF * HALF_ROWS
         at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
-        acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF, False)
+        acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF, MM)
         if TWO_PAIRS:
-            acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, False)
+            acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, MM)
         _store_tile(c_desc, c_smem, acc, [row, col])
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _swiglu(g, u):
+    """h = silu(g) * u in fp32: ``tiles.swiglu``'s expression and order (the Triton gate/up
+    epilogue's bits)."""
+    return g / (1.0 + gl.exp(-g)) * u
+
+
+@gluon.jit
+def _store_gate_up(descs, bufs, accs, coord):
+    """The gate/up epilogue: g, u and h = silu(g) * u from the fp32 accumulators ``accs``, in
+    the outputs' dtype through this warpgroup's staging tiles (``bufs``: g's, u's, h's), one
+    TMA store each at ``coord``, once the previous tile's stores have read them."""
+    acc_g, acc_u = accs
+    tma.store_wait(pendings=0)
+    bufs[0].store(acc_g.to(descs[0].dtype))
+    bufs[1].store(acc_u.to(descs[1].dtype))
+    bufs[2].store(_swiglu(acc_g, acc_u).to(descs[2].dtype))
+    fence_async_shared()
+    for i in gl.static_range(3):
+        tma.async_copy_shared_to_global(descs[i], coord, bufs[i])
+
+
+@gluon.jit
+def _gate_up_consumer(
+    out_descs, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, BLOCK_TILES: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every gate/up tile of this
+    CTA (64 columns of g and of u, from the slot's two B boxes), and their SwiGLU epilogue.
+    ``out_descs``: g's, u's and h's descriptors, ``c_bufs`` their staging tiles (two each);
+    ``scales``: the scale pointers (A's, then gate's and up's), M, N and the strides."""
+    block_expert_ptr, num_blocks_ptr = sched
+    row_layout: gl.constexpr = gl.SliceLayout(1, GATE_UP_LAYOUT)
+    bufs = (c_bufs[0].index(HALF), c_bufs[1].index(HALF), c_bufs[2].index(HALF))
+    tiles_n = gl.cdiv(N, GATE_UP_COLS)
+    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
+    k_steps = gl.cdiv(K, BK)
+    zero = gl.zeros([HALF_ROWS, GATE_UP_COLS], gl.float32, GATE_UP_LAYOUT)
+    d = (zero, zero)
+    it = 0  # ring steps consumed so far (the producer counts the same)
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
+        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES, GATE_UP_COLS)
+        row += HALF * HALF_ROWS
+        at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
+        accs, d, it = _pass((zero, zero), d, scales, ring, it, at, 0, k_steps, HALF, GATE_UP)
+        _store_gate_up(out_descs, bufs, accs, [row, col])
     tma.store_wait(pendings=0)
 
 
@@ -292,7 +388,7 @@ def _wgrad_producer(at_desc, bt_desc, ring, row_start_ptr, E, M, N, NUM_PROGS: g
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
         expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
-        it = _load_steps(at_desc, bt_desc, ring, row, col, r0, steps, it)
+        it = _load_steps(at_desc, (bt_desc,), ring, row, col, r0, steps, it)
 
 
 @gluon.jit
@@ -314,22 +410,29 @@ def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.con
         # a tile without steps reads no scale (its block index would be past the rows)
         sizes = (gl.where(steps > 0, M, 0), gl.where(steps > 0, N, 0))
         tile_scales = (a_s_ptr, b_s_ptr) + sizes + (s_ak, s_bk)
-        acc, d, it = _pass(zero, d, tile_scales, ring, it, (rows, col), r0 // BK, steps, HALF, True)
+        acc, d, it = _pass(
+            zero, d, tile_scales, ring, it, (rows, col), r0 // BK, steps, HALF, WGRAD
+        )
         _store_tile(c_desc, c_smem, acc, [expert, row, col])
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
+def _staging(c_desc):
+    """The two consumers' staging tiles of one output."""
+    return gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+
+
+@gluon.jit
 def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
-    """The ring's shared memory (per slot: two 64-row A tiles, one B tile, a "ready" and a
-    "free" barrier), initialized, and the two consumers' bf16 staging tiles."""
+    """The ring's shared memory (per slot: two 64-row A tiles, one 128-row B tile, which
+    gate/up fills with two 64-row boxes, a "ready" and a "free" barrier), initialized, and the
+    two consumers' staging tiles of the output ``c_desc``."""
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout
     )
-    b_bufs = gl.allocate_shared_memory(
-        b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout
-    )
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, TILE_COLS, BK], b_desc.layout)
+    c_bufs = _staging(c_desc)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -356,8 +459,8 @@ def _ws_grouped_mm_kernel(
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
     strides = (s_am, s_ak, s_be, s_bn, s_bk)
-    scales = ((a_s_ptr, b_s_ptr, M, N) + strides, (a2_s_ptr, b2_s_ptr, M, N) + strides)
-    pairs = ((a_desc, b_desc, w_rows), (a2_desc, b2_desc, w2_rows))
+    scales = ((a_s_ptr, (b_s_ptr,), M, N) + strides, (a2_s_ptr, (b2_s_ptr,), M, N) + strides)
+    pairs = ((a_desc, (b_desc,), w_rows), (a2_desc, (b2_desc,), w2_rows))
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
@@ -366,6 +469,36 @@ def _ws_grouped_mm_kernel(
             (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 1, TWO_PAIRS, BLOCK_TILES,
                          NUM_PROGS)),
             (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"])
+def _ws_gate_up_kernel(
+    a_desc, a_s_ptr,  # the rows and their 1x128 scales
+    bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, w_rows,  # gate's and up's 2-D views and scales
+    g_desc, u_desc, h_desc,
+    block_expert_ptr, num_blocks_ptr,  # the row schedule
+    M, N, K,
+    s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides (gate's and up's alike)
+    STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+):  # fmt: skip
+    ring, g_bufs = _shared_ring(a_desc, bg_desc, g_desc, STAGES)
+    c_bufs = (g_bufs, _staging(u_desc), _staging(h_desc))
+    scales = (a_s_ptr, (bg_s_ptr, bu_s_ptr), M, N, s_am, s_ak, s_be, s_bn, s_bk)
+    pairs = ((a_desc, (bg_desc, bu_desc), w_rows),)
+    sched = (block_expert_ptr, num_blocks_ptr)
+    outs = (g_desc, u_desc, h_desc)
+    gl.warp_specialize(
+        [
+            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 0, BLOCK_TILES,
+                                 NUM_PROGS)),
+            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 1, BLOCK_TILES,
+                                 NUM_PROGS)),
+            (_producer, (pairs, ring, sched, N, K, False, BLOCK_TILES, NUM_PROGS,
+                         GATE_UP_COLS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -416,12 +549,61 @@ def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def _check_stages(stages: int, out_bytes: int) -> None:
-    if smem_bytes(stages, out_bytes) > SMEM_BYTES:
+def _check_stages(stages: int, out_bytes: int, gate_up: bool = False) -> None:
+    need = smem_bytes(stages, out_bytes, gate_up)
+    if need > SMEM_BYTES:
+        what = "gate/up's three " if gate_up else ""
         raise ValueError(
-            f"stages = {stages} needs {smem_bytes(stages, out_bytes)} B of shared memory with "
-            f"{out_bytes}-byte outputs; a CTA has {SMEM_BYTES}"
+            f"stages = {stages} needs {need} B of shared memory with {what}{out_bytes}-byte "
+            f"outputs; a CTA has {SMEM_BYTES}"
         )
+
+
+def launch_gate_up(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    gate: tuple[torch.Tensor, torch.Tensor],
+    up: tuple[torch.Tensor, torch.Tensor],
+    w_rows: int,
+    sched,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    stages: int,
+    programs: int | None = None,
+) -> None:
+    """(g, u, h) = (a W_g^T, a W_u^T, silu(g) * u) of the used row blocks of ``sched`` into
+    ``outs`` (each [rows, I], bf16), 64 columns of each weight a tile. ``gate``, ``up``: the
+    weights' 2-D views (``gemm.weight_2d``: expert e's I rows start at ``e * w_rows``) and
+    their 128x128 scales (the same strides). ``fp8_gemm.gate_up`` has checked the arguments."""
+    _check_stages(stages, outs[0].element_size(), gate_up=True)
+    (wg, sg), (wu, su) = gate, up
+    rows, k = a.shape
+    n = outs[0].shape[1]
+    block_tiles = sched.block_rows // TILE_ROWS
+    work = sched.max_blocks * block_tiles * triton.cdiv(n, GATE_UP_COLS.value)
+    grid = launch_grid(work, a.device, programs)
+    b_box = [GATE_UP_COLS.value, BLOCK]
+    _ws_gate_up_kernel[grid](
+        _nvmma(a, [HALF_ROWS.value, BLOCK]),
+        a_scale,
+        _nvmma(wg, b_box),
+        sg,
+        _nvmma(wu, b_box),
+        su,
+        w_rows,
+        *(_nvmma(o, [HALF_ROWS.value, GATE_UP_COLS.value]) for o in outs),
+        sched.block_expert,
+        sched.num_blocks,
+        rows,
+        n,
+        k,
+        *a_scale.stride(),
+        *sg.stride(),
+        STAGES=stages,
+        BLOCK_TILES=block_tiles,
+        NUM_PROGS=grid[0],
+        num_warps=4,
+        maxnreg=KERNEL_MAXNREG,
+    )
 
 
 def launch_grouped_mm(

@@ -115,7 +115,9 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             # flattened (3 stages spill 8 B)
             dataclasses.replace(_FP8_FLAT, bn=64, stages=3),
             dataclasses.replace(_FP8_FLAT, bn=64),
-        ],
+        ]
+        # the warp-specialized Gluon kernel (``fp8_ws``: 64 columns of gate and of up a tile)
+        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64, stages=n) for n in (4, 3)],
         "mm": _FP8_ROW
         + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
         # the warp-specialized Gluon kernel (``fp8_ws``)
@@ -154,7 +156,8 @@ def fits_shared_memory(tile_kind: str, t: GemmTiles, precision: str, block_rows:
     a split tile stores one sub-tile at a time).
     A compile that does not fit fails anyway; this keeps the sweep from compiling it."""
     if t.warp_specialized:  # (fp8_ws: one CTA per SM)
-        return fp8_ws.smem_bytes(t.stages) + _BLOCK_RESERVED_BYTES <= _SM_SHARED_BYTES
+        need = fp8_ws.smem_bytes(t.stages, gate_up=tile_kind == "gate_up")
+        return need + _BLOCK_RESERVED_BYTES <= _SM_SHARED_BYTES
     a_bytes = 1 if precision == "fp8" else 2
     bm = t.bm or block_rows
     b_tiles = 2 if tile_kind == "gate_up" else 1
@@ -335,7 +338,7 @@ def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int)
 
 
 _KERNEL_OF_TILE_KIND = {
-    "gate_up": ("_gate_up_kernel", "_fp8_gate_up_kernel"),
+    "gate_up": ("_gate_up_kernel", "_fp8_gate_up_kernel", "_ws_gate_up_kernel"),
     "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "pair": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),

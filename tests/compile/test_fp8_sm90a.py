@@ -72,12 +72,15 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     label[0] = "gpt-oss (partial K blocks)"
     step(2880, 2880, 32, 512, 4, 128)
     default_tiles = dict(fp8_gemm.GPU_TILES)
-    label[0] = "dsv3, the forward down's Triton kernel (other GPUs than Hopper)"
+    ws_gate_up = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64)
+    label[0] = "dsv3, the Triton kernels of gate/up's and the forward down's warp-specialized tiles"
     fp8_gemm.GPU_TILES["mm"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
                                                    warp_specialized=False)
+    fp8_gemm.GPU_TILES["gate_up"] = dataclasses.replace(ws_gate_up, warp_specialized=False)
     step(7168, 2048, 32, 512, 8, 128)
-    label[0] = "dsv3, the warp-specialized weight gradients, the dgrad of gate/up on Triton"
+    label[0] = "dsv3, warp-specialized gate/up and weight gradients, the dgrad of gate/up on Triton"
     fp8_gemm.GPU_TILES.update(default_tiles)
+    fp8_gemm.GPU_TILES["gate_up"] = ws_gate_up
     fp8_gemm.GPU_TILES["pair"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
                                                      warp_specialized=False)
     fp8_gemm.GPU_TILES["wgrad"] = fp8_gemm.GPU_TILES["wgrad_fp32"] = fp8_gemm.WARP_SPECIALIZED
@@ -115,7 +118,7 @@ QUANTIZERS = (
     "_quantize_rows_cols_kernel",
     "_quantize_weight_kernel",
 )
-WARP_SPECIALIZED = ("_ws_grouped_mm_kernel", "_ws_wgrad_kernel")  # (fp8_ws, Gluon)
+WARP_SPECIALIZED = ("_ws_gate_up_kernel", "_ws_grouped_mm_kernel", "_ws_wgrad_kernel")  # fp8_ws
 GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel", *WARP_SPECIALIZED)
 ROUTE_GRAD = "_route_grad_kernel"  # its packed-rows variant (the fp8 backward's dy)
 

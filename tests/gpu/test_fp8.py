@@ -136,15 +136,16 @@ def _weights64(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _warp_specialized_and_triton(monkeypatch, kind: str, run):
-    """``run()`` with tiles[kind] warp-specialized and then the same tiles on the Triton
-    kernel, on poisoned buffers: (ws, triton)."""
+    """``run()`` with tiles[kind] warp-specialized (its width kept: gate/up's 64) and then the
+    same tiles on the Triton kernel, on poisoned buffers: (ws, triton)."""
     import dataclasses
 
     from megamoe.kernels import fp8_gemm
 
-    triton_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, warp_specialized=False)
+    ws_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=fp8_gemm.GPU_TILES[kind].bn)
+    triton_tiles = dataclasses.replace(ws_tiles, warp_specialized=False)
     with poisoned_buffers():
-        monkeypatch.setitem(fp8_gemm.GPU_TILES, kind, fp8_gemm.WARP_SPECIALIZED)
+        monkeypatch.setitem(fp8_gemm.GPU_TILES, kind, ws_tiles)
         ws = run()
         monkeypatch.setitem(fp8_gemm.GPU_TILES, kind, triton_tiles)
         return ws, run()
@@ -184,6 +185,34 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     )
     a64, w64 = fp8.dequantize_rows(a, a_scale).double(), _weights64(w_down.q, w_down.scale)
     _check_ws(ws, triton_z, used, row_expert, experts, lambda rows, e: a64[rows] @ w64[e].T)
+
+
+@pytest.mark.parametrize("h, i, experts", [*SHAPES_WS, (2048, 1000, 4)])
+@pytest.mark.parametrize("programs", [None, 7])
+def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
+    monkeypatch, h: int, i: int, experts: int, programs: int | None
+) -> None:
+    """The same for gate/up: g, u and h = silu(g) * u (64 columns of each weight a tile; I
+    2880 ends in half a 128-column scale block, 1000 in a partial tile), each against the
+    Triton kernel's bits and the float64 product (h: SwiGLU of the float64 g and u)."""
+    from megamoe.kernels import fp8, fp8_gemm
+
+    sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 3)
+    x, x_scale = fp8.quantize_rows(_rows(sched, h, gen))
+    w = [torch.randn(experts, i, h, device=DEV, generator=gen) / h**0.5 for _ in range(2)]
+    w_gate, w_up = (fp8.quantize_weight(t.to(torch.bfloat16)) for t in w)
+    ws, triton_guh = _warp_specialized_and_triton(
+        monkeypatch,
+        "gate_up",
+        lambda: fp8_gemm.gate_up(x, x_scale, w_gate, w_up, sched, programs),
+    )
+    x64 = fp8.dequantize_rows(x, x_scale).double()
+    wg64, wu64 = (_weights64(t.q, t.scale) for t in (w_gate, w_up))
+    g64 = lambda rows, e: x64[rows] @ wg64[e].T  # noqa: E731
+    u64 = lambda rows, e: x64[rows] @ wu64[e].T  # noqa: E731
+    h64 = lambda rows, e: torch.nn.functional.silu(g64(rows, e)) * u64(rows, e)  # noqa: E731
+    for out, theirs, ref in zip(ws, triton_guh, (g64, u64, h64)):
+        _check_ws(out, theirs, used, row_expert, experts, ref)
 
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
