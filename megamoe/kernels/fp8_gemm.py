@@ -944,7 +944,8 @@ def gate_up(
     ws = t.warp_specialized and out_dtype == torch.bfloat16
     if ws and fp8_ws.supported(a.device, sched.block_rows):
         fp8_ws.launch_gate_up(
-            a, a_scale, (wg, sg), (wu, su), w_rows, sched, (g, u, h), t.stages, programs
+            a, a_scale, (wg, sg), (wu, su), w_rows, sched, (g, u, h), t.stages, programs,
+            t.group_m,
         )
         return g, u, h
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
@@ -1034,7 +1035,7 @@ def _mm_launch(
         pairs.append((a2_q, _like(a2_scale, a_scale), wb2, _like(s2, s), w2_rows))
     ws = t.warp_specialized and gu is None and out.dtype == torch.bfloat16
     if ws and fp8_ws.supported(a.device, sched.block_rows):
-        fp8_ws.launch_grouped_mm(pairs, sched, outs[0], t.stages, programs)
+        fp8_ws.launch_grouped_mm(pairs, sched, outs[0], t.stages, programs, t.group_m)
         return outs
     bm, block_tiles = row_tile(t, sched.block_rows)
     hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks

@@ -104,13 +104,36 @@ def smem_bytes(stages: int, out_bytes: int = 2, gate_up: bool = False) -> int:
 
 
 @gluon.jit
-def _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES: gl.constexpr,
-                 COLS: gl.constexpr = TILE_COLS):  # fmt: skip
-    """(expert, first row, first column) of CTA tile ``tile`` (``COLS`` wide): the column is
-    the fast index, the expert that of the tile's row block."""
-    mb = tile // tiles_n
+def _tile_walk(sched, N, BLOCK_TILES: gl.constexpr, COLS: gl.constexpr):
+    """What ``_tile_origin`` reads of the row schedule (``sched``: the row blocks' experts,
+    the number of used row blocks): (the experts, row tiles, column tiles of ``COLS``), and
+    the number of tiles."""
+    block_expert_ptr, num_blocks_ptr = sched
+    tiles_m = gl.load(num_blocks_ptr) * BLOCK_TILES
+    tiles_n = gl.cdiv(N, COLS)
+    return (block_expert_ptr, tiles_m, tiles_n), tiles_m * tiles_n
+
+
+@gluon.jit
+def _tile_origin(tile, walk, BLOCK_TILES: gl.constexpr, COLS: gl.constexpr,
+                 GROUP_M: gl.constexpr):  # fmt: skip
+    """(expert, first row, first column) of CTA tile ``tile`` (``walk``: ``_tile_walk``'s).
+    The tiles go by groups of ``GROUP_M`` row tiles, the row the fast index within a group and
+    then the column, so that the CTAs running at once share the weight tiles of a few columns
+    (read from memory once a group, not once a row tile, where an expert's weights do not fit
+    L2); GROUP_M 1: the column the fast index. The expert is that of the tile's row block."""
+    block_expert_ptr, tiles_m, tiles_n = walk
+    if GROUP_M == 1:
+        mb = tile // tiles_n
+        nb = tile % tiles_n
+    else:
+        per_group = GROUP_M * tiles_n
+        first = (tile // per_group) * GROUP_M
+        rows = gl.minimum(tiles_m - first, GROUP_M)
+        mb = first + (tile % per_group) % rows
+        nb = (tile % per_group) // rows
     expert = gl.load(block_expert_ptr + mb // BLOCK_TILES)
-    return expert, mb * (2 * HALF_ROWS), (tile % tiles_n) * COLS
+    return expert, mb * (2 * HALF_ROWS), nb * COLS
 
 
 @gluon.jit
@@ -147,19 +170,17 @@ def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it):
 
 @gluon.jit
 def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl.constexpr,
-              NUM_PROGS: gl.constexpr, COLS: gl.constexpr = TILE_COLS):  # fmt: skip
+              NUM_PROGS: gl.constexpr, COLS: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
     """One warp: every K step of every tile of this CTA, in the consumers' order, into the
     ring: the first pair's (``pairs[i]``: A's descriptor, the weights' (one, or gate and up),
     their rows an expert), then with ``TWO_PAIRS`` the second's. A slot is refilled once both
     consumers released it ("free"); its "ready" barrier completes when all of the step's TMA
     bytes have landed."""
-    block_expert_ptr, num_blocks_ptr = sched
-    tiles_n = gl.cdiv(N, COLS)
-    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
+    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, COLS)
     k_steps = gl.cdiv(K, BK)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES, COLS)
+        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
         a_desc, b_descs, w_rows = pairs[0]
         it = _load_steps(a_desc, b_descs, ring, row, expert * w_rows + col, 0, k_steps, it)
         if TWO_PAIRS:
@@ -292,22 +313,20 @@ def _store_tile(c_desc, c_smem, acc, coord):
 @gluon.jit
 def _consumer(
     c_desc, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, TWO_PAIRS: gl.constexpr,
-    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA, the
     first pair's K steps and then, with ``TWO_PAIRS``, the second's into one accumulator (the
     Triton kernel's order). ``scales[i]``: pair i's scale pointers, M, N and the strides."""
-    block_expert_ptr, num_blocks_ptr = sched
     row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
     c_smem = c_bufs.index(HALF)
-    tiles_n = gl.cdiv(N, TILE_COLS)
-    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
+    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, TILE_COLS)
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
     d = zero
     it = 0  # ring steps consumed so far (the producer counts the same)
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
+        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, TILE_COLS, GROUP_M)
         row += HALF * HALF_ROWS
         at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
         acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF, MM)
@@ -342,23 +361,21 @@ def _store_gate_up(descs, bufs, accs, coord):
 @gluon.jit
 def _gate_up_consumer(
     out_descs, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
+    NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every gate/up tile of this
     CTA (64 columns of g and of u, from the slot's two B boxes), and their SwiGLU epilogue.
     ``out_descs``: g's, u's and h's descriptors, ``c_bufs`` their staging tiles (two each);
     ``scales``: the scale pointers (A's, then gate's and up's), M, N and the strides."""
-    block_expert_ptr, num_blocks_ptr = sched
     row_layout: gl.constexpr = gl.SliceLayout(1, GATE_UP_LAYOUT)
     bufs = (c_bufs[0].index(HALF), c_bufs[1].index(HALF), c_bufs[2].index(HALF))
-    tiles_n = gl.cdiv(N, GATE_UP_COLS)
-    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
+    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, GATE_UP_COLS)
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros([HALF_ROWS, GATE_UP_COLS], gl.float32, GATE_UP_LAYOUT)
     d = (zero, zero)
     it = 0  # ring steps consumed so far (the producer counts the same)
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES, GATE_UP_COLS)
+        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, GATE_UP_COLS, GROUP_M)
         row += HALF * HALF_ROWS
         at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
         accs, d, it = _pass((zero, zero), d, scales, ring, it, at, 0, k_steps, HALF, GATE_UP)
@@ -455,7 +472,7 @@ def _ws_grouped_mm_kernel(
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
     TWO_PAIRS: gl.constexpr, STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
+    NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
     strides = (s_am, s_ak, s_be, s_bn, s_bk)
@@ -465,10 +482,11 @@ def _ws_grouped_mm_kernel(
     gl.warp_specialize(
         [
             (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 0, TWO_PAIRS, BLOCK_TILES,
-                         NUM_PROGS)),
+                         NUM_PROGS, GROUP_M)),
             (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 1, TWO_PAIRS, BLOCK_TILES,
-                         NUM_PROGS)),
-            (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS)),
+                         NUM_PROGS, GROUP_M)),
+            (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS, TILE_COLS,
+                         GROUP_M)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -484,6 +502,7 @@ def _ws_gate_up_kernel(
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides (gate's and up's alike)
     STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+    GROUP_M: gl.constexpr,
 ):  # fmt: skip
     ring, g_bufs = _shared_ring(a_desc, bg_desc, g_desc, STAGES)
     c_bufs = (g_bufs, _staging(u_desc), _staging(h_desc))
@@ -494,11 +513,11 @@ def _ws_gate_up_kernel(
     gl.warp_specialize(
         [
             (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 0, BLOCK_TILES,
-                                 NUM_PROGS)),
+                                 NUM_PROGS, GROUP_M)),
             (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 1, BLOCK_TILES,
-                                 NUM_PROGS)),
+                                 NUM_PROGS, GROUP_M)),
             (_producer, (pairs, ring, sched, N, K, False, BLOCK_TILES, NUM_PROGS,
-                         GATE_UP_COLS)),
+                         GATE_UP_COLS, GROUP_M)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -569,11 +588,13 @@ def launch_gate_up(
     outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     stages: int,
     programs: int | None = None,
+    group_m: int = 1,
 ) -> None:
     """(g, u, h) = (a W_g^T, a W_u^T, silu(g) * u) of the used row blocks of ``sched`` into
     ``outs`` (each [rows, I], bf16), 64 columns of each weight a tile. ``gate``, ``up``: the
     weights' 2-D views (``gemm.weight_2d``: expert e's I rows start at ``e * w_rows``) and
-    their 128x128 scales (the same strides). ``fp8_gemm.gate_up`` has checked the arguments."""
+    their 128x128 scales (the same strides). ``group_m``: the row tiles walked together
+    (``_tile_origin``). ``fp8_gemm.gate_up`` has checked the arguments."""
     _check_stages(stages, outs[0].element_size(), gate_up=True)
     (wg, sg), (wu, su) = gate, up
     rows, k = a.shape
@@ -601,6 +622,7 @@ def launch_gate_up(
         STAGES=stages,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
+        GROUP_M=group_m,
         num_warps=4,
         maxnreg=KERNEL_MAXNREG,
     )
@@ -612,11 +634,13 @@ def launch_grouped_mm(
     out: torch.Tensor,
     stages: int,
     programs: int | None = None,
+    group_m: int = 1,
 ) -> None:
     """out[r] = sum over the (one or two) pairs of a[r] @ W[e(r)]^T, in pair order, for the
     used row blocks of ``sched``. A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the
     weights' 2-D view (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``); the
-    second pair's scales have the first's strides. ``fp8_gemm`` has checked the arguments."""
+    second pair's scales have the first's strides. ``group_m``: the row tiles walked together
+    (``_tile_origin``). ``fp8_gemm`` has checked the arguments."""
     _check_stages(stages, out.element_size())
     a, a_scale, wb, w_scale, w_rows = pairs[0]
     a2, a2_scale, wb2, w2_scale, w2_rows = pairs[-1]
@@ -649,6 +673,7 @@ def launch_grouped_mm(
         STAGES=stages,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
+        GROUP_M=group_m,
         num_warps=4,
         maxnreg=KERNEL_MAXNREG,
     )

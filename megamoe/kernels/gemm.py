@@ -84,6 +84,10 @@ class GemmTiles:
     # one; the same bits. Elsewhere (the interpreter, other GPUs, a grouped mm into fp32) the
     # Triton kernel runs these tiles.
     warp_specialized: bool = False
+    # the warp-specialized row-block kernels (``fp8_ws``): the row tiles walked together, the
+    # row the fast index within a group, so that the CTAs running at once share a few
+    # columns' weight tiles in L2 (1: the column the fast index)
+    group_m: int = 1
 
 
 def row_tile(t: GemmTiles, block_rows: int) -> tuple[int, int]:

@@ -116,14 +116,24 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             dataclasses.replace(_FP8_FLAT, bn=64, stages=3),
             dataclasses.replace(_FP8_FLAT, bn=64),
         ]
-        # the warp-specialized Gluon kernel (``fp8_ws``: 64 columns of gate and of up a tile)
-        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64, stages=n) for n in (4, 3)],
+        # the warp-specialized Gluon kernel (``fp8_ws``: 64 columns of gate and of up a tile),
+        # the tiles column-fast and in groups of row tiles
+        + [
+            dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64, stages=n, group_m=g)
+            for n, g in ((4, 1), (3, 1), (4, 8), (4, 16), (3, 8))
+        ],
         "mm": _FP8_ROW
         + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
         # the warp-specialized Gluon kernel (``fp8_ws``)
-        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 5, 3)],
+        + [
+            dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
+            for n, g in ((4, 1), (5, 1), (3, 1), (4, 8), (4, 16))
+        ],
         "pair": _FP8_ROW
-        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 3)],
+        + [
+            dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
+            for n, g in ((4, 1), (3, 1), (4, 8), (4, 16))
+        ],
         "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
@@ -244,9 +254,9 @@ def sweep_tiles(
     only: str | None = None,
 ) -> list[dict]:
     """The records of the module docstring at each shape of ``models`` with ``tokens`` tokens;
-    ``only`` (a ``GemmTiles`` field: "split_m", "flatten", "strict_order" or
-    "warp_specialized"): of the candidates only those that set it (split_m > 1, the others
-    True) beside the default."""
+    ``only`` (a ``GemmTiles`` field: "split_m", "flatten", "strict_order",
+    "warp_specialized" or "group_m"): of the candidates only those that set it (split_m and
+    group_m > 1, the others True) beside the default."""
     from ..kernels import gemm
 
     modules = {"bf16": gemm, "fp8": fp8_gemm}
@@ -305,9 +315,10 @@ def sweep_tiles(
 
 
 def _sets(t: GemmTiles, field: str) -> bool:
-    """Whether tiles ``t`` set ``field`` (split_m: more than one sub-tile)."""
+    """Whether tiles ``t`` set ``field`` (split_m: more than one sub-tile; group_m: groups of
+    more than one row tile)."""
     value = getattr(t, field)
-    return value > 1 if field == "split_m" else bool(value)
+    return value > 1 if field in ("split_m", "group_m") else bool(value)
 
 
 def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int) -> None:
@@ -416,7 +427,7 @@ def _line(rec: dict) -> str:
     t = rec["tiles"]
     tiles = f"{t['bm'] or 'blk'}x{t['bn']}x{t['bk']} s{t['stages']}"
     if t.get("warp_specialized"):  # (its other fields are the Triton fallback's)
-        tiles += " warp-specialized"
+        tiles += " warp-specialized" + (f" g{t['group_m']}" if t.get("group_m", 1) > 1 else "")
     else:
         tiles += (
             f" w{t['warps']} p{t['programs_per_sm']}"
@@ -445,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the records as JSON here")
     parser.add_argument(
         "--only",
-        choices=["split_m", "flatten", "strict_order", "warp_specialized"],
-        help="of the candidates time only those that set this field (split_m: > 1)",
+        choices=["split_m", "flatten", "strict_order", "warp_specialized", "group_m"],
+        help="of the candidates time only those that set this field (split_m, group_m: > 1)",
     )
     parser.add_argument(
         "--compile-only",

@@ -135,14 +135,16 @@ def _weights64(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * s[:, : q.shape[1], : q.shape[2]]
 
 
-def _warp_specialized_and_triton(monkeypatch, kind: str, run):
-    """``run()`` with tiles[kind] warp-specialized (its width kept: gate/up's 64) and then the
-    same tiles on the Triton kernel, on poisoned buffers: (ws, triton)."""
+def _warp_specialized_and_triton(monkeypatch, kind: str, run, group_m: int = 1):
+    """``run()`` with tiles[kind] warp-specialized (its width kept: gate/up's 64; the row tiles
+    in groups of ``group_m``) and then the same tiles on the Triton kernel, on poisoned
+    buffers: (ws, triton)."""
     import dataclasses
 
     from megamoe.kernels import fp8_gemm
 
-    ws_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=fp8_gemm.GPU_TILES[kind].bn)
+    bn = fp8_gemm.GPU_TILES[kind].bn
+    ws_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=bn, group_m=group_m)
     triton_tiles = dataclasses.replace(ws_tiles, warp_specialized=False)
     with poisoned_buffers():
         monkeypatch.setitem(fp8_gemm.GPU_TILES, kind, ws_tiles)
@@ -166,14 +168,19 @@ def _check_ws(ws, triton_out, used, row_expert, experts, reference) -> None:
 SHAPES_WS = [(7168, 2048, 8), (2880, 2880, 5), (2048, 768, 6)]
 
 
+# (CTAs, row tiles walked together): the whole grid, 7 CTAs of several tiles each, groups of 8
+# row tiles (the last one partial) and of 3 on 7 CTAs
+WALKS = [(None, 1), (7, 1), (None, 8), (7, 3)]
+
+
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
-@pytest.mark.parametrize("programs", [None, 7])
+@pytest.mark.parametrize("programs, group_m", WALKS)
 def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
-    monkeypatch, h: int, i: int, experts: int, programs: int | None
+    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int
 ) -> None:
     """``fp8_ws``'s Gluon kernel (tiles ``warp_specialized``) against the Triton kernel on
     the forward down: an expert of no rows, K steps odd (2880) and even, a partial last column
-    tile (N 2880), the whole grid and 7 CTAs of several tiles each."""
+    tile (N 2880), each of ``WALKS``."""
     from megamoe.kernels import fp8, fp8_gemm
 
     sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts)
@@ -181,16 +188,16 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     wd = torch.randn(experts, h, i, device=DEV, generator=gen) / i**0.5
     w_down = fp8.quantize_weight(wd.to(torch.bfloat16))
     ws, triton_z = _warp_specialized_and_triton(
-        monkeypatch, "mm", lambda: fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs)
+        monkeypatch, "mm", lambda: fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs), group_m
     )
     a64, w64 = fp8.dequantize_rows(a, a_scale).double(), _weights64(w_down.q, w_down.scale)
     _check_ws(ws, triton_z, used, row_expert, experts, lambda rows, e: a64[rows] @ w64[e].T)
 
 
 @pytest.mark.parametrize("h, i, experts", [*SHAPES_WS, (2048, 1000, 4)])
-@pytest.mark.parametrize("programs", [None, 7])
+@pytest.mark.parametrize("programs, group_m", WALKS)
 def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
-    monkeypatch, h: int, i: int, experts: int, programs: int | None
+    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int
 ) -> None:
     """The same for gate/up: g, u and h = silu(g) * u (64 columns of each weight a tile; I
     2880 ends in half a 128-column scale block, 1000 in a partial tile), each against the
@@ -205,6 +212,7 @@ def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
         monkeypatch,
         "gate_up",
         lambda: fp8_gemm.gate_up(x, x_scale, w_gate, w_up, sched, programs),
+        group_m,
     )
     x64 = fp8.dequantize_rows(x, x_scale).double()
     wg64, wu64 = (_weights64(t.q, t.scale) for t in (w_gate, w_up))
