@@ -94,7 +94,7 @@ _SPLIT = GemmTiles(bm=128, bn=128, bk=BLOCK, stages=3, warps=4, programs_per_sm=
 # other GPUs) the Triton kernel runs the same tile as two strictly ordered halves
 # (``strict_order``), one program per SM (two would not fit its 4 stages).
 WARP_SPECIALIZED = dataclasses.replace(
-    _SPLIT, stages=4, programs_per_sm=1, strict_order=True, warp_specialized=True
+    _SPLIT, stages=4, programs_per_sm=1, strict_order=True, warp_specialized=True, group_m=0
 )
 GPU_TILES: dict[str, GemmTiles] = {
     # gate/up on the warp-specialized kernel, 64 columns of gate and of up a tile (two

@@ -88,6 +88,9 @@ GATE_UP_LAYOUT = gl.constexpr(
     gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
 )
 SMEM_BYTES = 227 * 1024  # what one H100/H200 CTA may use
+# The row tiles walked together (``_tile_origin``) where ``GemmTiles.group_m`` is 0 (automatic)
+# and an expert's row tiles do not all run at once (``walk_group``)
+AUTO_GROUP_M = 8
 # What a consumer's K step computes (``_k_step``)
 MM = gl.constexpr(0)  # acc += d * (a_scale * w_scale): one weight scale per row's 128 columns
 WGRAD = gl.constexpr(1)  # acc += d * a_scale * b_scale: 128x1 scales on both operands
@@ -578,6 +581,16 @@ def _check_stages(stages: int, out_bytes: int, gate_up: bool = False) -> None:
         )
 
 
+def walk_group(group_m: int, sched, grid: int, tiles_n: int) -> int:
+    """``GemmTiles.group_m`` with 0 (automatic) resolved: ``AUTO_GROUP_M`` row tiles a group when
+    an expert has more row tiles (``sched.balanced_rows``, a host size) than the ``grid`` CTAs
+    cover at once walking ``tiles_n`` columns fast, so that each wave would read the expert's
+    weight tiles from memory again; else 1. A walk never changes a bit."""
+    if group_m:
+        return group_m
+    return AUTO_GROUP_M if sched.balanced_rows / TILE_ROWS > grid / tiles_n else 1
+
+
 def launch_gate_up(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -594,7 +607,7 @@ def launch_gate_up(
     ``outs`` (each [rows, I], bf16), 64 columns of each weight a tile. ``gate``, ``up``: the
     weights' 2-D views (``gemm.weight_2d``: expert e's I rows start at ``e * w_rows``) and
     their 128x128 scales (the same strides). ``group_m``: the row tiles walked together
-    (``_tile_origin``). ``fp8_gemm.gate_up`` has checked the arguments."""
+    (``walk_group``). ``fp8_gemm.gate_up`` has checked the arguments."""
     _check_stages(stages, outs[0].element_size(), gate_up=True)
     (wg, sg), (wu, su) = gate, up
     rows, k = a.shape
@@ -622,7 +635,7 @@ def launch_gate_up(
         STAGES=stages,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
-        GROUP_M=group_m,
+        GROUP_M=walk_group(group_m, sched, grid[0], triton.cdiv(n, GATE_UP_COLS.value)),
         num_warps=4,
         maxnreg=KERNEL_MAXNREG,
     )
@@ -640,7 +653,7 @@ def launch_grouped_mm(
     used row blocks of ``sched``. A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the
     weights' 2-D view (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``); the
     second pair's scales have the first's strides. ``group_m``: the row tiles walked together
-    (``_tile_origin``). ``fp8_gemm`` has checked the arguments."""
+    (``walk_group``). ``fp8_gemm`` has checked the arguments."""
     _check_stages(stages, out.element_size())
     a, a_scale, wb, w_scale, w_rows = pairs[0]
     a2, a2_scale, wb2, w2_scale, w2_rows = pairs[-1]
@@ -673,7 +686,7 @@ def launch_grouped_mm(
         STAGES=stages,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],
-        GROUP_M=group_m,
+        GROUP_M=walk_group(group_m, sched, grid[0], triton.cdiv(n, TILE_COLS.value)),
         num_warps=4,
         maxnreg=KERNEL_MAXNREG,
     )

@@ -86,7 +86,8 @@ class GemmTiles:
     warp_specialized: bool = False
     # the warp-specialized row-block kernels (``fp8_ws``): the row tiles walked together, the
     # row the fast index within a group, so that the CTAs running at once share a few
-    # columns' weight tiles in L2 (1: the column the fast index)
+    # columns' weight tiles in L2 (1: the column the fast index; 0: ``fp8_ws.walk_group``
+    # picks 8 or 1 by the expert's rows and the grid)
     group_m: int = 1
 
 

@@ -120,19 +120,19 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         # the tiles column-fast and in groups of row tiles
         + [
             dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64, stages=n, group_m=g)
-            for n, g in ((4, 1), (3, 1), (4, 8), (4, 16), (3, 8))
+            for n, g in ((4, 0), (3, 0), (4, 1), (4, 8), (4, 16))
         ],
         "mm": _FP8_ROW
         + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
         # the warp-specialized Gluon kernel (``fp8_ws``)
         + [
             dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
-            for n, g in ((4, 1), (5, 1), (3, 1), (4, 8), (4, 16))
+            for n, g in ((4, 0), (5, 0), (3, 0), (4, 1), (4, 8))
         ],
         "pair": _FP8_ROW
         + [
             dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
-            for n, g in ((4, 1), (3, 1), (4, 8), (4, 16))
+            for n, g in ((4, 0), (3, 0), (4, 1), (4, 8))
         ],
         "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
         "wgrad": [
@@ -255,8 +255,8 @@ def sweep_tiles(
 ) -> list[dict]:
     """The records of the module docstring at each shape of ``models`` with ``tokens`` tokens;
     ``only`` (a ``GemmTiles`` field: "split_m", "flatten", "strict_order",
-    "warp_specialized" or "group_m"): of the candidates only those that set it (split_m and
-    group_m > 1, the others True) beside the default."""
+    "warp_specialized" or "group_m"): of the candidates only those that set it (split_m > 1,
+    group_m != 1, the others True) beside the default."""
     from ..kernels import gemm
 
     modules = {"bf16": gemm, "fp8": fp8_gemm}
@@ -315,10 +315,12 @@ def sweep_tiles(
 
 
 def _sets(t: GemmTiles, field: str) -> bool:
-    """Whether tiles ``t`` set ``field`` (split_m: more than one sub-tile; group_m: groups of
-    more than one row tile)."""
+    """Whether tiles ``t`` set ``field`` (split_m: more than one sub-tile; group_m: anything but
+    single row tiles)."""
     value = getattr(t, field)
-    return value > 1 if field in ("split_m", "group_m") else bool(value)
+    if field == "group_m":  # (0: automatic)
+        return value != 1
+    return value > 1 if field == "split_m" else bool(value)
 
 
 def _meta_gemms(precision: str, h: int, i: int, e: int, tokens: int, top_k: int) -> None:
@@ -427,7 +429,7 @@ def _line(rec: dict) -> str:
     t = rec["tiles"]
     tiles = f"{t['bm'] or 'blk'}x{t['bn']}x{t['bk']} s{t['stages']}"
     if t.get("warp_specialized"):  # (its other fields are the Triton fallback's)
-        tiles += " warp-specialized" + (f" g{t['group_m']}" if t.get("group_m", 1) > 1 else "")
+        tiles += " warp-specialized" + (f" g{t['group_m']}" if t.get("group_m", 1) != 1 else "")
     else:
         tiles += (
             f" w{t['warps']} p{t['programs_per_sm']}"
@@ -457,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         choices=["split_m", "flatten", "strict_order", "warp_specialized", "group_m"],
-        help="of the candidates time only those that set this field (split_m, group_m: > 1)",
+        help="of the candidates time only those that set this field (split_m: > 1, group_m: != 1)",
     )
     parser.add_argument(
         "--compile-only",
