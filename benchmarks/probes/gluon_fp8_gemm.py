@@ -66,8 +66,9 @@ from megamoe.kernels.fp8_ws import (
     _producer,
     _shared_ring,
     _step_scales,
-    _store_tile,
+    _store_tiles,
     _tile_origin,
+    _tile_walk,
 )
 from megamoe.kernels.gemm import weight_2d
 from megamoe.kernels.runtime import empty, launch_grid
@@ -132,17 +133,15 @@ def _consumer(
     Neither barrier gets more than one phase ahead of its waiter, so no parity wait misses a
     phase."""
     a_bufs, b_bufs, ready, free, STAGES = ring
-    block_expert_ptr, num_blocks_ptr = sched
     row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
     c_smem = c_bufs.index(HALF)
-    tiles_n = gl.cdiv(N, TILE_COLS)
-    num_tiles = gl.load(num_blocks_ptr) * BLOCK_TILES * tiles_n
+    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, TILE_COLS)
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
     d = zero
     it = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, tiles_n, block_expert_ptr, BLOCK_TILES)
+        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, TILE_COLS, 1)
         row += HALF * HALF_ROWS
         rows = row + gl.arange(0, HALF_ROWS, layout=row_layout)
         acc = zero
@@ -167,7 +166,7 @@ def _consumer(
             if k_steps % 2:
                 acc, d = _k_step(acc, d, scale0, ring, turn, it, HALF, PINGPONG, EARLY)
                 it += 1
-        _store_tile(c_desc, c_smem, acc, [row, col])
+        _store_tiles((c_desc,), (c_smem,), (acc,), [row, col])
     tma.store_wait(pendings=0)
 
 
@@ -185,7 +184,7 @@ def _variant_kernel(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
-    scales = (a_s_ptr, b_s_ptr, M, N, s_am, s_ak, s_be, s_bn, s_bk)
+    scales = (a_s_ptr, (b_s_ptr,), M, N, s_am, s_ak, s_be, s_bn, s_bk)
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
@@ -193,8 +192,8 @@ def _variant_kernel(
                          NUM_PROGS, PINGPONG, EARLY, CEILING)),
             (_consumer, (c_desc, c_bufs, ring, turn, scales, sched, N, K, 1, BLOCK_TILES,
                          NUM_PROGS, PINGPONG, EARLY, CEILING)),
-            (_producer, (((a_desc, b_desc, w_rows),), ring, sched, N, K, False, BLOCK_TILES,
-                         NUM_PROGS)),
+            (_producer, (((a_desc, (b_desc,), w_rows),), ring, sched, N, K, False, BLOCK_TILES,
+                         NUM_PROGS, TILE_COLS, 1)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -557,7 +556,7 @@ def _run_shape(shape: tuple, seed: int, variants: list[Variant], args, failures:
     def library():  # the library's warp-specialized kernel (fp8_ws), 4 stages
         out = torch.empty((a.shape[0], n), dtype=torch.bfloat16, device=a.device)
         wb, w_rows = weight_2d(w.q)
-        fp8_ws.launch_grouped_mm([(a, a_scale, wb, w.scale, w_rows)], sched, out, 4)
+        fp8_ws.launch_grouped_mm([(a, a_scale, wb, w.scale, w_rows)], sched, [out], 4)
         return out
 
     calls["fp8_ws:4"] = library

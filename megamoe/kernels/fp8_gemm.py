@@ -1033,9 +1033,15 @@ def _mm_launch(
             raise ValueError(f"{names2[1]} is {list(q2.shape)}, {names[1]} is {list(q.shape)}")
         wb2, w2_rows = weight_2d(q2)
         pairs.append((a2_q, _like(a2_scale, a_scale), wb2, _like(s2, s), w2_rows))
-    ws = t.warp_specialized and gu is None and out.dtype == torch.bfloat16
+    if gu is not None:
+        for name, x in zip(("g", "u"), gu):
+            if tuple(x.shape) != (rows, n):
+                raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
+    ws = t.warp_specialized and out.dtype == torch.bfloat16
+    if gu is not None:  # (the warp-specialized epilogue reads g and u with one row stride)
+        ws = ws and gu[0].stride() == gu[1].stride() and gu[0].stride(1) == 1
     if ws and fp8_ws.supported(a.device, sched.block_rows):
-        fp8_ws.launch_grouped_mm(pairs, sched, outs[0], t.stages, programs, t.group_m)
+        fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu)
         return outs
     bm, block_tiles = row_tile(t, sched.block_rows)
     hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
@@ -1046,10 +1052,6 @@ def _mm_launch(
         a2_q, a2_s, wb2, s2, w2_rows = pairs[1]
         a2_desc, b2_desc = descriptor(a2_q, [hm, t.bk]), descriptor(wb2, [t.bn, t.bk])
     c_descs = [descriptor(o, [hm, t.bn]) for o in outs]
-    if gu is not None:
-        for name, x in zip(("g", "u"), gu):
-            if tuple(x.shape) != (rows, n):
-                raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
     gu_descs = [descriptor(x, [hm, t.bn]) for x in gu] if gu is not None else c_descs * 2
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)

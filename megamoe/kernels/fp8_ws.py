@@ -58,6 +58,7 @@ __all__ = [
     "TILE_COLS",
     "SMEM_BYTES",
     "smem_bytes",
+    "staging_cols",
     "supported",
     "launch_gate_up",
     "launch_grouped_mm",
@@ -97,13 +98,21 @@ WGRAD = gl.constexpr(1)  # acc += d * a_scale * b_scale: 128x1 scales on both op
 GATE_UP = gl.constexpr(2)  # MM's for each of two weights (gate, up) into two accumulators
 
 
-def smem_bytes(stages: int, out_bytes: int = 2, gate_up: bool = False) -> int:
-    """The ring (fp8 A and B tiles), each consumer's staging tiles of the epilogue (one 64 x
-    128 tile, or gate/up's three 64 x 64 tiles of g, u and h; ``out_bytes`` an element: 2 for
-    bf16, 4 for fp32), the barriers."""
+def staging_cols(kind: str) -> int:
+    """The columns of a consumer's staging tiles of the epilogue, all outputs together:
+    gate/up's three 64-column tiles (g, u, h), the SwiGLU backward's two of 128 (d_g, d_u),
+    else one of 128 (``kind``: the ``fp8_gemm.GPU_TILES`` entry)."""
+    return {"gate_up": 3 * GATE_UP_COLS.value, "swiglu_bwd": 2 * TILE_COLS.value}.get(
+        kind, TILE_COLS.value
+    )
+
+
+def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm") -> int:
+    """The ring (fp8 A and B tiles), each consumer's staging tiles of the epilogue
+    (``staging_cols(kind)`` wide, 64 rows; ``out_bytes`` an element: 2 for bf16, 4 for fp32),
+    the barriers."""
     step = (TILE_ROWS + TILE_COLS.value) * BLOCK
-    staging = 3 * GATE_UP_COLS.value if gate_up else TILE_COLS.value
-    return stages * step + 2 * HALF_ROWS.value * staging * out_bytes + 16 * stages
+    return stages * step + 2 * HALF_ROWS.value * staging_cols(kind) * out_bytes + 16 * stages
 
 
 @gluon.jit
@@ -300,29 +309,52 @@ def _pass(acc, d, scales, ring, it, at, k0, k_steps, HALF: gl.constexpr, KIND: g
 
 
 @gluon.jit
-def _store_tile(c_desc, c_smem, acc, coord):
-    """The epilogue: ``acc`` in the output's dtype through this warpgroup's staging tile, one
-    TMA store at ``coord`` (clipped at the tensor's edges) once the previous tile's store has
-    read the staging tile."""
+def _store_tiles(descs, bufs, accs, coord):
+    """The epilogue: each fp32 tile of ``accs`` in its output's dtype through this warpgroup's
+    staging tile of that output (``descs[i]``, ``bufs[i]``), one TMA store each at ``coord``
+    (clipped at the tensor's edges), once the previous tile's stores have read the staging
+    tiles."""
     tma.store_wait(pendings=0)
-    if len(c_desc.block_type.shape) == 3:  # a [1, 64, 128] box of an [E, M, N] output
-        c_smem.reshape([HALF_ROWS, TILE_COLS]).store(acc.to(c_desc.dtype))
-    else:
-        c_smem.store(acc.to(c_desc.dtype))
+    for i in gl.static_range(len(descs)):
+        if len(descs[i].block_type.shape) == 3:  # a [1, 64, 128] box of an [E, M, N] output
+            bufs[i].reshape(accs[i].shape).store(accs[i].to(descs[i].dtype))
+        else:
+            bufs[i].store(accs[i].to(descs[i].dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, coord, c_smem)
+    for i in gl.static_range(len(descs)):
+        tma.async_copy_shared_to_global(descs[i], coord, bufs[i])
+
+
+@gluon.jit
+def _swiglu_backward(dh, gu, rows, col, M, N):
+    """(d_g, d_u) of h = silu(g) * u from d_h (``dh``, fp32) and the saved g and u of the tile
+    at (rows, col) (``gu``: their pointers and row stride; 0 outside M x N):
+    ``tiles.swiglu_backward``'s expressions in its order (the Triton kernel's bits)."""
+    g_ptr, u_ptr, stride = gu
+    cols = col + gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
+    offs = rows.to(gl.int64)[:, None] * stride + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = gl.load(g_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+    u = gl.load(u_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+    sig = 1.0 / (1.0 + gl.exp(-g))
+    s = g * sig
+    return dh * u * (sig + s * (1.0 - sig)), dh * s
 
 
 @gluon.jit
 def _consumer(
-    c_desc, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, TWO_PAIRS: gl.constexpr,
+    c_descs, c_bufs, ring, scales, sched, N, K, gu, HALF: gl.constexpr, TWO_PAIRS: gl.constexpr,
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA, the
     first pair's K steps and then, with ``TWO_PAIRS``, the second's into one accumulator (the
-    Triton kernel's order). ``scales[i]``: pair i's scale pointers, M, N and the strides."""
+    Triton kernel's order). ``scales[i]``: pair i's scale pointers, M, N and the strides.
+    ``c_descs``: the output, or with ``gu`` (the saved g and u: ``_swiglu_backward``'s) the
+    accumulator is d_h and the outputs are d_g and d_u; ``c_bufs``: their staging tiles."""
     row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
-    c_smem = c_bufs.index(HALF)
+    bufs = (c_bufs[0].index(HALF),)
+    if len(c_descs) == 2:
+        bufs = (c_bufs[0].index(HALF), c_bufs[1].index(HALF))
     walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, TILE_COLS)
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
@@ -335,7 +367,11 @@ def _consumer(
         acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF, MM)
         if TWO_PAIRS:
             acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, MM)
-        _store_tile(c_desc, c_smem, acc, [row, col])
+        if len(c_descs) == 2:
+            _store_tiles(c_descs, bufs, _swiglu_backward(acc, gu, at[1], col, scales[0][2], N),
+                         [row, col])  # fmt: skip
+        else:
+            _store_tiles(c_descs, bufs, (acc,), [row, col])
     tma.store_wait(pendings=0)
 
 
@@ -344,21 +380,6 @@ def _swiglu(g, u):
     """h = silu(g) * u in fp32: ``tiles.swiglu``'s expression and order (the Triton gate/up
     epilogue's bits)."""
     return g / (1.0 + gl.exp(-g)) * u
-
-
-@gluon.jit
-def _store_gate_up(descs, bufs, accs, coord):
-    """The gate/up epilogue: g, u and h = silu(g) * u from the fp32 accumulators ``accs``, in
-    the outputs' dtype through this warpgroup's staging tiles (``bufs``: g's, u's, h's), one
-    TMA store each at ``coord``, once the previous tile's stores have read them."""
-    acc_g, acc_u = accs
-    tma.store_wait(pendings=0)
-    bufs[0].store(acc_g.to(descs[0].dtype))
-    bufs[1].store(acc_u.to(descs[1].dtype))
-    bufs[2].store(_swiglu(acc_g, acc_u).to(descs[2].dtype))
-    fence_async_shared()
-    for i in gl.static_range(3):
-        tma.async_copy_shared_to_global(descs[i], coord, bufs[i])
 
 
 @gluon.jit
@@ -382,7 +403,8 @@ def _gate_up_consumer(
         row += HALF * HALF_ROWS
         at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
         accs, d, it = _pass((zero, zero), d, scales, ring, it, at, 0, k_steps, HALF, GATE_UP)
-        _store_gate_up(out_descs, bufs, accs, [row, col])
+        acc_g, acc_u = accs
+        _store_tiles(out_descs, bufs, (acc_g, acc_u, _swiglu(acc_g, acc_u)), [row, col])
     tma.store_wait(pendings=0)
 
 
@@ -433,7 +455,7 @@ def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.con
         acc, d, it = _pass(
             zero, d, tile_scales, ring, it, (rows, col), r0 // BK, steps, HALF, WGRAD
         )
-        _store_tile(c_desc, c_smem, acc, [expert, row, col])
+        _store_tiles((c_desc,), (c_smem,), (acc,), [expert, row, col])
     tma.store_wait(pendings=0)
 
 
@@ -465,29 +487,39 @@ def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
 # Not specialized: an int argument equal to 1 (a unit stride) would become a plain Python int,
 # which cannot be handed to a worker partition.
 @gluon.jit(
-    do_not_specialize=["M", "N", "K", "w_rows", "w2_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"]
-)
+    do_not_specialize=[
+        "M", "N", "K", "w_rows", "w2_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk", "s_gu"
+    ]
+)  # fmt: skip
 def _ws_grouped_mm_kernel(
     a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows,  # the first (A, W) pair and their scales
     a2_desc, a2_s_ptr, b2_desc, b2_s_ptr, w2_rows,  # the second (TWO_PAIRS), scales alike
-    c_desc,
+    c_desc, c2_desc,  # the output; with SWIGLU_BWD d_g and d_u
+    g_ptr, u_ptr, s_gu,  # SWIGLU_BWD: the saved g and u, their row stride
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
-    TWO_PAIRS: gl.constexpr, STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    TWO_PAIRS: gl.constexpr, SWIGLU_BWD: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
+    if SWIGLU_BWD:
+        c_descs = (c_desc, c2_desc)
+        c_bufs = (c_bufs, _staging(c2_desc))
+    else:
+        c_descs = (c_desc,)
+        c_bufs = (c_bufs,)
+    gu = (g_ptr, u_ptr, s_gu)
     strides = (s_am, s_ak, s_be, s_bn, s_bk)
     scales = ((a_s_ptr, (b_s_ptr,), M, N) + strides, (a2_s_ptr, (b2_s_ptr,), M, N) + strides)
     pairs = ((a_desc, (b_desc,), w_rows), (a2_desc, (b2_desc,), w2_rows))
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
-            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 0, TWO_PAIRS, BLOCK_TILES,
-                         NUM_PROGS, GROUP_M)),
-            (_consumer, (c_desc, c_bufs, ring, scales, sched, N, K, 1, TWO_PAIRS, BLOCK_TILES,
-                         NUM_PROGS, GROUP_M)),
+            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, 0, TWO_PAIRS,
+                         BLOCK_TILES, NUM_PROGS, GROUP_M)),
+            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, 1, TWO_PAIRS,
+                         BLOCK_TILES, NUM_PROGS, GROUP_M)),
             (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS, TILE_COLS,
                          GROUP_M)),
         ],
@@ -571,13 +603,12 @@ def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def _check_stages(stages: int, out_bytes: int, gate_up: bool = False) -> None:
-    need = smem_bytes(stages, out_bytes, gate_up)
+def _check_stages(stages: int, out_bytes: int, kind: str = "mm") -> None:
+    need = smem_bytes(stages, out_bytes, kind)
     if need > SMEM_BYTES:
-        what = "gate/up's three " if gate_up else ""
         raise ValueError(
-            f"stages = {stages} needs {need} B of shared memory with {what}{out_bytes}-byte "
-            f"outputs; a CTA has {SMEM_BYTES}"
+            f"stages = {stages} needs {need} B of shared memory with the {kind} epilogue's "
+            f"{out_bytes}-byte outputs; a CTA has {SMEM_BYTES}"
         )
 
 
@@ -608,7 +639,7 @@ def launch_gate_up(
     weights' 2-D views (``gemm.weight_2d``: expert e's I rows start at ``e * w_rows``) and
     their 128x128 scales (the same strides). ``group_m``: the row tiles walked together
     (``walk_group``). ``fp8_gemm.gate_up`` has checked the arguments."""
-    _check_stages(stages, outs[0].element_size(), gate_up=True)
+    _check_stages(stages, outs[0].element_size(), "gate_up")
     (wg, sg), (wu, su) = gate, up
     rows, k = a.shape
     n = outs[0].shape[1]
@@ -644,21 +675,25 @@ def launch_gate_up(
 def launch_grouped_mm(
     pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]],
     sched,
-    out: torch.Tensor,
+    outs: list[torch.Tensor],
     stages: int,
     programs: int | None = None,
     group_m: int = 1,
+    gu: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """out[r] = sum over the (one or two) pairs of a[r] @ W[e(r)]^T, in pair order, for the
-    used row blocks of ``sched``. A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the
-    weights' 2-D view (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``); the
-    second pair's scales have the first's strides. ``group_m``: the row tiles walked together
-    (``walk_group``). ``fp8_gemm`` has checked the arguments."""
-    _check_stages(stages, out.element_size())
+    """outs[0][r] = sum over the (one or two) pairs of a[r] @ W[e(r)]^T, in pair order, for
+    the used row blocks of ``sched``; with ``gu`` (the saved g and u, [rows, N] with one row
+    stride) that sum is d_h and (outs[0], outs[1]) get the SwiGLU backward's (d_g, d_u). A
+    pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the weights' 2-D view (``gemm.
+    weight_2d``: expert e's N rows start at ``e * w_rows``); the second pair's scales have the
+    first's strides. ``group_m``: the row tiles walked together (``walk_group``). ``fp8_gemm``
+    has checked the arguments."""
+    _check_stages(stages, outs[0].element_size(), "mm" if gu is None else "swiglu_bwd")
     a, a_scale, wb, w_scale, w_rows = pairs[0]
     a2, a2_scale, wb2, w2_scale, w2_rows = pairs[-1]
     rows, k = a.shape
-    n = out.shape[1]
+    n = outs[0].shape[1]
+    g, u = gu if gu is not None else (outs[0], outs[0])
     block_tiles = sched.block_rows // TILE_ROWS
     work = sched.max_blocks * block_tiles * triton.cdiv(n, TILE_COLS.value)
     grid = launch_grid(work, a.device, programs)
@@ -674,7 +709,10 @@ def launch_grouped_mm(
         _nvmma(wb2, b_box),
         w2_scale,
         w2_rows,
-        _nvmma(out, [HALF_ROWS.value, TILE_COLS.value]),
+        *(_nvmma(o, [HALF_ROWS.value, TILE_COLS.value]) for o in (outs[0], outs[-1])),
+        g,
+        u,
+        g.stride(0),
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -683,6 +721,7 @@ def launch_grouped_mm(
         *a_scale.stride(),
         *w_scale.stride(),
         TWO_PAIRS=len(pairs) == 2,
+        SWIGLU_BWD=gu is not None,
         STAGES=stages,
         BLOCK_TILES=block_tiles,
         NUM_PROGS=grid[0],

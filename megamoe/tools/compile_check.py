@@ -201,7 +201,7 @@ def _fp8_step_with(cfg, tokens: int, warp_specialized: bool) -> None:
     for kind, t in old.items():
         if not warp_specialized:
             fp8_gemm.GPU_TILES[kind] = dataclasses.replace(t, warp_specialized=False)
-        elif kind in ("gate_up", "mm", "pair", "wgrad", "wgrad_fp32"):
+        elif kind in ("gate_up", "mm", "pair", "swiglu_bwd", "wgrad", "wgrad_fp32"):
             fp8_gemm.GPU_TILES[kind] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=t.bn)
     try:
         _fp8_step(cfg, tokens)

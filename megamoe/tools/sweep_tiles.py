@@ -134,7 +134,12 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
             for n, g in ((4, 0), (3, 0), (4, 1), (4, 8))
         ],
-        "swiglu_bwd": _FP8_ROW + [_FP8_FLAT],
+        "swiglu_bwd": _FP8_ROW
+        + [_FP8_FLAT]
+        + [
+            dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
+            for n, g in ((4, 0), (3, 0), (4, 1), (4, 8))
+        ],
         "wgrad": [
             T(bm=128, bn=128, bk=128, stages=4, warps=8),
             T(bm=128, bn=64, bk=128, stages=4, warps=4, programs_per_sm=2),
@@ -166,7 +171,7 @@ def fits_shared_memory(tile_kind: str, t: GemmTiles, precision: str, block_rows:
     a split tile stores one sub-tile at a time).
     A compile that does not fit fails anyway; this keeps the sweep from compiling it."""
     if t.warp_specialized:  # (fp8_ws: one CTA per SM)
-        need = fp8_ws.smem_bytes(t.stages, gate_up=tile_kind == "gate_up")
+        need = fp8_ws.smem_bytes(t.stages, kind=tile_kind)
         return need + _BLOCK_RESERVED_BYTES <= _SM_SHARED_BYTES
     a_bytes = 1 if precision == "fp8" else 2
     bm = t.bm or block_rows
@@ -354,7 +359,7 @@ _KERNEL_OF_TILE_KIND = {
     "gate_up": ("_gate_up_kernel", "_fp8_gate_up_kernel", "_ws_gate_up_kernel"),
     "mm": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "pair": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
-    "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel"),
+    "swiglu_bwd": ("_grouped_mm_kernel", "_fp8_grouped_mm_kernel", "_ws_grouped_mm_kernel"),
     "wgrad": ("_wgrad_kernel", "_fp8_wgrad_kernel", "_ws_wgrad_kernel"),
     "wgrad_few_rows": ("_wgrad_kernel", "_fp8_wgrad_kernel", "_ws_wgrad_kernel"),
     "wgrad_fp32": ("_wgrad_kernel", "_fp8_wgrad_kernel", "_ws_wgrad_kernel"),

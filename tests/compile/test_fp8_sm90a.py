@@ -81,6 +81,7 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     label[0] = "dsv3, warp-specialized gate/up and weight gradients, the dgrad of gate/up on Triton"
     fp8_gemm.GPU_TILES.update(default_tiles)
     fp8_gemm.GPU_TILES["gate_up"] = ws_gate_up
+    fp8_gemm.GPU_TILES["swiglu_bwd"] = fp8_gemm.WARP_SPECIALIZED
     fp8_gemm.GPU_TILES["pair"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
                                                      warp_specialized=False)
     fp8_gemm.GPU_TILES["wgrad"] = fp8_gemm.GPU_TILES["wgrad_fp32"] = fp8_gemm.WARP_SPECIALIZED

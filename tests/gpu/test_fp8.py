@@ -224,6 +224,40 @@ def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
 
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
+@pytest.mark.parametrize("programs, group_m", [(None, 0), (7, 3)])
+def test_warp_specialized_swiglu_backward_gives_the_triton_kernels_bits(
+    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int
+) -> None:
+    """The same for the dgrad of down with the SwiGLU backward epilogue: d_h = d_z W_down
+    (the weight's transposed copy), then (d_g, d_u) from the saved g and u, each against the
+    Triton kernel's bits and the float64 SwiGLU backward of the float64 d_h."""
+    from megamoe.kernels import fp8, fp8_gemm
+
+    sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 4)
+    dz, dz_scale = fp8.quantize_rows(_rows(sched, h, gen))
+    g, u = (_rows(sched, i, gen) for _ in range(2))
+    wd = torch.randn(experts, h, i, device=DEV, generator=gen) / i**0.5
+    w_down = fp8.quantize_weight(wd.to(torch.bfloat16), transposed=True)
+    ws, triton_gu = _warp_specialized_and_triton(
+        monkeypatch,
+        "swiglu_bwd",
+        lambda: fp8_gemm.dgrad_swiglu(dz, dz_scale, w_down, g, u, sched, programs),
+        group_m,
+    )
+    dz64, wt64 = fp8.dequantize_rows(dz, dz_scale).double(), _weights64(w_down.q_t, w_down.scale_t)
+    g64, u64 = g.double(), u.double()
+
+    def reference(rows, e, which):
+        dh = dz64[rows] @ wt64[e].T
+        sig = torch.sigmoid(g64[rows])
+        silu = g64[rows] * sig
+        return dh * u64[rows] * sig * (1 + g64[rows] * (1 - sig)) if which == 0 else dh * silu
+
+    for which, (out, theirs) in enumerate(zip(ws, triton_gu)):
+        _check_ws(out, theirs, used, row_expert, experts, lambda r, e: reference(r, e, which))
+
+
+@pytest.mark.parametrize("h, i, experts", SHAPES_WS)
 def test_warp_specialized_dgrad_of_gate_up_gives_the_triton_kernels_bits(
     monkeypatch, h: int, i: int, experts: int
 ) -> None:
