@@ -944,7 +944,15 @@ def gate_up(
     ws = t.warp_specialized and out_dtype == torch.bfloat16
     if ws and fp8_ws.supported(a.device, sched.block_rows):
         fp8_ws.launch_gate_up(
-            a, a_scale, (wg, sg), (wu, su), w_rows, sched, (g, u, h), t.stages, programs,
+            a,
+            a_scale,
+            (wg, sg),
+            (wu, su),
+            w_rows,
+            sched,
+            (g, u, h),
+            t.stages,
+            programs,
             t.group_m,
         )
         return g, u, h

@@ -26,13 +26,14 @@ Bits: per K step each element's partial product comes from the same four m64n128
 instructions (gate/up: m64n64k32, one accumulator per weight, as its Triton tiles of 64
 columns), in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, and
 the promotion and the epilogue are the same expressions in the same order, so the output is
-bitwise that of ``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid walks the tiles in
-their order (``tiles.tile_of``: the used row blocks, or each expert's weight tiles), one CTA
-per SM.
+bitwise that of ``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid, one
+CTA per SM, walks the tiles of the used row blocks in groups of row tiles (``_tile_origin``,
+``walk_group``) or each expert's weight tiles in order; no walk changes a bit.
 
 Gluon kernels do not run in the Triton interpreter: ``fp8_gemm.gate_up``, ``grouped_mm``,
-``dgrad_pair`` and ``wgrad`` take this path on a Hopper GPU only, when their tiles ask for it (``GemmTiles.
-warp_specialized``); the CPU tests compile it for sm_90a (``megamoe.tools.compile_check``).
+``dgrad_swiglu``, ``dgrad_pair`` and ``wgrad`` take this path on a Hopper GPU only, when their
+tiles ask for it (``GemmTiles.warp_specialized``); the CPU tests compile it for sm_90a
+(``megamoe.tools.compile_check``).
 """
 
 from __future__ import annotations
@@ -622,6 +623,22 @@ def walk_group(group_m: int, sched, grid: int, tiles_n: int) -> int:
     return AUTO_GROUP_M if sched.balanced_rows / TILE_ROWS > grid / tiles_n else 1
 
 
+def _row_block_launch(sched, n: int, cols: int, device, stages: int, programs, group_m: int):
+    """(grid, launch options) of a row-block kernel with ``cols``-wide tiles over ``n``
+    columns: one CTA per SM (or ``programs``), the ring's stages, the walk."""
+    block_tiles = sched.block_rows // TILE_ROWS
+    tiles_n = triton.cdiv(n, cols)
+    grid = launch_grid(sched.max_blocks * block_tiles * tiles_n, device, programs)
+    return grid, dict(
+        STAGES=stages,
+        BLOCK_TILES=block_tiles,
+        NUM_PROGS=grid[0],
+        GROUP_M=walk_group(group_m, sched, grid[0], tiles_n),
+        num_warps=4,
+        maxnreg=KERNEL_MAXNREG,
+    )
+
+
 def launch_gate_up(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -643,9 +660,9 @@ def launch_gate_up(
     (wg, sg), (wu, su) = gate, up
     rows, k = a.shape
     n = outs[0].shape[1]
-    block_tiles = sched.block_rows // TILE_ROWS
-    work = sched.max_blocks * block_tiles * triton.cdiv(n, GATE_UP_COLS.value)
-    grid = launch_grid(work, a.device, programs)
+    grid, options = _row_block_launch(
+        sched, n, GATE_UP_COLS.value, a.device, stages, programs, group_m
+    )
     b_box = [GATE_UP_COLS.value, BLOCK]
     _ws_gate_up_kernel[grid](
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
@@ -663,12 +680,7 @@ def launch_gate_up(
         k,
         *a_scale.stride(),
         *sg.stride(),
-        STAGES=stages,
-        BLOCK_TILES=block_tiles,
-        NUM_PROGS=grid[0],
-        GROUP_M=walk_group(group_m, sched, grid[0], triton.cdiv(n, GATE_UP_COLS.value)),
-        num_warps=4,
-        maxnreg=KERNEL_MAXNREG,
+        **options,
     )
 
 
@@ -694,9 +706,9 @@ def launch_grouped_mm(
     rows, k = a.shape
     n = outs[0].shape[1]
     g, u = gu if gu is not None else (outs[0], outs[0])
-    block_tiles = sched.block_rows // TILE_ROWS
-    work = sched.max_blocks * block_tiles * triton.cdiv(n, TILE_COLS.value)
-    grid = launch_grid(work, a.device, programs)
+    grid, options = _row_block_launch(
+        sched, n, TILE_COLS.value, a.device, stages, programs, group_m
+    )
     a_box, b_box = [HALF_ROWS.value, BLOCK], [TILE_COLS.value, BLOCK]
     _ws_grouped_mm_kernel[grid](
         _nvmma(a, a_box),
@@ -722,12 +734,7 @@ def launch_grouped_mm(
         *w_scale.stride(),
         TWO_PAIRS=len(pairs) == 2,
         SWIGLU_BWD=gu is not None,
-        STAGES=stages,
-        BLOCK_TILES=block_tiles,
-        NUM_PROGS=grid[0],
-        GROUP_M=walk_group(group_m, sched, grid[0], triton.cdiv(n, TILE_COLS.value)),
-        num_warps=4,
-        maxnreg=KERNEL_MAXNREG,
+        **options,
     )
 
 

@@ -765,3 +765,22 @@ def test_the_warp_specialized_kernel_is_chosen_only_where_it_can_run(monkeypatch
         assert fp8_ws.supported(torch.device("meta"), 128)  # an sm_90a compile check
         assert not fp8_ws.supported(torch.device("meta"), 64)  # tiles would cross blocks
     assert not fp8_ws.supported(cpu, 128)  # no GPU, no compile check
+
+
+def test_the_automatic_walk_groups_row_tiles_where_a_wave_would_reread_an_experts_weights() -> None:
+    """``GemmTiles.group_m`` 0: ``walk_group`` groups 8 row tiles where an expert's row tiles
+    (at balanced routing) outnumber those the grid covers at once with the columns fast, else
+    walks the columns fast; a set group size is kept."""
+    from types import SimpleNamespace
+
+    from megamoe.kernels import fp8_ws
+
+    def sched(rows_per_expert: float):
+        return SimpleNamespace(balanced_rows=rows_per_expert)
+
+    # Llama-4-Scout's gate/up at 16384 tokens: 8 row tiles an expert, 128 column tiles, 132 CTAs
+    assert fp8_ws.walk_group(0, sched(1024), 132, 128) == fp8_ws.AUTO_GROUP_M
+    # DeepSeek-V3's: 4 row tiles an expert, 32 column tiles: 132 CTAs cover 4.1 row tiles
+    assert fp8_ws.walk_group(0, sched(512), 132, 32) == 1
+    assert fp8_ws.walk_group(3, sched(1024), 132, 128) == 3
+    assert fp8_ws.walk_group(1, sched(1024), 132, 128) == 1
