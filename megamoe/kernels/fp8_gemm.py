@@ -92,19 +92,26 @@ _SPLIT = GemmTiles(bm=128, bn=128, bk=BLOCK, stages=3, warps=4, programs_per_sm=
 # 1.23-1.42x the split tiles below, same bits (4 stages; 3: 1.18-1.29x, 5: as 4; the model
 # table's first 7 models at 16384 tokens, H100, 2026-12-06). Where it cannot run (the interpreter,
 # other GPUs) the Triton kernel runs the same tile as two strictly ordered halves
-# (``strict_order``), one program per SM (two would not fit its 4 stages).
+# (``strict_order``), one program per SM (two would not fit its 4 stages). ``group_m`` 0: the
+# tiles walked in groups of row tiles where an expert's weights would be read again each wave
+# (``fp8_ws.walk_group``; gate/up on Llama-4-Scout and Mixtral 1.45-1.49x the column-fast walk).
 WARP_SPECIALIZED = dataclasses.replace(
     _SPLIT, stages=4, programs_per_sm=1, strict_order=True, warp_specialized=True, group_m=0
 )
 GPU_TILES: dict[str, GemmTiles] = {
     # gate/up on the warp-specialized kernel, 64 columns of gate and of up a tile (two
-    # accumulators a consumer; the Triton fallback: the split tile's halves strictly ordered)
+    # accumulators a consumer; the Triton fallback: the split tile's halves strictly ordered):
+    # 1.03-1.38x the split tiles on 13 of the 15 table models that fit one H100 with the
+    # columns walked fast; the automatic walk then made the other two (Llama-4-Scout 0.89x,
+    # Mixtral 0.98x) 1.45-1.49x faster, the 13 0.97-1.17x (16384 tokens, 2026-12-06)
     "gate_up": dataclasses.replace(WARP_SPECIALIZED, bn=64),
     "mm": WARP_SPECIALIZED,
     # the dgrad of gate/up, two (A, W) pairs into one accumulator: 1.04-1.29x the split tiles
     # on 13 of the 15 table models that fit one H100, 1.00-1.01x on DeepSeek-V3 and Mixtral
     # (16384 tokens, 2026-12-06)
     "pair": WARP_SPECIALIZED,
+    # (on the warp-specialized kernel, same bits: 0.89-0.98x these, its epilogue's g and u
+    # loads on the consumers' path; H100, 2026-12-06)
     "swiglu_bwd": _SPLIT,
     # (the warp-specialized weight gradient, same bits, ran 0.85-1.10x these on the table's
     # models, H200, and 0.94-1.10x with vector loads of its column scales on six, H100)

@@ -78,7 +78,7 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
                                                    warp_specialized=False)
     fp8_gemm.GPU_TILES["gate_up"] = dataclasses.replace(ws_gate_up, warp_specialized=False)
     step(7168, 2048, 32, 512, 8, 128)
-    label[0] = "dsv3, warp-specialized gate/up and weight gradients, the dgrad of gate/up on Triton"
+    label[0] = "dsv3, warp-specialized gate/up, SwiGLU bwd, weight gradients; the pair on Triton"
     fp8_gemm.GPU_TILES.update(default_tiles)
     fp8_gemm.GPU_TILES["gate_up"] = ws_gate_up
     fp8_gemm.GPU_TILES["swiglu_bwd"] = fp8_gemm.WARP_SPECIALIZED
