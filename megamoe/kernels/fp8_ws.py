@@ -24,8 +24,9 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
 
 Bits: per K step each element's partial product comes from the same four m64n128k32 wgmma
 instructions (gate/up: m64n64k32, one accumulator per weight, as its Triton tiles of 64
-columns), in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, and
-the promotion and the epilogue are the same expressions in the same order, so the output is
+columns), in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the
+promotion is the same expression in the same order, and the SwiGLU epilogues call the Triton
+kernels' device functions (``tiles.swiglu``, ``tiles.swiglu_backward``), so the output is
 bitwise that of ``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid, one
 CTA per SM, walks the tiles of the used row blocks in groups of row tiles (``_tile_origin``,
 ``walk_group``) or each expert's weight tiles in order; no walk changes a bit.
@@ -51,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import tiles
 from .fp8 import BLOCK, FP8
 from .runtime import compiling_for_hopper, interpreting, launch_grid
 
@@ -329,17 +331,15 @@ def _store_tiles(descs, bufs, accs, coord):
 @gluon.jit
 def _swiglu_backward(dh, gu, rows, col, M, N):
     """(d_g, d_u) of h = silu(g) * u from d_h (``dh``, fp32) and the saved g and u of the tile
-    at (rows, col) (``gu``: their pointers and row stride; 0 outside M x N):
-    ``tiles.swiglu_backward``'s expressions in its order (the Triton kernel's bits)."""
+    at (rows, col) (``gu``: their pointers and row stride; 0 outside M x N), by
+    ``tiles.swiglu_backward`` (the Triton kernel's device function: the same bits)."""
     g_ptr, u_ptr, stride = gu
     cols = col + gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
     offs = rows.to(gl.int64)[:, None] * stride + cols[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     g = gl.load(g_ptr + offs, mask=mask, other=0.0).to(gl.float32)
     u = gl.load(u_ptr + offs, mask=mask, other=0.0).to(gl.float32)
-    sig = 1.0 / (1.0 + gl.exp(-g))
-    s = g * sig
-    return dh * u * (sig + s * (1.0 - sig)), dh * s
+    return tiles.swiglu_backward(dh, g, u)
 
 
 @gluon.jit
@@ -377,13 +377,6 @@ def _consumer(
 
 
 @gluon.jit
-def _swiglu(g, u):
-    """h = silu(g) * u in fp32: ``tiles.swiglu``'s expression and order (the Triton gate/up
-    epilogue's bits)."""
-    return g / (1.0 + gl.exp(-g)) * u
-
-
-@gluon.jit
 def _gate_up_consumer(
     out_descs, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, BLOCK_TILES: gl.constexpr,
     NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
@@ -405,7 +398,7 @@ def _gate_up_consumer(
         at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
         accs, d, it = _pass((zero, zero), d, scales, ring, it, at, 0, k_steps, HALF, GATE_UP)
         acc_g, acc_u = accs
-        _store_tiles(out_descs, bufs, (acc_g, acc_u, _swiglu(acc_g, acc_u)), [row, col])
+        _store_tiles(out_descs, bufs, (acc_g, acc_u, tiles.swiglu(acc_g, acc_u)), [row, col])
     tma.store_wait(pendings=0)
 
 
