@@ -1053,8 +1053,8 @@ def _mm_launch(
             if tuple(x.shape) != (rows, n):
                 raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
     ws = t.warp_specialized and out.dtype == torch.bfloat16
-    if gu is not None:  # (the warp-specialized epilogue reads g and u with one row stride)
-        ws = ws and gu[0].stride() == gu[1].stride() and gu[0].stride(1) == 1
+    if gu is not None:  # (the warp-specialized epilogue loads g and u by TMA into its staging)
+        ws = ws and all(x.dtype == out.dtype and x.stride(1) == 1 for x in gu)
     if ws and fp8_ws.supported(a.device, sched.block_rows):
         fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu)
         return outs

@@ -185,7 +185,8 @@ def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it):
 
 @gluon.jit
 def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl.constexpr,
-              NUM_PROGS: gl.constexpr, COLS: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+              NUM_PROGS: gl.constexpr, COLS: gl.constexpr, GROUP_M: gl.constexpr,
+              HAS_GU: gl.constexpr = False, gu=None):  # fmt: skip
     """One warp: every K step of every tile of this CTA, in the consumers' order, into the
     ring: the first pair's (``pairs[i]``: A's descriptor, the weights' (one, or gate and up),
     their rows an expert), then with ``TWO_PAIRS`` the second's. A slot is refilled once both
@@ -194,6 +195,7 @@ def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl
     walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, COLS)
     k_steps = gl.cdiv(K, BK)
     it = 0
+    n = 0  # tiles loaded so far
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
         a_desc, b_descs, w_rows = pairs[0]
@@ -201,6 +203,24 @@ def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl
         if TWO_PAIRS:
             a_desc, b_descs, w_rows = pairs[1]
             it = _load_steps(a_desc, b_descs, ring, row, expert * w_rows + col, 0, k_steps, it)
+        if HAS_GU:
+            _load_gu(gu, row, col, n)
+            n += 1
+
+
+@gluon.jit
+def _load_gu(gu, row, col, n):
+    """The saved g and u of the CTA's ``n``-th tile (at row, col) into each consumer's staging
+    tiles of d_g and d_u, once that consumer has stored its previous tile from them (``gu``:
+    g's and u's descriptors, the "ready" and "free" barriers a consumer, the staging tiles)."""
+    g_desc, u_desc, ready, free, bufs = gu
+    for half in gl.static_range(2):
+        mbarrier.wait(free.index(half), (n & 1) ^ 1)
+        bar = ready.index(half)
+        mbarrier.expect(bar, 2 * g_desc.block_type.nbytes)
+        at = [row + half * HALF_ROWS, col]
+        tma.async_copy_global_to_shared(g_desc, at, bar, bufs[0].index(half))
+        tma.async_copy_global_to_shared(u_desc, at, bar, bufs[1].index(half))
 
 
 @gluon.jit
@@ -329,16 +349,14 @@ def _store_tiles(descs, bufs, accs, coord):
 
 
 @gluon.jit
-def _swiglu_backward(dh, gu, rows, col, M, N):
-    """(d_g, d_u) of h = silu(g) * u from d_h (``dh``, fp32) and the saved g and u of the tile
-    at (rows, col) (``gu``: their pointers and row stride; 0 outside M x N), by
-    ``tiles.swiglu_backward`` (the Triton kernel's device function: the same bits)."""
-    g_ptr, u_ptr, stride = gu
-    cols = col + gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
-    offs = rows.to(gl.int64)[:, None] * stride + cols[None, :]
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    g = gl.load(g_ptr + offs, mask=mask, other=0.0).to(gl.float32)
-    u = gl.load(u_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+def _swiglu_backward(dh, bufs, ready, n):
+    """(d_g, d_u) of h = silu(g) * u from d_h (``dh``, fp32) and the saved g and u of the
+    CTA's ``n``-th tile, which the producer loaded into this consumer's staging tiles
+    (``bufs``; ``ready`` its barrier): by ``tiles.swiglu_backward`` (the Triton
+    kernel's device function: the same bits). Each thread reads the elements it then writes (one layout)."""
+    mbarrier.wait(ready, n & 1)
+    g = bufs[0].load(ACC_LAYOUT).to(gl.float32)
+    u = bufs[1].load(ACC_LAYOUT).to(gl.float32)
     return tiles.swiglu_backward(dh, g, u)
 
 
@@ -361,6 +379,7 @@ def _consumer(
     zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
     d = zero
     it = 0  # ring steps consumed so far (the producer counts the same)
+    n = 0  # tiles done so far
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, TILE_COLS, GROUP_M)
         row += HALF * HALF_ROWS
@@ -369,10 +388,15 @@ def _consumer(
         if TWO_PAIRS:
             acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, MM)
         if len(c_descs) == 2:
-            _store_tiles(c_descs, bufs, _swiglu_backward(acc, gu, at[1], col, scales[0][2], N),
-                         [row, col])  # fmt: skip
+            ready, free = gu
+            dg_du = _swiglu_backward(acc, bufs, ready.index(HALF), n)
+            _store_tiles(c_descs, bufs, dg_du, [row, col])
+            # the producer may load the next tile's g and u once the stores have read these
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(free.index(HALF), count=1)
         else:
             _store_tiles(c_descs, bufs, (acc,), [row, col])
+        n += 1
     tma.store_wait(pendings=0)
 
 
@@ -482,14 +506,14 @@ def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
 # which cannot be handed to a worker partition.
 @gluon.jit(
     do_not_specialize=[
-        "M", "N", "K", "w_rows", "w2_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk", "s_gu"
+        "M", "N", "K", "w_rows", "w2_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"
     ]
 )  # fmt: skip
 def _ws_grouped_mm_kernel(
     a_desc, a_s_ptr, b_desc, b_s_ptr, w_rows,  # the first (A, W) pair and their scales
     a2_desc, a2_s_ptr, b2_desc, b2_s_ptr, w2_rows,  # the second (TWO_PAIRS), scales alike
     c_desc, c2_desc,  # the output; with SWIGLU_BWD d_g and d_u
-    g_ptr, u_ptr, s_gu,  # SWIGLU_BWD: the saved g and u, their row stride
+    g_desc, u_desc,  # SWIGLU_BWD: the saved g and u
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
@@ -497,13 +521,21 @@ def _ws_grouped_mm_kernel(
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
+    gu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    gu_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(gu_ready.index(i), count=1)  # the producer's expect; TMA adds the bytes
+        mbarrier.init(gu_free.index(i), count=1)  # the consumer, after its stores
+    fence_async_shared()
+    gu = (gu_ready, gu_free)
     if SWIGLU_BWD:
         c_descs = (c_desc, c2_desc)
         c_bufs = (c_bufs, _staging(c2_desc))
     else:
         c_descs = (c_desc,)
-        c_bufs = (c_bufs,)
-    gu = (g_ptr, u_ptr, s_gu)
+        c_bufs = (c_bufs, c_bufs)
+    # (a worker partition takes no None: without SWIGLU_BWD the producer ignores these)
+    producer_gu = (g_desc, u_desc, gu_ready, gu_free, c_bufs)
     strides = (s_am, s_ak, s_be, s_bn, s_bk)
     scales = ((a_s_ptr, (b_s_ptr,), M, N) + strides, (a2_s_ptr, (b2_s_ptr,), M, N) + strides)
     pairs = ((a_desc, (b_desc,), w_rows), (a2_desc, (b2_desc,), w2_rows))
@@ -515,7 +547,7 @@ def _ws_grouped_mm_kernel(
             (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, 1, TWO_PAIRS,
                          BLOCK_TILES, NUM_PROGS, GROUP_M)),
             (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS, TILE_COLS,
-                         GROUP_M)),
+                         GROUP_M, SWIGLU_BWD, producer_gu)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -714,10 +746,7 @@ def launch_grouped_mm(
         _nvmma(wb2, b_box),
         w2_scale,
         w2_rows,
-        *(_nvmma(o, [HALF_ROWS.value, TILE_COLS.value]) for o in (outs[0], outs[-1])),
-        g,
-        u,
-        g.stride(0),
+        *(_nvmma(o, [HALF_ROWS.value, TILE_COLS.value]) for o in (outs[0], outs[-1], g, u)),
         sched.block_expert,
         sched.num_blocks,
         rows,
