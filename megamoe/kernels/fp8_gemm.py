@@ -61,7 +61,9 @@ __all__ = [
     "GPU_TILES",
     "INTERPRETER_TILES",
     "WARP_SPECIALIZED",
+    "WIDE",
     "tiles_for",
+    "triton_tiles",
     "fp8_mma",
     "fp8_mm_acc",
     "fp8_mm_acc_split",
@@ -98,21 +100,30 @@ _SPLIT = GemmTiles(bm=128, bn=128, bk=BLOCK, stages=3, warps=4, programs_per_sm=
 WARP_SPECIALIZED = dataclasses.replace(
     _SPLIT, stages=4, programs_per_sm=1, strict_order=True, warp_specialized=True, group_m=0
 )
+# The warp-specialized kernel's wide tiles: 256 columns, a quarter fewer operand bytes a FLOP
+# (two 128-column accumulators a consumer, the second block's wgmma after the first one's
+# promotion; 3 stages fill the shared memory), the same bits as the 128-column tiles; the row
+# tiles walked in groups of 8. The Triton kernels run them as 128-column tiles
+# (``triton_tiles``).
+WIDE = dataclasses.replace(WARP_SPECIALIZED, bn=256, stages=3, group_m=8)
 GPU_TILES: dict[str, GemmTiles] = {
-    # gate/up on the warp-specialized kernel, 64 columns of gate and of up a tile (two
-    # accumulators a consumer; the Triton fallback: the split tile's halves strictly ordered):
-    # 1.03-1.38x the split tiles on 13 of the 15 table models that fit one H100 with the
-    # columns walked fast; the automatic walk then made the other two (Llama-4-Scout 0.89x,
-    # Mixtral 0.98x) 1.45-1.49x faster, the 13 0.97-1.17x (16384 tokens, 2026-12-06)
-    "gate_up": dataclasses.replace(WARP_SPECIALIZED, bn=64),
-    "mm": WARP_SPECIALIZED,
-    # the dgrad of gate/up, two (A, W) pairs into one accumulator: 1.04-1.29x the split tiles
-    # on 13 of the 15 table models that fit one H100, 1.00-1.01x on DeepSeek-V3 and Mixtral
-    # (16384 tokens, 2026-12-06)
-    "pair": WARP_SPECIALIZED,
-    # (on the warp-specialized kernel, same bits: 0.89-0.98x these, its epilogue's g and u
-    # loads on the consumers' path; H100, 2026-12-06)
-    "swiglu_bwd": _SPLIT,
+    # gate/up on the warp-specialized kernel's wide tiles: 128 columns of gate and of up (h
+    # staged through g's tile), 1.04-1.28x its 64-column tiles (two m64n64 accumulators a
+    # consumer, the automatic walk), which were 1.03-1.49x the split tiles; the 15 table
+    # models that fit one H100, 16384 tokens, 2026-12-06. The Triton kernels run 64 columns.
+    "gate_up": dataclasses.replace(WIDE, bn=128),
+    # the forward down and the dgrad of gate/up (two (A, W) pairs into one accumulator) on the
+    # warp-specialized kernel's wide tiles (256 columns: two 128-column accumulators a
+    # consumer, 3 stages) walked in groups of 8 row tiles: 1.02-1.17x (down) and 1.03-1.20x
+    # (pair) its 128-column tiles, which were 1.23-1.42x and 1.00-1.29x the split tiles; the
+    # 15 table models that fit one H100, 16384 tokens, 2026-12-06
+    "mm": WIDE,
+    "pair": WIDE,
+    # the SwiGLU backward of the down dgrad on the warp-specialized kernel (its producer loads
+    # each tile's g and u by TMA into the consumers' staging tiles): 1.02-1.17x the split tiles
+    # on 12 of the 15 table models that fit one H100, 0.94-0.98x on GLM-4.5, DeepSeek-V2 and
+    # Qwen3-235B (geometric mean 1.07x; 16384 tokens, 2026-12-06)
+    "swiglu_bwd": WARP_SPECIALIZED,
     # (the warp-specialized weight gradient, same bits, ran 0.85-1.10x these on the table's
     # models, H200, and 0.94-1.10x with vector loads of its column scales on six, H100)
     "wgrad": _SPLIT,
@@ -136,6 +147,20 @@ INTERPRETER_TILES: dict[str, GemmTiles] = {
 
 def tiles_for(kind: str) -> GemmTiles:
     return (INTERPRETER_TILES if interpreting() else GPU_TILES)[kind]
+
+
+def triton_tiles(kind: str, t: GemmTiles) -> GemmTiles:
+    """The tiles the Triton kernels run for ``tiles[kind] = t`` where ``t`` asks for the
+    warp-specialized kernel and it cannot run (other GPUs, outputs other than bf16), with the
+    same bits: a wide tile as the narrow one (128 columns, gate/up's 64: two such split
+    halves' accumulators would not fit), and the SwiGLU backward as the split tiles (its
+    halves strictly ordered spill)."""
+    if not t.warp_specialized:
+        return t
+    if kind == "swiglu_bwd":
+        return _SPLIT
+    narrow = fp8_ws.GATE_UP_COLS.value if kind == "gate_up" else fp8_ws.TILE_COLS.value
+    return dataclasses.replace(t, bn=min(t.bn, narrow))
 
 
 @triton.jit
@@ -961,8 +986,10 @@ def gate_up(
             t.stages,
             programs,
             t.group_m,
+            t.bn,
         )
         return g, u, h
+    t = triton_tiles("gate_up", t)
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
     _fp8_gate_up_kernel[grid](
@@ -1056,8 +1083,9 @@ def _mm_launch(
     if gu is not None:  # (the warp-specialized epilogue loads g and u by TMA into its staging)
         ws = ws and all(x.dtype == out.dtype and x.stride(1) == 1 for x in gu)
     if ws and fp8_ws.supported(a.device, sched.block_rows):
-        fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu)
+        fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu, t.bn)
         return outs
+    t = triton_tiles(kind, t)
     bm, block_tiles = row_tile(t, sched.block_rows)
     hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
     a_desc = descriptor(a, [hm, t.bk])

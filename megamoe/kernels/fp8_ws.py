@@ -1,7 +1,8 @@
 """Warp-specialized block-scaled FP8 grouped GEMMs for Hopper (Gluon): gate/up with its SwiGLU
-epilogue (two weights, 64 columns of each a tile), the forward down (one (A, W) pair), the dgrad
-of gate/up (two pairs into one accumulator) and the weight gradient (each expert's rows as the K
-steps; its 128x1 scales on both operands).
+epilogue (two weights, 64 or 128 columns of each a tile), the forward down (one (A, W) pair),
+the dgrad of down with the SwiGLU backward epilogue, the dgrad of gate/up (two pairs into one
+accumulator) and the weight gradient (each expert's rows as the K steps; its 128x1 scales on
+both operands).
 
 Why: ``fp8_gemm``'s Triton kernels promote each 128-deep K step's fp32 partial product on the
 CUDA cores, and within one warpgroup the tensor cores idle while it waits for its MMAs and
@@ -21,10 +22,16 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
     instruction before a wgmma issue waits for a global load. (A consumer that multiplied the
     scales as soon as they were loaded, or copied them into a loop-carried register, waited
     for the loads before every wgmma: ptxas puts that multiply or copy there.)
+  * wide tiles (256 columns; gate/up: 128 of each weight) stack two 128-row B boxes in a slot,
+    a quarter fewer operand bytes a FLOP than 128 x 128 tiles, whose operand traffic holds
+    them near 65% of the tensor cores' time (Nsight Compute on an H100: L2 71-74% busy).
+    A consumer keeps two 64 x 128 accumulators and runs the slot's two blocks one after the
+    other through one partial accumulator (``WIDE_MM``): two of those would not fit its
+    registers.
 
-Bits: per K step each element's partial product comes from the same four m64n128k32 wgmma
-instructions (gate/up: m64n64k32, one accumulator per weight, as its Triton tiles of 64
-columns), in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the
+Bits: per K step each element's partial product comes from four m64n128k32 wgmma instructions
+(gate/up's 64-column tiles: m64n64k32, one accumulator per weight, as its Triton tiles; an
+element's product is the same from either shape, the GPU tests show), in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the
 promotion is the same expression in the same order, and the SwiGLU epilogues call the Triton
 kernels' device functions (``tiles.swiglu``, ``tiles.swiglu_backward``), so the output is
 bitwise that of ``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid, one
@@ -99,23 +106,30 @@ AUTO_GROUP_M = 8
 MM = gl.constexpr(0)  # acc += d * (a_scale * w_scale): one weight scale per row's 128 columns
 WGRAD = gl.constexpr(1)  # acc += d * a_scale * b_scale: 128x1 scales on both operands
 GATE_UP = gl.constexpr(2)  # MM's for each of two weights (gate, up) into two accumulators
+# MM's for each of a 256-column tile's two 128-column blocks into two accumulators, the second
+# block's wgmma after the first one's promotion (through one partial accumulator)
+WIDE_MM = gl.constexpr(3)
 
 
-def staging_cols(kind: str) -> int:
-    """The columns of a consumer's staging tiles of the epilogue, all outputs together:
-    gate/up's three 64-column tiles (g, u, h), the SwiGLU backward's two of 128 (d_g, d_u),
-    else one of 128 (``kind``: the ``fp8_gemm.GPU_TILES`` entry)."""
-    return {"gate_up": 3 * GATE_UP_COLS.value, "swiglu_bwd": 2 * TILE_COLS.value}.get(
-        kind, TILE_COLS.value
-    )
+def staging_cols(kind: str, cols: int = TILE_COLS.value) -> int:
+    """The columns of a consumer's staging tiles of the epilogue, all outputs together, for
+    tiles of ``cols`` columns (of each weight, for gate/up): gate/up's three 64-column tiles
+    (g, u, h) or a wide tile's two of 128 (h through g's), the SwiGLU backward's two of 128
+    (d_g, d_u), else the tile's ``cols`` (``kind``: the ``fp8_gemm.GPU_TILES`` entry)."""
+    if kind == "gate_up":
+        return 3 * cols if cols == GATE_UP_COLS.value else 2 * cols
+    return 2 * TILE_COLS.value if kind == "swiglu_bwd" else cols
 
 
-def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm") -> int:
-    """The ring (fp8 A and B tiles), each consumer's staging tiles of the epilogue
-    (``staging_cols(kind)`` wide, 64 rows; ``out_bytes`` an element: 2 for bf16, 4 for fp32),
-    the barriers."""
-    step = (TILE_ROWS + TILE_COLS.value) * BLOCK
-    return stages * step + 2 * HALF_ROWS.value * staging_cols(kind) * out_bytes + 16 * stages
+def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 128) -> int:
+    """The ring (fp8 A tiles and the B tiles of a tile's ``cols`` columns: 128, 256 for a wide
+    tile; gate/up's 64 of each weight), each consumer's staging tiles of the epilogue
+    (``staging_cols(kind, cols)`` wide, 64 rows; ``out_bytes`` an element: 2 for bf16, 4 for
+    fp32), the barriers."""
+    b_rows = 2 * cols if kind == "gate_up" else cols
+    step = (TILE_ROWS + b_rows) * BLOCK
+    staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
+    return stages * step + staging + 16 * stages
 
 
 @gluon.jit
@@ -152,11 +166,12 @@ def _tile_origin(tile, walk, BLOCK_TILES: gl.constexpr, COLS: gl.constexpr,
 
 
 @gluon.jit
-def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it):
+def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it, B_STEP: gl.constexpr = 0):
     """``k_steps`` K steps of one tile into the ring, from ring step ``it`` on: the two 64-row
-    A boxes at (a_row, k) and (a_row + 64, k) and the B box at (b_row, k) of each descriptor
-    of ``b_descs`` (one, or gate/up's two 64-row boxes stacked in the slot), k from ``k0`` on
-    in steps of 128; returns the next ring step."""
+    A boxes at (a_row, k) and (a_row + 64, k) and the B box at (b_row + i * B_STEP, k) of each
+    descriptor i of ``b_descs``, stacked in the slot (one; gate/up's two 64-row boxes, B_STEP
+    0; a wide tile's two 128-row boxes of one weight, B_STEP 128), k from ``k0`` on in steps
+    of 128; returns the next ring step."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     NB: gl.constexpr = len(b_descs)
     B_ROWS: gl.constexpr = b_descs[0].block_type.shape[0]
@@ -178,7 +193,7 @@ def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it):
         else:
             for i in gl.static_range(NB):
                 dst = b_bufs.index(slot).slice(i * B_ROWS, B_ROWS)
-                tma.async_copy_global_to_shared(b_descs[i], [b_row, k], bar, dst)
+                tma.async_copy_global_to_shared(b_descs[i], [b_row + i * B_STEP, k], bar, dst)
         it += 1
     return it
 
@@ -191,7 +206,8 @@ def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl
     ring: the first pair's (``pairs[i]``: A's descriptor, the weights' (one, or gate and up),
     their rows an expert), then with ``TWO_PAIRS`` the second's. A slot is refilled once both
     consumers released it ("free"); its "ready" barrier completes when all of the step's TMA
-    bytes have landed."""
+    bytes have landed. A wide tile (``COLS`` 256) loads its weight rows as two 128-row boxes."""
+    B_STEP: gl.constexpr = TILE_COLS if COLS == 2 * TILE_COLS else 0
     walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, COLS)
     k_steps = gl.cdiv(K, BK)
     it = 0
@@ -199,10 +215,12 @@ def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
         a_desc, b_descs, w_rows = pairs[0]
-        it = _load_steps(a_desc, b_descs, ring, row, expert * w_rows + col, 0, k_steps, it)
+        b_row = expert * w_rows + col
+        it = _load_steps(a_desc, b_descs, ring, row, b_row, 0, k_steps, it, B_STEP)
         if TWO_PAIRS:
             a_desc, b_descs, w_rows = pairs[1]
-            it = _load_steps(a_desc, b_descs, ring, row, expert * w_rows + col, 0, k_steps, it)
+            b_row = expert * w_rows + col
+            it = _load_steps(a_desc, b_descs, ring, row, b_row, 0, k_steps, it, B_STEP)
         if HAS_GU:
             _load_gu(gu, row, col, n)
             n += 1
@@ -224,22 +242,23 @@ def _load_gu(gu, row, col, n):
 
 
 @gluon.jit
-def _step_scales(scales, expert, rows, col, kb):
-    """Step ``kb``'s scales of the consumer's rows: a_scale[row, kb] (0 past M) and the
-    weight scale of its columns' 128-column block, b_scale[expert, col // 128, kb], of each
-    weight (``scales[1]``: one scale pointer, or gate's and up's, which share the strides).
-    Columns past N (clipped by the store) read the expert's last scale block. b_scale is
-    loaded per row, masked as a_scale: a scalar (or a row vector ptxas can prove uniform)
-    would live in a uniform register, and ptxas waits for the load where it moves it there,
-    before the next wgmma."""
+def _step_scales(scales, expert, rows, cols, kb):
+    """Step ``kb``'s scales of the consumer's rows: a_scale[row, kb] (0 past M) and, for each
+    weight scale pointer i of ``scales[1]`` (one; gate's and up's; or one twice for a wide
+    tile, all with one set of strides), the scale of the 128-column block of column
+    ``cols[i]``, b_scale[expert, cols[i] // 128, kb]. Columns past N (clipped by the store)
+    read the expert's last scale block. b_scale is loaded per row, masked as a_scale: a
+    scalar (or a row vector ptxas can prove uniform) would live in a uniform register, and
+    ptxas waits for the load where it moves it there, before the next wgmma."""
     a_s_ptr, b_s_ptrs, M, N, s_am, s_ak, s_be, s_bn, s_bk = scales
     live = rows < M
     sa = gl.load(a_s_ptr + rows * s_am + kb * s_ak, mask=live, other=0.0)
-    nb = gl.minimum(col // TILE_COLS, gl.cdiv(N, TILE_COLS) - 1)
-    at = expert * s_be + nb * s_bn + kb * s_bk + rows * 0
-    sb = gl.load(b_s_ptrs[0] + at, mask=live)
+    last = gl.cdiv(N, TILE_COLS) - 1
+    at = expert * s_be + kb * s_bk + rows * 0
+    sb = gl.load(b_s_ptrs[0] + at + gl.minimum(cols[0] // TILE_COLS, last) * s_bn, mask=live)
     if len(b_s_ptrs) == 2:
-        return sa, sb, gl.load(b_s_ptrs[1] + at, mask=live)
+        at1 = at + gl.minimum(cols[1] // TILE_COLS, last) * s_bn
+        return sa, sb, gl.load(b_s_ptrs[1] + at1, mask=live)
     else:
         return sa, sb
 
@@ -259,13 +278,13 @@ def _wgrad_step_scales(scales, rows, col, kb):
 @gluon.jit
 def _scales_at(scales, at, kb, KIND: gl.constexpr):
     """Step ``kb``'s scales: ``_wgrad_step_scales(scales, *at)`` for the weight gradient
-    (``KIND`` WGRAD), else ``_step_scales(scales, *at)`` (at = (expert, rows, col))."""
+    (``KIND`` WGRAD), else ``_step_scales(scales, *at)`` (at = (expert, rows, cols))."""
     if KIND == WGRAD:
         rows, col = at
         return _wgrad_step_scales(scales, rows, col, kb)
     else:
-        expert, rows, col = at
-        return _step_scales(scales, expert, rows, col, kb)
+        expert, rows, cols = at
+        return _step_scales(scales, expert, rows, cols, kb)
 
 
 @gluon.jit
@@ -276,7 +295,10 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
     vector's product (a_scale * w_scale); GATE_UP the same for each of the slot's two 64-row
     B boxes into its own (acc, d) (both tuples: gate, up); WGRAD by the rows' and then the
     columns' scales, the latter loaded while the wgmma runs (a second register set of 32 a
-    thread would not fit). Returns (acc, d)."""
+    thread would not fit); WIDE_MM MM's for the slot's two 128-row B boxes (a 256-column tile)
+    into two accumulators (both tuples), the second box's wgmma into ``d`` once the first
+    one's product is promoted (two partial accumulators and two full ones would not fit).
+    Returns (acc, d)."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -293,6 +315,25 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
         acc_g, acc_u = acc
         sa, sg, su = scale
         return (acc_g + dg * (sa * sg)[:, None], acc_u + du * (sa * su)[:, None]), (dg, du)
+    elif KIND == WIDE_MM:
+        b = b_bufs.index(slot)
+        acc0, acc1 = acc
+        sa, s0, s1 = scale
+        d = warpgroup_mma(a, b.slice(0, TILE_COLS).permute((1, 0)), d, use_acc=False,
+                          is_async=True)  # fmt: skip
+        d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+        acc0 = acc0 + d * (sa * s0)[:, None]
+        # A wait with no wgmma outstanding that passes acc0 and d: the next wgmma (which takes
+        # d) then follows acc0's promotion (and below, the next step's follows acc1's).
+        # Without it LLVM moves a promotion below the wgmma and keeps a copy of d (64 more
+        # registers a thread: spills).
+        acc0, d = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, d))
+        d = warpgroup_mma(a, b.slice(TILE_COLS, TILE_COLS).permute((1, 0)), d, use_acc=False,
+                          is_async=True)  # fmt: skip
+        d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+        mbarrier.arrive(free.index(slot), count=1)
+        acc1, d = warpgroup_mma_wait(num_outstanding=0, deps=(acc1 + d * (sa * s1)[:, None], d))
+        return (acc0, acc1), d
     else:
         b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
         d = warpgroup_mma(a, b, d, use_acc=False, is_async=True)
@@ -332,11 +373,11 @@ def _pass(acc, d, scales, ring, it, at, k0, k_steps, HALF: gl.constexpr, KIND: g
 
 
 @gluon.jit
-def _store_tiles(descs, bufs, accs, coord):
+def _store_tiles(descs, bufs, accs, coords):
     """The epilogue: each fp32 tile of ``accs`` in its output's dtype through this warpgroup's
-    staging tile of that output (``descs[i]``, ``bufs[i]``), one TMA store each at ``coord``
-    (clipped at the tensor's edges), once the previous tile's stores have read the staging
-    tiles."""
+    staging tile of that output (``descs[i]``, ``bufs[i]``), one TMA store each at
+    ``coords[i]`` (clipped at the tensor's edges), once the previous tile's stores have read
+    the staging tiles."""
     tma.store_wait(pendings=0)
     for i in gl.static_range(len(descs)):
         if len(descs[i].block_type.shape) == 3:  # a [1, 64, 128] box of an [E, M, N] output
@@ -345,15 +386,16 @@ def _store_tiles(descs, bufs, accs, coord):
             bufs[i].store(accs[i].to(descs[i].dtype))
     fence_async_shared()
     for i in gl.static_range(len(descs)):
-        tma.async_copy_shared_to_global(descs[i], coord, bufs[i])
+        tma.async_copy_shared_to_global(descs[i], coords[i], bufs[i])
 
 
 @gluon.jit
 def _swiglu_backward(dh, bufs, ready, n):
     """(d_g, d_u) of h = silu(g) * u from d_h (``dh``, fp32) and the saved g and u of the
     CTA's ``n``-th tile, which the producer loaded into this consumer's staging tiles
-    (``bufs``; ``ready`` its barrier): by ``tiles.swiglu_backward`` (the Triton
-    kernel's device function: the same bits). Each thread reads the elements it then writes (one layout)."""
+    (``bufs``; ``ready`` its barrier; zeros past the tensors' edges), by
+    ``tiles.swiglu_backward`` (the Triton kernel's device function: the same bits). Each
+    thread reads the elements it then writes (one layout)."""
     mbarrier.wait(ready, n & 1)
     g = bufs[0].load(ACC_LAYOUT).to(gl.float32)
     u = bufs[1].load(ACC_LAYOUT).to(gl.float32)
@@ -363,66 +405,92 @@ def _swiglu_backward(dh, bufs, ready, n):
 @gluon.jit
 def _consumer(
     c_descs, c_bufs, ring, scales, sched, N, K, gu, HALF: gl.constexpr, TWO_PAIRS: gl.constexpr,
-    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    SWIGLU_BWD: gl.constexpr, COLS: gl.constexpr, BLOCK_TILES: gl.constexpr,
+    NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA, the
     first pair's K steps and then, with ``TWO_PAIRS``, the second's into one accumulator (the
     Triton kernel's order). ``scales[i]``: pair i's scale pointers, M, N and the strides.
-    ``c_descs``: the output, or with ``gu`` (the saved g and u: ``_swiglu_backward``'s) the
-    accumulator is d_h and the outputs are d_g and d_u; ``c_bufs``: their staging tiles."""
+    ``c_descs``: the output (twice for a wide tile, ``COLS`` 256: one accumulator and staging
+    tile per 128 columns), or with ``SWIGLU_BWD`` (``gu``: the barriers of the saved g and u,
+    ``_swiglu_backward``'s) the accumulator is d_h and the outputs are d_g and d_u;
+    ``c_bufs``: their staging tiles."""
+    KIND: gl.constexpr = WIDE_MM if COLS == 2 * TILE_COLS else MM
     row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
     bufs = (c_bufs[0].index(HALF),)
     if len(c_descs) == 2:
         bufs = (c_bufs[0].index(HALF), c_bufs[1].index(HALF))
-    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, TILE_COLS)
+    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, COLS)
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
     d = zero
     it = 0  # ring steps consumed so far (the producer counts the same)
     n = 0  # tiles done so far
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, TILE_COLS, GROUP_M)
+        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
         row += HALF * HALF_ROWS
-        at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
-        acc, d, it = _pass(zero, d, scales[0], ring, it, at, 0, k_steps, HALF, MM)
+        rows = row + gl.arange(0, HALF_ROWS, layout=row_layout)
+        if KIND == WIDE_MM:
+            at = (expert, rows, (col, col + TILE_COLS))
+            acc = (zero, zero)
+        else:
+            at = (expert, rows, (col,))
+            acc = zero
+        acc, d, it = _pass(acc, d, scales[0], ring, it, at, 0, k_steps, HALF, KIND)
         if TWO_PAIRS:
-            acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, MM)
-        if len(c_descs) == 2:
+            acc, d, it = _pass(acc, d, scales[1], ring, it, at, 0, k_steps, HALF, KIND)
+        if SWIGLU_BWD:
             ready, free = gu
             dg_du = _swiglu_backward(acc, bufs, ready.index(HALF), n)
-            _store_tiles(c_descs, bufs, dg_du, [row, col])
+            _store_tiles(c_descs, bufs, dg_du, ([row, col], [row, col]))
             # the producer may load the next tile's g and u once the stores have read these
             tma.store_wait(pendings=0)
             mbarrier.arrive(free.index(HALF), count=1)
+        elif KIND == WIDE_MM:
+            _store_tiles(c_descs, bufs, acc, ([row, col], [row, col + TILE_COLS]))
         else:
-            _store_tiles(c_descs, bufs, (acc,), [row, col])
+            _store_tiles(c_descs, bufs, (acc,), ([row, col],))
         n += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _gate_up_consumer(
-    out_descs, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    out_descs, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, COLS: gl.constexpr,
+    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every gate/up tile of this
-    CTA (64 columns of g and of u, from the slot's two B boxes), and their SwiGLU epilogue.
-    ``out_descs``: g's, u's and h's descriptors, ``c_bufs`` their staging tiles (two each);
-    ``scales``: the scale pointers (A's, then gate's and up's), M, N and the strides."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, GATE_UP_LAYOUT)
-    bufs = (c_bufs[0].index(HALF), c_bufs[1].index(HALF), c_bufs[2].index(HALF))
-    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, GATE_UP_COLS)
+    CTA (``COLS`` columns of g and of u from the slot's two B boxes: 64, each into its own
+    partial accumulator, or 128 as a wide tile's two blocks, WIDE_MM), and their SwiGLU
+    epilogue. ``out_descs``: g's, u's and h's descriptors; ``c_bufs`` the staging tiles (two
+    each) of all three, or of a wide tile's g and u (h goes through g's once g's store has
+    read it); ``scales``: the scale pointers (A's, then gate's and up's), M, N and the
+    strides."""
+    WIDE: gl.constexpr = COLS == TILE_COLS
+    layout: gl.constexpr = ACC_LAYOUT if WIDE else GATE_UP_LAYOUT
+    bufs = (c_bufs[0].index(HALF), c_bufs[1].index(HALF))
+    if not WIDE:
+        bufs = bufs + (c_bufs[2].index(HALF),)
+    walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, COLS)
     k_steps = gl.cdiv(K, BK)
-    zero = gl.zeros([HALF_ROWS, GATE_UP_COLS], gl.float32, GATE_UP_LAYOUT)
-    d = (zero, zero)
+    zero = gl.zeros([HALF_ROWS, COLS], gl.float32, layout)
+    d = zero if WIDE else (zero, zero)
     it = 0  # ring steps consumed so far (the producer counts the same)
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
-        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, GATE_UP_COLS, GROUP_M)
+        expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
         row += HALF * HALF_ROWS
-        at = (expert, row + gl.arange(0, HALF_ROWS, layout=row_layout), col)
-        accs, d, it = _pass((zero, zero), d, scales, ring, it, at, 0, k_steps, HALF, GATE_UP)
+        at = (expert, row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout)), (col, col))
+        KIND: gl.constexpr = WIDE_MM if WIDE else GATE_UP
+        accs, d, it = _pass((zero, zero), d, scales, ring, it, at, 0, k_steps, HALF, KIND)
         acc_g, acc_u = accs
-        _store_tiles(out_descs, bufs, (acc_g, acc_u, tiles.swiglu(acc_g, acc_u)), [row, col])
+        coord = [row, col]
+        h = tiles.swiglu(acc_g, acc_u)
+        if WIDE:
+            g_u = (out_descs[0], out_descs[1])
+            _store_tiles(g_u, bufs, (acc_g, acc_u), (coord, coord))
+            _store_tiles((out_descs[2],), (bufs[0],), (h,), (coord,))
+        else:
+            _store_tiles(out_descs, bufs, (acc_g, acc_u, h), (coord, coord, coord))
     tma.store_wait(pendings=0)
 
 
@@ -473,7 +541,7 @@ def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.con
         acc, d, it = _pass(
             zero, d, tile_scales, ring, it, (rows, col), r0 // BK, steps, HALF, WGRAD
         )
-        _store_tiles((c_desc,), (c_smem,), (acc,), [expert, row, col])
+        _store_tiles((c_desc,), (c_smem,), (acc,), ([expert, row, col],))
     tma.store_wait(pendings=0)
 
 
@@ -484,14 +552,14 @@ def _staging(c_desc):
 
 
 @gluon.jit
-def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
-    """The ring's shared memory (per slot: two 64-row A tiles, one 128-row B tile, which
-    gate/up fills with two 64-row boxes, a "ready" and a "free" barrier), initialized, and the
-    two consumers' staging tiles of the output ``c_desc``."""
+def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, B_ROWS: gl.constexpr = TILE_COLS):
+    """The ring's shared memory (per slot: two 64-row A tiles, one B tile of ``B_ROWS`` rows,
+    128 (gate/up fills it with two 64-row boxes) or a wide tile's 256, a "ready" and a "free"
+    barrier), initialized, and the two consumers' staging tiles of the output ``c_desc``."""
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout
     )
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, TILE_COLS, BK], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BK], b_desc.layout)
     c_bufs = _staging(c_desc)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -518,9 +586,10 @@ def _ws_grouped_mm_kernel(
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
     TWO_PAIRS: gl.constexpr, SWIGLU_BWD: gl.constexpr, STAGES: gl.constexpr,
+    COLS: gl.constexpr,  # the tile's columns: 128, or 256 (wide: two 128-column blocks)
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES)
+    ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES, COLS)
     gu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     gu_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -531,22 +600,31 @@ def _ws_grouped_mm_kernel(
     if SWIGLU_BWD:
         c_descs = (c_desc, c2_desc)
         c_bufs = (c_bufs, _staging(c2_desc))
+    elif COLS == 2 * TILE_COLS:
+        c_descs = (c_desc, c_desc)
+        c_bufs = (c_bufs, _staging(c_desc))
     else:
         c_descs = (c_desc,)
         c_bufs = (c_bufs, c_bufs)
     # (a worker partition takes no None: without SWIGLU_BWD the producer ignores these)
     producer_gu = (g_desc, u_desc, gu_ready, gu_free, c_bufs)
     strides = (s_am, s_ak, s_be, s_bn, s_bk)
-    scales = ((a_s_ptr, (b_s_ptr,), M, N) + strides, (a2_s_ptr, (b2_s_ptr,), M, N) + strides)
-    pairs = ((a_desc, (b_desc,), w_rows), (a2_desc, (b2_desc,), w2_rows))
+    if COLS == 2 * TILE_COLS:  # each weight's two 128-row boxes and scale blocks
+        b_descs, b2_descs = (b_desc, b_desc), (b2_desc, b2_desc)
+        b_scales, b2_scales = (b_s_ptr, b_s_ptr), (b2_s_ptr, b2_s_ptr)
+    else:
+        b_descs, b2_descs = (b_desc,), (b2_desc,)
+        b_scales, b2_scales = (b_s_ptr,), (b2_s_ptr,)
+    scales = ((a_s_ptr, b_scales, M, N) + strides, (a2_s_ptr, b2_scales, M, N) + strides)
+    pairs = ((a_desc, b_descs, w_rows), (a2_desc, b2_descs, w2_rows))
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
             (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, 0, TWO_PAIRS,
-                         BLOCK_TILES, NUM_PROGS, GROUP_M)),
+                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M)),
             (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, 1, TWO_PAIRS,
-                         BLOCK_TILES, NUM_PROGS, GROUP_M)),
-            (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS, TILE_COLS,
+                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M)),
+            (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS, COLS,
                          GROUP_M, SWIGLU_BWD, producer_gu)),
         ],
         [4, 1],
@@ -562,23 +640,26 @@ def _ws_gate_up_kernel(
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides (gate's and up's alike)
-    STAGES: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
-    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    COLS: gl.constexpr,  # the columns of each weight a tile: 64, or 128 (wide)
+    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    ring, g_bufs = _shared_ring(a_desc, bg_desc, g_desc, STAGES)
-    c_bufs = (g_bufs, _staging(u_desc), _staging(h_desc))
+    ring, g_bufs = _shared_ring(a_desc, bg_desc, g_desc, STAGES, 2 * COLS)
+    c_bufs = (g_bufs, _staging(u_desc))
+    if COLS == GATE_UP_COLS:
+        c_bufs = c_bufs + (_staging(h_desc),)
     scales = (a_s_ptr, (bg_s_ptr, bu_s_ptr), M, N, s_am, s_ak, s_be, s_bn, s_bk)
     pairs = ((a_desc, (bg_desc, bu_desc), w_rows),)
     sched = (block_expert_ptr, num_blocks_ptr)
     outs = (g_desc, u_desc, h_desc)
     gl.warp_specialize(
         [
-            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 0, BLOCK_TILES,
+            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 0, COLS, BLOCK_TILES,
                                  NUM_PROGS, GROUP_M)),
-            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 1, BLOCK_TILES,
+            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 1, COLS, BLOCK_TILES,
                                  NUM_PROGS, GROUP_M)),
-            (_producer, (pairs, ring, sched, N, K, False, BLOCK_TILES, NUM_PROGS,
-                         GATE_UP_COLS, GROUP_M)),
+            (_producer, (pairs, ring, sched, N, K, False, BLOCK_TILES, NUM_PROGS, COLS,
+                         GROUP_M)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -629,12 +710,12 @@ def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def _check_stages(stages: int, out_bytes: int, kind: str = "mm") -> None:
-    need = smem_bytes(stages, out_bytes, kind)
+def _check_stages(stages: int, out_bytes: int, kind: str = "mm", cols: int = 128) -> None:
+    need = smem_bytes(stages, out_bytes, kind, cols)
     if need > SMEM_BYTES:
         raise ValueError(
-            f"stages = {stages} needs {need} B of shared memory with the {kind} epilogue's "
-            f"{out_bytes}-byte outputs; a CTA has {SMEM_BYTES}"
+            f"stages = {stages} needs {need} B of shared memory with {cols}-column tiles and the "
+            f"{kind} epilogue's {out_bytes}-byte outputs; a CTA has {SMEM_BYTES}"
         )
 
 
@@ -675,20 +756,22 @@ def launch_gate_up(
     stages: int,
     programs: int | None = None,
     group_m: int = 1,
+    cols: int = GATE_UP_COLS.value,
 ) -> None:
     """(g, u, h) = (a W_g^T, a W_u^T, silu(g) * u) of the used row blocks of ``sched`` into
-    ``outs`` (each [rows, I], bf16), 64 columns of each weight a tile. ``gate``, ``up``: the
-    weights' 2-D views (``gemm.weight_2d``: expert e's I rows start at ``e * w_rows``) and
-    their 128x128 scales (the same strides). ``group_m``: the row tiles walked together
-    (``walk_group``). ``fp8_gemm.gate_up`` has checked the arguments."""
-    _check_stages(stages, outs[0].element_size(), "gate_up")
+    ``outs`` (each [rows, I], bf16), ``cols`` columns of each weight a tile (64, or 128:
+    wide). ``gate``, ``up``: the weights' 2-D views (``gemm.weight_2d``: expert e's I rows
+    start at ``e * w_rows``) and their 128x128 scales (the same strides). ``group_m``: the
+    row tiles walked together (``walk_group``). ``fp8_gemm.gate_up`` has checked the
+    arguments."""
+    if cols not in (GATE_UP_COLS.value, TILE_COLS.value):
+        raise ValueError(f"cols = {cols}: gate/up tiles are 64 or 128 columns of each weight")
+    _check_stages(stages, outs[0].element_size(), "gate_up", cols)
     (wg, sg), (wu, su) = gate, up
     rows, k = a.shape
     n = outs[0].shape[1]
-    grid, options = _row_block_launch(
-        sched, n, GATE_UP_COLS.value, a.device, stages, programs, group_m
-    )
-    b_box = [GATE_UP_COLS.value, BLOCK]
+    grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
+    b_box = [cols, BLOCK]
     _ws_gate_up_kernel[grid](
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
         a_scale,
@@ -697,7 +780,7 @@ def launch_gate_up(
         _nvmma(wu, b_box),
         su,
         w_rows,
-        *(_nvmma(o, [HALF_ROWS.value, GATE_UP_COLS.value]) for o in outs),
+        *(_nvmma(o, [HALF_ROWS.value, cols]) for o in outs),
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -705,6 +788,7 @@ def launch_gate_up(
         k,
         *a_scale.stride(),
         *sg.stride(),
+        COLS=cols,
         **options,
     )
 
@@ -717,23 +801,28 @@ def launch_grouped_mm(
     programs: int | None = None,
     group_m: int = 1,
     gu: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cols: int = TILE_COLS.value,
 ) -> None:
     """outs[0][r] = sum over the (one or two) pairs of a[r] @ W[e(r)]^T, in pair order, for
-    the used row blocks of ``sched``; with ``gu`` (the saved g and u, [rows, N] with one row
-    stride) that sum is d_h and (outs[0], outs[1]) get the SwiGLU backward's (d_g, d_u). A
-    pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the weights' 2-D view (``gemm.
+    the used row blocks of ``sched``; with ``gu`` (the saved g and u, [rows, N] bf16 with
+    contiguous rows) that sum is d_h and (outs[0], outs[1]) get the SwiGLU backward's (d_g,
+    d_u). A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the weights' 2-D view (``gemm.
     weight_2d``: expert e's N rows start at ``e * w_rows``); the second pair's scales have the
-    first's strides. ``group_m``: the row tiles walked together (``walk_group``). ``fp8_gemm``
-    has checked the arguments."""
-    _check_stages(stages, outs[0].element_size(), "mm" if gu is None else "swiglu_bwd")
+    first's strides. ``group_m``: the row tiles walked together (``walk_group``); ``cols``: a
+    tile's columns, 128 or 256 (wide; not with ``gu``). ``fp8_gemm`` has checked the
+    arguments."""
+    if cols not in (TILE_COLS.value, 2 * TILE_COLS.value) or (gu is not None and cols != 128):
+        raise ValueError(
+            f"cols = {cols}: the tiles are 128 or 256 columns wide, 128 with the SwiGLU backward"
+        )
+    kind = "mm" if gu is None else "swiglu_bwd"
+    _check_stages(stages, outs[0].element_size(), kind, cols)
     a, a_scale, wb, w_scale, w_rows = pairs[0]
     a2, a2_scale, wb2, w2_scale, w2_rows = pairs[-1]
     rows, k = a.shape
     n = outs[0].shape[1]
     g, u = gu if gu is not None else (outs[0], outs[0])
-    grid, options = _row_block_launch(
-        sched, n, TILE_COLS.value, a.device, stages, programs, group_m
-    )
+    grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
     a_box, b_box = [HALF_ROWS.value, BLOCK], [TILE_COLS.value, BLOCK]
     _ws_grouped_mm_kernel[grid](
         _nvmma(a, a_box),
@@ -756,6 +845,7 @@ def launch_grouped_mm(
         *w_scale.stride(),
         TWO_PAIRS=len(pairs) == 2,
         SWIGLU_BWD=gu is not None,
+        COLS=cols,
         **options,
     )
 

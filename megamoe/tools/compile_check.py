@@ -200,8 +200,9 @@ def _fp8_step_with(cfg, tokens: int, warp_specialized: bool) -> None:
     old = dict(fp8_gemm.GPU_TILES)
     for kind, t in old.items():
         if not warp_specialized:
-            fp8_gemm.GPU_TILES[kind] = dataclasses.replace(t, warp_specialized=False)
-        elif kind in ("gate_up", "mm", "pair", "swiglu_bwd", "wgrad", "wgrad_fp32"):
+            triton = fp8_gemm.triton_tiles(kind, t)
+            fp8_gemm.GPU_TILES[kind] = dataclasses.replace(triton, warp_specialized=False)
+        elif not t.warp_specialized:
             fp8_gemm.GPU_TILES[kind] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=t.bn)
     try:
         _fp8_step(cfg, tokens)

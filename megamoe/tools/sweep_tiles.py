@@ -72,6 +72,11 @@ _FP8_ROW = [
 # 8 B), the weight gradient, the one-pair grouped mm (not "pair"; the forward down's spills
 # unless strictly ordered, the SwiGLU backward's 204 B)
 _FP8_FLAT = T(bm=128, bn=128, bk=128, stages=2, warps=4, programs_per_sm=2, split_m=2, flatten=True)
+# the warp-specialized kernel's wide tiles (256 columns: a quarter fewer operand bytes a FLOP;
+# 3 stages fill the shared memory), walked automatically and in groups of 8 row tiles
+_FP8_WIDE = [
+    dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=256, stages=3, group_m=g) for g in (0, 8)
+]
 _BF16_WGRAD = [  # (the entries' defaults are each other's candidates)
     T(bm=128, bn=256, bk=64, stages=3, warps=8),
     T(bm=128, bn=128, bk=64, stages=2, warps=4, programs_per_sm=2),
@@ -121,19 +126,23 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
         + [
             dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64, stages=n, group_m=g)
             for n, g in ((4, 0), (3, 0), (4, 1), (4, 8), (4, 16))
-        ],
+        ]
+        # wide: 128 columns of each weight (a 256-row B slot, h staged through g's tile)
+        + [dataclasses.replace(t, bn=128) for t in _FP8_WIDE],
         "mm": _FP8_ROW
         + [dataclasses.replace(_FP8_FLAT, stages=3, strict_order=True)]
         # the warp-specialized Gluon kernel (``fp8_ws``)
         + [
             dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
             for n, g in ((4, 0), (5, 0), (3, 0), (4, 1), (4, 8))
-        ],
+        ]
+        + _FP8_WIDE,
         "pair": _FP8_ROW
         + [
             dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n, group_m=g)
             for n, g in ((4, 0), (3, 0), (4, 1), (4, 8))
-        ],
+        ]
+        + _FP8_WIDE,
         "swiglu_bwd": _FP8_ROW
         + [_FP8_FLAT]
         + [
@@ -171,7 +180,7 @@ def fits_shared_memory(tile_kind: str, t: GemmTiles, precision: str, block_rows:
     a split tile stores one sub-tile at a time).
     A compile that does not fit fails anyway; this keeps the sweep from compiling it."""
     if t.warp_specialized:  # (fp8_ws: one CTA per SM)
-        need = fp8_ws.smem_bytes(t.stages, kind=tile_kind)
+        need = fp8_ws.smem_bytes(t.stages, kind=tile_kind, cols=t.bn)
         return need + _BLOCK_RESERVED_BYTES <= _SM_SHARED_BYTES
     a_bytes = 1 if precision == "fp8" else 2
     bm = t.bm or block_rows

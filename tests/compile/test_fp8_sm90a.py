@@ -72,18 +72,16 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
     label[0] = "gpt-oss (partial K blocks)"
     step(2880, 2880, 32, 512, 4, 128)
     default_tiles = dict(fp8_gemm.GPU_TILES)
-    ws_gate_up = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64)
-    label[0] = "dsv3, the Triton kernels of gate/up's and the forward down's warp-specialized tiles"
-    fp8_gemm.GPU_TILES["mm"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
-                                                   warp_specialized=False)
-    fp8_gemm.GPU_TILES["gate_up"] = dataclasses.replace(ws_gate_up, warp_specialized=False)
+    label[0] = "dsv3, the Triton kernels of the warp-specialized tiles (fp8_gemm.triton_tiles)"
+    for kind, t in default_tiles.items():
+        if t.warp_specialized:
+            fp8_gemm.GPU_TILES[kind] = dataclasses.replace(fp8_gemm.triton_tiles(kind, t),
+                                                           warp_specialized=False)
     step(7168, 2048, 32, 512, 8, 128)
-    label[0] = "dsv3, warp-specialized gate/up, SwiGLU bwd, weight gradients; the pair on Triton"
+    label[0] = "dsv3, narrow warp-specialized gate/up, forward down and pair, weight gradients"
     fp8_gemm.GPU_TILES.update(default_tiles)
-    fp8_gemm.GPU_TILES["gate_up"] = ws_gate_up
-    fp8_gemm.GPU_TILES["swiglu_bwd"] = fp8_gemm.WARP_SPECIALIZED
-    fp8_gemm.GPU_TILES["pair"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED,
-                                                     warp_specialized=False)
+    fp8_gemm.GPU_TILES["gate_up"] = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=64)
+    fp8_gemm.GPU_TILES["mm"] = fp8_gemm.GPU_TILES["pair"] = fp8_gemm.WARP_SPECIALIZED
     fp8_gemm.GPU_TILES["wgrad"] = fp8_gemm.GPU_TILES["wgrad_fp32"] = fp8_gemm.WARP_SPECIALIZED
     step(7168, 2048, 32, 512, 8, 128)
     label[0] = "dsv3, whole 64-row tiles"

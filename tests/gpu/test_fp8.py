@@ -135,17 +135,25 @@ def _weights64(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * s[:, : q.shape[1], : q.shape[2]]
 
 
-def _warp_specialized_and_triton(monkeypatch, kind: str, run, group_m: int = 1):
-    """``run()`` with tiles[kind] warp-specialized (its width kept: gate/up's 64; the row tiles
-    in groups of ``group_m``) and then the same tiles on the Triton kernel, on poisoned
-    buffers: (ws, triton)."""
+def _warp_specialized_and_triton(
+    monkeypatch, kind: str, run, group_m: int = 1, bn: int | None = None
+):
+    """``run()`` with tiles[kind] warp-specialized (``bn`` columns wide, or its width kept;
+    wide tiles, 256 columns or gate/up's 128 of each weight, with 3 stages; the row tiles in
+    groups of ``group_m``) and then on the Triton kernel (``fp8_gemm.triton_tiles``), on
+    poisoned buffers: (ws, triton)."""
     import dataclasses
 
     from megamoe.kernels import fp8_gemm
 
-    bn = fp8_gemm.GPU_TILES[kind].bn
-    ws_tiles = dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=bn, group_m=group_m)
-    triton_tiles = dataclasses.replace(ws_tiles, warp_specialized=False)
+    bn = bn or fp8_gemm.GPU_TILES[kind].bn
+    wide = bn > (64 if kind == "gate_up" else 128)
+    ws_tiles = dataclasses.replace(
+        fp8_gemm.WARP_SPECIALIZED, bn=bn, group_m=group_m, stages=3 if wide else 4
+    )
+    triton_tiles = dataclasses.replace(
+        fp8_gemm.triton_tiles(kind, ws_tiles), warp_specialized=False
+    )
     with poisoned_buffers():
         monkeypatch.setitem(fp8_gemm.GPU_TILES, kind, ws_tiles)
         ws = run()
@@ -175,12 +183,14 @@ WALKS = [(None, 1), (7, 1), (None, 8), (7, 3)]
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
 @pytest.mark.parametrize("programs, group_m", WALKS)
+@pytest.mark.parametrize("bn", [128, 256])
 def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
-    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int
+    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int, bn: int
 ) -> None:
-    """``fp8_ws``'s Gluon kernel (tiles ``warp_specialized``) against the Triton kernel on
-    the forward down: an expert of no rows, K steps odd (2880) and even, a partial last column
-    tile (N 2880), each of ``WALKS``."""
+    """``fp8_ws``'s Gluon kernel (tiles ``warp_specialized``, 128 or 256 columns) against the
+    Triton kernel on the forward down: an expert of no rows, K steps odd (2880) and even, a
+    partial last column tile (N 2880: of a wide tile, half a 128-column block and a block past
+    N), each of ``WALKS``."""
     from megamoe.kernels import fp8, fp8_gemm
 
     sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts)
@@ -188,7 +198,11 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
     wd = torch.randn(experts, h, i, device=DEV, generator=gen) / i**0.5
     w_down = fp8.quantize_weight(wd.to(torch.bfloat16))
     ws, triton_z = _warp_specialized_and_triton(
-        monkeypatch, "mm", lambda: fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs), group_m
+        monkeypatch,
+        "mm",
+        lambda: fp8_gemm.grouped_mm(a, a_scale, w_down, sched, programs),
+        group_m,
+        bn,
     )
     a64, w64 = fp8.dequantize_rows(a, a_scale).double(), _weights64(w_down.q, w_down.scale)
     _check_ws(ws, triton_z, used, row_expert, experts, lambda rows, e: a64[rows] @ w64[e].T)
@@ -196,12 +210,14 @@ def test_warp_specialized_forward_down_gives_the_triton_kernels_bits(
 
 @pytest.mark.parametrize("h, i, experts", [*SHAPES_WS, (2048, 1000, 4)])
 @pytest.mark.parametrize("programs, group_m", WALKS)
+@pytest.mark.parametrize("bn", [64, 128])
 def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
-    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int
+    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int, bn: int
 ) -> None:
-    """The same for gate/up: g, u and h = silu(g) * u (64 columns of each weight a tile; I
-    2880 ends in half a 128-column scale block, 1000 in a partial tile), each against the
-    Triton kernel's bits and the float64 product (h: SwiGLU of the float64 g and u)."""
+    """The same for gate/up: g, u and h = silu(g) * u (64 or 128 columns of each weight a
+    tile; I 2880 ends in half a 128-column scale block, 1000 in a partial tile), each against
+    the Triton kernel's bits (64-column tiles) and the float64 product (h: SwiGLU of the
+    float64 g and u)."""
     from megamoe.kernels import fp8, fp8_gemm
 
     sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 3)
@@ -213,6 +229,7 @@ def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
         "gate_up",
         lambda: fp8_gemm.gate_up(x, x_scale, w_gate, w_up, sched, programs),
         group_m,
+        bn,
     )
     x64 = fp8.dequantize_rows(x, x_scale).double()
     wg64, wu64 = (_weights64(t.q, t.scale) for t in (w_gate, w_up))
@@ -258,11 +275,12 @@ def test_warp_specialized_swiglu_backward_gives_the_triton_kernels_bits(
 
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
+@pytest.mark.parametrize("bn", [128, 256])
 def test_warp_specialized_dgrad_of_gate_up_gives_the_triton_kernels_bits(
-    monkeypatch, h: int, i: int, experts: int
+    monkeypatch, h: int, i: int, experts: int, bn: int
 ) -> None:
     """The same for the two-pair product d_x = d_g W_gate + d_u W_up (one accumulator, the
-    first pair's K steps first), on 7 CTAs."""
+    first pair's K steps first), on 7 CTAs, 128 or 256 columns a tile."""
     from megamoe.kernels import fp8, fp8_gemm
 
     sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 1)
@@ -270,7 +288,7 @@ def test_warp_specialized_dgrad_of_gate_up_gives_the_triton_kernels_bits(
     w = [torch.randn(experts, i, h, device=DEV, generator=gen) / h**0.5 for _ in range(2)]
     w_gate, w_up = (fp8.quantize_weight(x.to(torch.bfloat16), transposed=True) for x in w)
     ws, triton_dx = _warp_specialized_and_triton(
-        monkeypatch, "pair", lambda: fp8_gemm.dgrad_pair(*dg, w_gate, *du, w_up, sched, 7)
+        monkeypatch, "pair", lambda: fp8_gemm.dgrad_pair(*dg, w_gate, *du, w_up, sched, 7), bn=bn
     )
     dg64, du64 = (fp8.dequantize_rows(*x).double() for x in (dg, du))
     wg64, wu64 = (_weights64(x.q_t, x.scale_t) for x in (w_gate, w_up))
