@@ -22,8 +22,11 @@ from megamoe.tools.bench_kernels import kernel_calls
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=[32, 1024, 7168, 2048])
-    p.add_argument("--kernels", nargs="+", default=["gate_up", "down", "dgrad_pair",
-                                                     "dgrad_swiglu", "wgrad_down"])
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["gate_up", "down", "dgrad_pair", "dgrad_swiglu", "wgrad_down"],
+    )
     p.add_argument("--ws-wgrad", action="store_true")
     args = p.parse_args()
     calls, _ = kernel_calls(*args.shape, precisions=("fp8",))

@@ -31,8 +31,9 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
 
 Bits: per K step each element's partial product comes from four m64n128k32 wgmma instructions
 (gate/up's 64-column tiles: m64n64k32, one accumulator per weight, as its Triton tiles; an
-element's product is the same from either shape, the GPU tests show), in K order, from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the
-promotion is the same expression in the same order, and the SwiGLU epilogues call the Triton
+element's product is the same from either shape, the GPU tests show), in K order, from a zero
+accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the promotion is the same expression
+in the same order, and the SwiGLU epilogues call the Triton
 kernels' device functions (``tiles.swiglu``, ``tiles.swiglu_backward``), so the output is
 bitwise that of ``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid, one
 CTA per SM, walks the tiles of the used row blocks in groups of row tiles (``_tile_origin``,
