@@ -128,7 +128,8 @@ def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 12
     (``staging_cols(kind, cols)`` wide, 64 rows; ``out_bytes`` an element: 2 for bf16, 4 for
     fp32), the barriers."""
     b_rows = 2 * cols if kind == "gate_up" else cols
-    step = (TILE_ROWS + b_rows) * BLOCK
+    # (the weight gradient's ring also holds each step's 128 fp32 column scales)
+    step = (TILE_ROWS + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
     staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
     return stages * step + staging + 16 * stages
 
@@ -167,12 +168,15 @@ def _tile_origin(tile, walk, BLOCK_TILES: gl.constexpr, COLS: gl.constexpr,
 
 
 @gluon.jit
-def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it, B_STEP: gl.constexpr = 0):
+def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it, B_STEP: gl.constexpr = 0,
+                col_scales=None):  # fmt: skip
     """``k_steps`` K steps of one tile into the ring, from ring step ``it`` on: the two 64-row
     A boxes at (a_row, k) and (a_row + 64, k) and the B box at (b_row + i * B_STEP, k) of each
     descriptor i of ``b_descs``, stacked in the slot (one; gate/up's two 64-row boxes, B_STEP
     0; a wide tile's two 128-row boxes of one weight, B_STEP 128), k from ``k0`` on in steps
-    of 128; returns the next ring step."""
+    of 128; with ``col_scales`` (the weight gradient's: descriptor and buffers of the B rows'
+    128x1 scales, feature-major) also their box (k // 128, b_row) into the slot's buffer.
+    Returns the next ring step."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     NB: gl.constexpr = len(b_descs)
     B_ROWS: gl.constexpr = b_descs[0].block_type.shape[0]
@@ -183,8 +187,13 @@ def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it, B_STEP: gl
         # the producer runs STAGES steps ahead from the start.
         mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
-        mbarrier.expect(bar, STEP_BYTES)
         k = k0 + kb * BK
+        if col_scales is None:
+            mbarrier.expect(bar, STEP_BYTES)
+        else:
+            s_desc, s_bufs = col_scales
+            mbarrier.expect(bar, STEP_BYTES + s_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(s_desc, [k // BK, b_row], bar, s_bufs.index(slot))
         for half in gl.static_range(2):
             tma.async_copy_global_to_shared(
                 a_desc, [a_row + half * HALF_ROWS, k], bar, a_bufs.index(2 * slot + half)
@@ -265,15 +274,13 @@ def _step_scales(scales, expert, rows, cols, kb):
 
 
 @gluon.jit
-def _wgrad_step_scales(scales, rows, col, kb):
+def _wgrad_step_scales(scales, rows, kb):
     """Step ``kb``'s scales of a weight-gradient tile: the 128x1 scales of A^T's rows
-    (a_scale[row, kb], 0 past M), and where the tile's columns' (B^T's rows') scales
-    b_scale[col:, kb] start with how many of them there are (N - col), for ``_k_step`` to load
-    (``scales``: pointers, M and N, which a tile without steps sets to 0, and the strides along
-    the rows; the features' are 1)."""
-    a_s_ptr, b_s_ptr, M, N, s_ak, s_bk = scales
-    sa = gl.load(a_s_ptr + kb * s_ak + rows, mask=rows < M, other=0.0)
-    return sa, (b_s_ptr + kb * s_bk + col, N - col)
+    (a_scale[row, kb], 0 past M), and the ring's buffers of its columns' (B^T's rows') scales,
+    which the producer loads with the step's tiles (``scales``: A^T's scale pointer, M, which a
+    tile without steps sets to 0, its stride along the rows, the column-scale buffers)."""
+    a_s_ptr, M, s_ak, col_scales = scales
+    return gl.load(a_s_ptr + kb * s_ak + rows, mask=rows < M, other=0.0), col_scales
 
 
 @gluon.jit
@@ -281,8 +288,7 @@ def _scales_at(scales, at, kb, KIND: gl.constexpr):
     """Step ``kb``'s scales: ``_wgrad_step_scales(scales, *at)`` for the weight gradient
     (``KIND`` WGRAD), else ``_step_scales(scales, *at)`` (at = (expert, rows, cols))."""
     if KIND == WGRAD:
-        rows, col = at
-        return _wgrad_step_scales(scales, rows, col, kb)
+        return _wgrad_step_scales(scales, at, kb)
     else:
         expert, rows, cols = at
         return _step_scales(scales, expert, rows, cols, kb)
@@ -339,16 +345,14 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
         b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
         d = warpgroup_mma(a, b, d, use_acc=False, is_async=True)
         sa, sb = scale
-        if KIND == WGRAD:
-            sb_ptr, cols_left = sb
-            cols = gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
-            sb = gl.load(sb_ptr + cols, mask=cols < cols_left, other=0.0)
+        if KIND == WGRAD:  # the step's column scales from the slot (zeros past N)
+            sb = sb.index(slot).load(ACC_LAYOUT)  # [1, 128]
         d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
         # Both wgmma groups have read the slot: hand it back (the compiler syncs the warpgroup
         # before its one-thread arrive).
         mbarrier.arrive(free.index(slot), count=1)
         if KIND == WGRAD:
-            return acc + d * sa[:, None] * sb[None, :], d
+            return acc + d * sa[:, None] * sb, d
         else:
             return acc + d * (sa * sb)[:, None], d
 
@@ -510,14 +514,16 @@ def _wgrad_tile(tile, row_start_ptr, M, N):
 
 
 @gluon.jit
-def _wgrad_producer(at_desc, bt_desc, ring, row_start_ptr, E, M, N, NUM_PROGS: gl.constexpr):
+def _wgrad_producer(at_desc, bt_desc, col_scales, ring, row_start_ptr, E, M, N,
+                    NUM_PROGS: gl.constexpr):  # fmt: skip
     """One warp: every K step of every weight-gradient tile of this CTA into the ring (the
-    A^T rows of the tile's two halves and the B^T rows of its columns, at the expert's rows)."""
+    A^T rows of the tile's two halves, the B^T rows of its columns and their 128x1 scales
+    (``col_scales``: descriptor, buffers), at the expert's rows)."""
     tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
         expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
-        it = _load_steps(at_desc, (bt_desc,), ring, row, col, r0, steps, it)
+        it = _load_steps(at_desc, (bt_desc,), ring, row, col, r0, steps, it, 0, col_scales)
 
 
 @gluon.jit
@@ -525,8 +531,9 @@ def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.con
                     NUM_PROGS: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every weight-gradient tile of
     this CTA, the expert's rows in order (``fp8_gemm.fp8_wgrad_tile``'s sums). A tile of an
-    expert without rows stores zeros. ``scales``: pointers, M, N and the strides."""
-    a_s_ptr, b_s_ptr, M, N, s_ak, s_bk = scales
+    expert without rows stores zeros. ``scales``: A^T's scale pointer, M, N, its stride along
+    the rows, and the ring's column-scale buffers."""
+    a_s_ptr, M, N, s_ak, col_scales = scales
     c_smem = c_bufs.index(HALF)
     tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
     zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
@@ -537,11 +544,8 @@ def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.con
         row += HALF * HALF_ROWS
         rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
         # a tile without steps reads no scale (its block index would be past the rows)
-        sizes = (gl.where(steps > 0, M, 0), gl.where(steps > 0, N, 0))
-        tile_scales = (a_s_ptr, b_s_ptr) + sizes + (s_ak, s_bk)
-        acc, d, it = _pass(
-            zero, d, tile_scales, ring, it, (rows, col), r0 // BK, steps, HALF, WGRAD
-        )
+        tile_scales = (a_s_ptr, gl.where(steps > 0, M, 0), s_ak, col_scales)
+        acc, d, it = _pass(zero, d, tile_scales, ring, it, rows, r0 // BK, steps, HALF, WGRAD)
         _store_tiles((c_desc,), (c_smem,), (acc,), ([expert, row, col],))
     tma.store_wait(pendings=0)
 
@@ -667,24 +671,27 @@ def _ws_gate_up_kernel(
     )  # fmt: skip
 
 
-# N and s_bk (= N) are specialized (multiples of 8, so never 1): their divisibility lets the
-# column scales load as vectors.
-@gluon.jit(do_not_specialize=["E", "M", "s_ak"])
+@gluon.jit(do_not_specialize=["E", "M", "N", "s_ak"])
 def _ws_wgrad_kernel(
-    at_desc, at_s_ptr, bt_desc, bt_s_ptr,  # A^T [M, rows], B^T [N, rows], their 128x1 scales
+    at_desc, at_s_ptr, bt_desc,  # A^T [M, rows], its 128x1 scales; B^T [N, rows]
+    bs_desc,  # B^T's 128x1 scales, feature-major [row blocks, N]: a step's 128 a box
     c_desc,  # d_W [E, M, N]
     row_start_ptr,  # the experts' first rows
     E, M, N,
-    s_ak, s_bk,  # the scales' strides along the rows (the features' are 1)
+    s_ak,  # A^T's scales' stride along the rows (its features' is 1)
     STAGES: gl.constexpr, NUM_PROGS: gl.constexpr,
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(at_desc, bt_desc, c_desc, STAGES)
-    scales = (at_s_ptr, bt_s_ptr, M, N, s_ak, s_bk)
+    s_bufs = gl.allocate_shared_memory(
+        bs_desc.dtype, [STAGES] + bs_desc.block_type.shape, bs_desc.layout
+    )
+    scales = (at_s_ptr, M, N, s_ak, s_bufs)
     gl.warp_specialize(
         [
             (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 0, NUM_PROGS)),
             (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 1, NUM_PROGS)),
-            (_wgrad_producer, (at_desc, bt_desc, ring, row_start_ptr, E, M, N, NUM_PROGS)),
+            (_wgrad_producer, (at_desc, bt_desc, (bs_desc, s_bufs), ring, row_start_ptr, E, M,
+                               N, NUM_PROGS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -874,23 +881,24 @@ def launch_wgrad(
     128-row aligned), from the transposed 128x1-quantized operands a_t [M, rows] and b_t [N,
     rows]; ``out`` an [E, M, N] bf16 or fp32 view with contiguous rows. ``fp8_gemm.wgrad`` has
     checked the arguments."""
-    _check_stages(stages, out.element_size())
+    _check_stages(stages, out.element_size(), "wgrad")
     a_t_scale, b_t_scale = _features_contiguous(a_t_scale), _features_contiguous(b_t_scale)
     e, m, n = out.shape
     work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, TILE_COLS.value)
     grid = launch_grid(work, a_t.device, programs)
+    # a step's column scales: one unswizzled 512-byte row of the [row blocks, N] scales
+    scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     _ws_wgrad_kernel[grid](
         _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
         a_t_scale,
         _nvmma(b_t, [TILE_COLS.value, BLOCK]),
-        b_t_scale,
+        TensorDescriptor.from_tensor(b_t_scale.t(), [1, TILE_COLS.value], scale_layout),
         _nvmma(out, [1, HALF_ROWS.value, TILE_COLS.value]),
         row_start,
         e,
         m,
         n,
         a_t_scale.stride(1),
-        b_t_scale.stride(1),
         STAGES=stages,
         NUM_PROGS=grid[0],
         num_warps=4,

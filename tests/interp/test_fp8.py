@@ -784,3 +784,38 @@ def test_the_automatic_walk_groups_row_tiles_where_a_wave_would_reread_an_expert
     assert fp8_ws.walk_group(0, sched(512), 132, 32) == 1
     assert fp8_ws.walk_group(3, sched(1024), 132, 128) == 3
     assert fp8_ws.walk_group(1, sched(1024), 132, 128) == 1
+
+
+def test_wide_tiles_run_as_narrow_triton_tiles_and_bad_widths_are_refused() -> None:
+    """A wide warp-specialized tile (256 columns; gate/up 128 of each weight) runs on the
+    Triton kernels as the narrow tile, whose bits it has (``fp8_gemm.triton_tiles``), and the
+    SwiGLU backward's as the split tile; other tiles stay as they are. ``fp8_ws``'s launchers
+    refuse another width, a wide SwiGLU backward and a ring past the shared memory, each with
+    an error naming it, before anything is launched; the defaults fit."""
+    from megamoe.kernels import fp8_ws
+
+    wide = fp8_gemm.WIDE
+    assert (wide.bn, wide.stages, wide.warp_specialized) == (256, 3, True)
+    assert fp8_gemm.triton_tiles("mm", wide) == dataclasses.replace(wide, bn=128)
+    assert fp8_gemm.triton_tiles("pair", wide).bn == 128
+    assert fp8_gemm.triton_tiles("gate_up", dataclasses.replace(wide, bn=128)).bn == 64
+    split = fp8_gemm.triton_tiles("swiglu_bwd", fp8_gemm.WARP_SPECIALIZED)
+    assert not split.warp_specialized and split.split_m == 2 and split.programs_per_sm == 2
+    plain = dataclasses.replace(wide, warp_specialized=False)
+    assert fp8_gemm.triton_tiles("mm", plain) is plain
+    for kind, t in fp8_gemm.GPU_TILES.items():
+        if t.warp_specialized:
+            assert fp8_ws.smem_bytes(t.stages, 2, kind, t.bn) <= fp8_ws.SMEM_BYTES, kind
+
+    x = torch.zeros(4, 4, dtype=torch.bfloat16)
+    pair = (x, x, x, x, 4)
+    with pytest.raises(ValueError, match="cols = 192: the tiles are 128 or 256 columns wide"):
+        fp8_ws.launch_grouped_mm([pair], None, [x], 3, cols=192)
+    with pytest.raises(ValueError, match="cols = 256: .* 128 with the SwiGLU backward"):
+        fp8_ws.launch_grouped_mm([pair], None, [x, x], 3, gu=(x, x), cols=256)
+    with pytest.raises(ValueError, match="stages = 4 needs .* with 256-column tiles and the mm"):
+        fp8_ws.launch_grouped_mm([pair], None, [x], 4, cols=256)
+    with pytest.raises(ValueError, match="cols = 256: gate/up tiles are 64 or 128 columns"):
+        fp8_ws.launch_gate_up(x, x, (x, x), (x, x), 4, None, (x, x, x), 3, cols=256)
+    with pytest.raises(ValueError, match="stages = 4 needs .* with 128-column tiles and the gate"):
+        fp8_ws.launch_gate_up(x, x, (x, x), (x, x), 4, None, (x, x, x), 4, cols=128)
