@@ -126,7 +126,7 @@ GPU_TILES: dict[str, GemmTiles] = {
     "swiglu_bwd": WARP_SPECIALIZED,
     # (the warp-specialized weight gradient, same bits, ran 0.85-1.10x these on the table's
     # models, H200, and 0.94-1.10x with vector loads of its column scales on six, H100)
-    "wgrad": _SPLIT,
+    "wgrad": WARP_SPECIALIZED,
     # into fp32 (``out_dtype``): its [64, 128] fp32 epilogue tile takes a stage's shared memory
     "wgrad_fp32": dataclasses.replace(_SPLIT, stages=2),
 }

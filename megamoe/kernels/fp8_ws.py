@@ -348,6 +348,11 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
         if KIND == WGRAD:  # the step's column scales from the slot (zeros past N)
             sb = sb.index(slot).load(ACC_LAYOUT)  # [1, 128]
         d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+        if KIND == WGRAD:
+            # The column scales were read through the generic proxy; the producer's next TMA
+            # into the slot writes through the async one. Without this fence, a GPU run of 3
+            # stages got 0-160 elements a run from overwritten scales.
+            fence_async_shared()
         # Both wgmma groups have read the slot: hand it back (the compiler syncs the warpgroup
         # before its one-thread arrive).
         mbarrier.arrive(free.index(slot), count=1)
