@@ -124,8 +124,10 @@ GPU_TILES: dict[str, GemmTiles] = {
     # on 12 of the 15 table models that fit one H100, 0.94-0.98x on GLM-4.5, DeepSeek-V2 and
     # Qwen3-235B (geometric mean 1.07x; 16384 tokens, 2026-12-06)
     "swiglu_bwd": WARP_SPECIALIZED,
-    # (the warp-specialized weight gradient, same bits, ran 0.85-1.10x these on the table's
-    # models, H200, and 0.94-1.10x with vector loads of its column scales on six, H100)
+    # the weight gradient on the warp-specialized kernel, its column scales through the ring's
+    # shared memory (the producer's TMA): 1.08-1.30x the split tiles at the dsv3 and
+    # qwen3-30b presets (H100, 2026-12-06); without the proxy fence it needs, 1.13-1.36x on 8
+    # table models at 16384 tokens (the fence cost 0-10% at the presets)
     "wgrad": WARP_SPECIALIZED,
     # into fp32 (``out_dtype``): its [64, 128] fp32 epilogue tile takes a stage's shared memory
     "wgrad_fp32": dataclasses.replace(_SPLIT, stages=2),
@@ -153,11 +155,12 @@ def triton_tiles(kind: str, t: GemmTiles) -> GemmTiles:
     """The tiles the Triton kernels run for ``tiles[kind] = t`` where ``t`` asks for the
     warp-specialized kernel and it cannot run (other GPUs, outputs other than bf16), with the
     same bits: a wide tile as the narrow one (128 columns, gate/up's 64: two such split
-    halves' accumulators would not fit), and the SwiGLU backward as the split tiles (its
-    halves strictly ordered spill)."""
+    halves' accumulators would not fit), and the SwiGLU backward and the weight gradient as
+    the split tiles (the former's halves strictly ordered spill; the split tiles are the
+    latter's tuned Triton tiles)."""
     if not t.warp_specialized:
         return t
-    if kind == "swiglu_bwd":
+    if kind in ("swiglu_bwd", "wgrad"):
         return _SPLIT
     narrow = fp8_ws.GATE_UP_COLS.value if kind == "gate_up" else fp8_ws.TILE_COLS.value
     return dataclasses.replace(t, bn=min(t.bn, narrow))
@@ -1255,6 +1258,7 @@ def wgrad(
             a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs
         )
         return out
+    t = triton_tiles(kind, t)
     hm = _sub_rows(kind, t, t.bm)
     work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a_t.device, programs, t.programs_per_sm)

@@ -2,7 +2,7 @@
 epilogue (two weights, 64 or 128 columns of each a tile), the forward down (one (A, W) pair),
 the dgrad of down with the SwiGLU backward epilogue, the dgrad of gate/up (two pairs into one
 accumulator) and the weight gradient (each expert's rows as the K steps; its 128x1 scales on
-both operands).
+both operands, the columns' through the ring with the step's tiles).
 
 Why: ``fp8_gemm``'s Triton kernels promote each 128-deep K step's fp32 partial product on the
 CUDA cores, and within one warpgroup the tensor cores idle while it waits for its MMAs and
@@ -301,11 +301,10 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
     the slot's release, then ``fp8_gemm.fp8_mma``'s promotion (``KIND``): MM by a row
     vector's product (a_scale * w_scale); GATE_UP the same for each of the slot's two 64-row
     B boxes into its own (acc, d) (both tuples: gate, up); WGRAD by the rows' and then the
-    columns' scales, the latter loaded while the wgmma runs (a second register set of 32 a
-    thread would not fit); WIDE_MM MM's for the slot's two 128-row B boxes (a 256-column tile)
-    into two accumulators (both tuples), the second box's wgmma into ``d`` once the first
-    one's product is promoted (two partial accumulators and two full ones would not fit).
-    Returns (acc, d)."""
+    columns' scales, the latter read from the slot while the wgmma runs; WIDE_MM MM's for the
+    slot's two 128-row B boxes (a 256-column tile) into two accumulators (both tuples), the
+    second box's wgmma into ``d`` once the first one's product is promoted (two partial
+    accumulators and two full ones would not fit). Returns (acc, d)."""
     a_bufs, b_bufs, ready, free, STAGES = ring
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)

@@ -75,7 +75,8 @@ def test_bits_compare_only_the_rows_the_kernels_write() -> None:
 
 
 def test_lines_name_tiles_and_errors() -> None:
-    strict = dataclasses.replace(fp8_gemm.GPU_TILES["wgrad"], strict_order=True)
+    split = GemmTiles(bm=128, bn=128, bk=128, stages=3, warps=4, programs_per_sm=2, split_m=2)
+    strict = dataclasses.replace(split, strict_order=True)
     base = dict(shape="dsv3", precision="fp8", kernel="down", tiles=dataclasses.asdict(strict))
     ok = sweep_tiles._line(dict(base, ms=1.25, tflops=700.0, vs_default=1.07, same_bits=True))
     assert "128x128x128 s3 w4 p2 split2 strict" in ok and "1.07x" in ok and "same bits" in ok
