@@ -285,8 +285,9 @@ def _wgrad_step_scales(scales, rows, kb):
 
 @gluon.jit
 def _scales_at(scales, at, kb, KIND: gl.constexpr):
-    """Step ``kb``'s scales: ``_wgrad_step_scales(scales, *at)`` for the weight gradient
-    (``KIND`` WGRAD), else ``_step_scales(scales, *at)`` (at = (expert, rows, cols))."""
+    """Step ``kb``'s scales: ``_wgrad_step_scales(scales, at, kb)`` for the weight gradient
+    (``KIND`` WGRAD; at = its rows), else ``_step_scales(scales, *at, kb)`` (at = (expert,
+    rows, cols))."""
     if KIND == WGRAD:
         return _wgrad_step_scales(scales, at, kb)
     else:

@@ -78,11 +78,12 @@ class GemmTiles:
     # for real (``fp8_gemm.opaque_zero``'s STRICT: one more instruction an element), where
     # ptxas would otherwise overlap the two products and spill
     strict_order: bool = False
-    # fp8's one- and two-pair grouped mm (the forward down, the dgrad of gate/up) and weight
-    # gradient on Hopper: the warp-specialized Gluon kernel (``fp8_ws``: 128 x 128 tiles, one
-    # producer warp and two consumer warpgroups, ``stages`` ring slots) in place of the Triton
-    # one; the same bits. Elsewhere (the interpreter, other GPUs, a grouped mm into fp32) the
-    # Triton kernel runs these tiles.
+    # fp8's GEMMs on Hopper (gate/up, the one- and two-pair grouped mm, the SwiGLU backward,
+    # the weight gradient): the warp-specialized Gluon kernel (``fp8_ws``: 128 x ``bn`` tiles,
+    # ``bn`` 128 or 256, gate/up's 64 or 128 of each weight; one producer warp and two consumer
+    # warpgroups, ``stages`` ring slots) in place of the Triton one; the same bits. Elsewhere
+    # (the interpreter, other GPUs, fp32 outputs) the Triton kernel runs
+    # ``fp8_gemm.triton_tiles`` of these tiles.
     warp_specialized: bool = False
     # the warp-specialized row-block kernels (``fp8_ws``): the row tiles walked together, the
     # row the fast index within a group, so that the CTAs running at once share a few
