@@ -124,11 +124,12 @@ GPU_TILES: dict[str, GemmTiles] = {
     # on 12 of the 15 table models that fit one H100, 0.94-0.98x on GLM-4.5, DeepSeek-V2 and
     # Qwen3-235B (geometric mean 1.07x; 16384 tokens, 2026-12-06)
     "swiglu_bwd": WARP_SPECIALIZED,
-    # the weight gradient on the warp-specialized kernel, its column scales through the ring's
-    # shared memory (the producer's TMA): 1.08-1.30x the split tiles at the dsv3 and
-    # qwen3-30b presets (H100, 2026-12-06); without the proxy fence it needs, 1.13-1.36x on 8
-    # table models at 16384 tokens (the fence cost 0-10% at the presets)
-    "wgrad": WARP_SPECIALIZED,
+    # the weight gradient on the warp-specialized kernel's wide tiles (256 columns as four
+    # 64-column partial accumulators a consumer, 3 stages), its column scales through the
+    # ring's shared memory: 1.02-1.20x its 128-column tiles on the 13 table models that fit
+    # one H100 at 16384 tokens and 1.09-1.12x at the dsv3 preset (H100, 2026-12-06); those
+    # were 1.08-1.30x the split tiles at the dsv3 and qwen3-30b presets
+    "wgrad": dataclasses.replace(WARP_SPECIALIZED, bn=256, stages=3),
     # into fp32 (``out_dtype``): its [64, 128] fp32 epilogue tile takes a stage's shared memory
     "wgrad_fp32": dataclasses.replace(_SPLIT, stages=2),
 }
@@ -1255,7 +1256,7 @@ def wgrad(
     t = tiles_for(kind)
     if t.warp_specialized and fp8_ws.supported(a_t.device, sched.block_rows):
         fp8_ws.launch_wgrad(
-            a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs
+            a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs, t.bn
         )
         return out
     t = triton_tiles(kind, t)

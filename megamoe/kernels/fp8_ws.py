@@ -27,11 +27,13 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
     them near 65% of the tensor cores' time (Nsight Compute on an H100: L2 71-74% busy).
     A consumer keeps two 64 x 128 accumulators and runs the slot's two blocks one after the
     other through one partial accumulator (``WIDE_MM``): two of those would not fit its
-    registers.
+    registers. The weight gradient's wide tile, which also holds the step's column scales,
+    keeps four 64 x 64 accumulators and one 64 x 64 partial one (``WIDE_WGRAD``).
 
 Bits: per K step each element's partial product comes from four m64n128k32 wgmma instructions
-(gate/up's 64-column tiles: m64n64k32, one accumulator per weight, as its Triton tiles; an
-element's product is the same from either shape, the GPU tests show), in K order, from a zero
+(gate/up's 64-column tiles and the wide weight gradient: m64n64k32, as gate/up's Triton
+tiles; an element's product is the same from either shape, the GPU tests show), in K order,
+from a zero
 accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the promotion is the same expression
 in the same order, and the SwiGLU epilogues call the Triton
 kernels' device functions (``tiles.swiglu``, ``tiles.swiglu_backward``), so the output is
@@ -110,6 +112,10 @@ GATE_UP = gl.constexpr(2)  # MM's for each of two weights (gate, up) into two ac
 # MM's for each of a 256-column tile's two 128-column blocks into two accumulators, the second
 # block's wgmma after the first one's promotion (through one partial accumulator)
 WIDE_MM = gl.constexpr(3)
+# WGRAD's for each of a 256-column weight-gradient tile's four 64-column blocks into four
+# accumulators, one block's wgmma (m64n64k32) after the previous one's promotion, through one
+# 64-column partial accumulator (a 128-column one and two full ones spilled)
+WIDE_WGRAD = gl.constexpr(4)
 
 
 def staging_cols(kind: str, cols: int = TILE_COLS.value) -> int:
@@ -286,9 +292,9 @@ def _wgrad_step_scales(scales, rows, kb):
 @gluon.jit
 def _scales_at(scales, at, kb, KIND: gl.constexpr):
     """Step ``kb``'s scales: ``_wgrad_step_scales(scales, at, kb)`` for the weight gradient
-    (``KIND`` WGRAD; at = its rows), else ``_step_scales(scales, *at, kb)`` (at = (expert,
-    rows, cols))."""
-    if KIND == WGRAD:
+    (``KIND`` WGRAD or WIDE_WGRAD; at = its rows), else ``_step_scales(scales, *at, kb)`` (at =
+    (expert, rows, cols))."""
+    if KIND == WGRAD or KIND == WIDE_WGRAD:
         return _wgrad_step_scales(scales, at, kb)
     else:
         expert, rows, cols = at
@@ -302,7 +308,10 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
     the slot's release, then ``fp8_gemm.fp8_mma``'s promotion (``KIND``): MM by a row
     vector's product (a_scale * w_scale); GATE_UP the same for each of the slot's two 64-row
     B boxes into its own (acc, d) (both tuples: gate, up); WGRAD by the rows' and then the
-    columns' scales, the latter read from the slot while the wgmma runs; WIDE_MM MM's for the
+    columns' scales, the latter read from the slot while the wgmma runs; WIDE_WGRAD WGRAD's
+    for the slot's four 64-column blocks of B^T rows (a 256-column tile) into four
+    accumulators (a tuple), each block's wgmma into ``d`` (64 columns) once the previous
+    block's product is promoted, its column scales read after its wait; WIDE_MM MM's for the
     slot's two 128-row B boxes (a 256-column tile) into two accumulators (both tuples), the
     second box's wgmma into ``d`` once the first one's product is promoted (two partial
     accumulators and two full ones would not fit). Returns (acc, d)."""
@@ -341,6 +350,27 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
         mbarrier.arrive(free.index(slot), count=1)
         acc1, d = warpgroup_mma_wait(num_outstanding=0, deps=(acc1 + d * (sa * s1)[:, None], d))
         return (acc0, acc1), d
+    elif KIND == WIDE_WGRAD:
+        b = b_bufs.index(slot)
+        sa, col_scales = scale
+        s_slot = col_scales.index(slot)  # [1, 256]
+        accs = ()
+        for c in gl.static_range(4):
+            bc = b.slice(c * GATE_UP_COLS, GATE_UP_COLS).permute((1, 0))
+            d = warpgroup_mma(a, bc, d, use_acc=False, is_async=True)
+            d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+            # (read after the wait: read before it, the block's column scales were live across
+            # the wgmma, and ptxas spilled)
+            sb = s_slot.slice(c * GATE_UP_COLS, GATE_UP_COLS, dim=1).load(GATE_UP_LAYOUT)
+            if c == 3:
+                fence_async_shared()  # (as WGRAD's)
+                mbarrier.arrive(free.index(slot), count=1)
+            # (the wait ties the promotion before the next chunk's wgmma, as WIDE_MM's)
+            acc_c, d = warpgroup_mma_wait(
+                num_outstanding=0, deps=(acc[c] + d * sa[:, None] * sb, d)
+            )
+            accs = accs + (acc_c,)
+        return accs, d
     else:
         b = b_bufs.index(slot).permute((1, 0))  # [128 N, 128 K] viewed K-major
         d = warpgroup_mma(a, b, d, use_acc=False, is_async=True)
@@ -505,53 +535,69 @@ def _gate_up_consumer(
 
 
 @gluon.jit
-def _wgrad_tile(tile, row_start_ptr, M, N):
+def _wgrad_tile(tile, row_start_ptr, M, N, COLS: gl.constexpr):
     """(expert, first row, first column, first K row, K steps) of weight-gradient tile
-    ``tile``: the experts' tiles in order, each expert's column-fast (``tiles.tile_of``); its
-    K rows are the expert's rows, 128 a step."""
-    tiles_n = gl.cdiv(N, TILE_COLS)
+    ``tile`` (``COLS`` columns): the experts' tiles in order, each expert's column-fast
+    (``tiles.tile_of``); its K rows are the expert's rows, 128 a step."""
+    tiles_n = gl.cdiv(N, COLS)
     tiles_per_expert = gl.cdiv(M, (2 * HALF_ROWS)) * tiles_n
     expert = tile // tiles_per_expert
     t = tile % tiles_per_expert
     r0 = gl.load(row_start_ptr + expert)
     steps = gl.cdiv(gl.load(row_start_ptr + expert + 1) - r0, BK)
-    return expert, (t // tiles_n) * (2 * HALF_ROWS), (t % tiles_n) * TILE_COLS, r0, steps
+    return expert, (t // tiles_n) * (2 * HALF_ROWS), (t % tiles_n) * COLS, r0, steps
 
 
 @gluon.jit
-def _wgrad_producer(at_desc, bt_desc, col_scales, ring, row_start_ptr, E, M, N,
-                    NUM_PROGS: gl.constexpr):  # fmt: skip
+def _wgrad_producer(at_desc, bt_descs, col_scales, ring, row_start_ptr, E, M, N,
+                    NUM_PROGS: gl.constexpr, COLS: gl.constexpr):  # fmt: skip
     """One warp: every K step of every weight-gradient tile of this CTA into the ring (the
-    A^T rows of the tile's two halves, the B^T rows of its columns and their 128x1 scales
-    (``col_scales``: descriptor, buffers), at the expert's rows)."""
-    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
+    A^T rows of the tile's two halves, the B^T rows of its columns, one 128-row box each of
+    ``bt_descs``, and their 128x1 scales (``col_scales``: descriptor, buffers), at the
+    expert's rows)."""
+    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, COLS)
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
-        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
-        it = _load_steps(at_desc, (bt_desc,), ring, row, col, r0, steps, it, 0, col_scales)
+        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N, COLS)
+        it = _load_steps(at_desc, bt_descs, ring, row, col, r0, steps, it, TILE_COLS,
+                         col_scales)  # fmt: skip
 
 
 @gluon.jit
-def _wgrad_consumer(c_desc, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.constexpr,
-                    NUM_PROGS: gl.constexpr):  # fmt: skip
+def _wgrad_consumer(c_descs, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.constexpr,
+                    NUM_PROGS: gl.constexpr, COLS: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every weight-gradient tile of
-    this CTA, the expert's rows in order (``fp8_gemm.fp8_wgrad_tile``'s sums). A tile of an
-    expert without rows stores zeros. ``scales``: A^T's scale pointer, M, N, its stride along
-    the rows, and the ring's column-scale buffers."""
+    this CTA (``COLS`` columns: 128, or 256 as four 64-column blocks, WIDE_WGRAD), the expert's
+    rows in order (``fp8_gemm.fp8_wgrad_tile``'s sums). A tile of an expert without rows
+    stores zeros. ``c_descs``: the output (once a block), ``c_bufs`` the staging tiles;
+    ``scales``: A^T's scale pointer, M, N, its stride along the rows, and the ring's
+    column-scale buffers."""
+    WIDE: gl.constexpr = COLS == 2 * TILE_COLS
+    layout: gl.constexpr = GATE_UP_LAYOUT if WIDE else ACC_LAYOUT
     a_s_ptr, M, N, s_ak, col_scales = scales
-    c_smem = c_bufs.index(HALF)
-    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, TILE_COLS)
-    zero = gl.zeros([HALF_ROWS, TILE_COLS], gl.float32, ACC_LAYOUT)
+    bufs = (c_bufs[0].index(HALF),)
+    if WIDE:
+        bufs = bufs + (c_bufs[1].index(HALF), c_bufs[2].index(HALF), c_bufs[3].index(HALF))
+    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, COLS)
+    zero = gl.zeros([HALF_ROWS, COLS // len(bufs)], gl.float32, layout)
     d = zero
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
-        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N)
+        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N, COLS)
         row += HALF * HALF_ROWS
-        rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
+        rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
         # a tile without steps reads no scale (its block index would be past the rows)
         tile_scales = (a_s_ptr, gl.where(steps > 0, M, 0), s_ak, col_scales)
-        acc, d, it = _pass(zero, d, tile_scales, ring, it, rows, r0 // BK, steps, HALF, WGRAD)
-        _store_tiles((c_desc,), (c_smem,), (acc,), ([expert, row, col],))
+        if WIDE:
+            accs, d, it = _pass((zero, zero, zero, zero), d, tile_scales, ring, it, rows,
+                                r0 // BK, steps, HALF, WIDE_WGRAD)  # fmt: skip
+            coords = ([expert, row, col], [expert, row, col + GATE_UP_COLS],
+                      [expert, row, col + 2 * GATE_UP_COLS],
+                      [expert, row, col + 3 * GATE_UP_COLS])  # fmt: skip
+            _store_tiles(c_descs, bufs, accs, coords)
+        else:
+            acc, d, it = _pass(zero, d, tile_scales, ring, it, rows, r0 // BK, steps, HALF, WGRAD)
+            _store_tiles(c_descs, bufs, (acc,), ([expert, row, col],))
     tma.store_wait(pendings=0)
 
 
@@ -685,18 +731,28 @@ def _ws_wgrad_kernel(
     E, M, N,
     s_ak,  # A^T's scales' stride along the rows (its features' is 1)
     STAGES: gl.constexpr, NUM_PROGS: gl.constexpr,
+    COLS: gl.constexpr,  # the tile's columns: 128, or 256 (wide)
 ):  # fmt: skip
-    ring, c_bufs = _shared_ring(at_desc, bt_desc, c_desc, STAGES)
+    ring, staging = _shared_ring(at_desc, bt_desc, c_desc, STAGES, COLS)
     s_bufs = gl.allocate_shared_memory(
         bs_desc.dtype, [STAGES] + bs_desc.block_type.shape, bs_desc.layout
     )
+    c_descs = (c_desc,)
+    bt_descs = (bt_desc,)
+    c_bufs = (staging,)
+    if COLS == 2 * TILE_COLS:  # the B^T boxes, and each 64-column block's staging tiles
+        c_descs = (c_desc, c_desc, c_desc, c_desc)
+        bt_descs = (bt_desc, bt_desc)
+        c_bufs = (staging, _staging(c_desc), _staging(c_desc), _staging(c_desc))
     scales = (at_s_ptr, M, N, s_ak, s_bufs)
     gl.warp_specialize(
         [
-            (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 0, NUM_PROGS)),
-            (_wgrad_consumer, (c_desc, c_bufs, ring, scales, row_start_ptr, E, 1, NUM_PROGS)),
-            (_wgrad_producer, (at_desc, bt_desc, (bs_desc, s_bufs), ring, row_start_ptr, E, M,
-                               N, NUM_PROGS)),
+            (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 0, NUM_PROGS,
+                               COLS)),
+            (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 1, NUM_PROGS,
+                               COLS)),
+            (_wgrad_producer, (at_desc, bt_descs, (bs_desc, s_bufs), ring, row_start_ptr, E, M,
+                               N, NUM_PROGS, COLS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -881,15 +937,18 @@ def launch_wgrad(
     out: torch.Tensor,
     stages: int,
     programs: int | None = None,
+    cols: int = TILE_COLS.value,
 ) -> None:
     """out[e] = a_e^T @ b_e over expert e's rows (``row_start[e]`` to ``row_start[e + 1]``,
     128-row aligned), from the transposed 128x1-quantized operands a_t [M, rows] and b_t [N,
-    rows]; ``out`` an [E, M, N] bf16 or fp32 view with contiguous rows. ``fp8_gemm.wgrad`` has
-    checked the arguments."""
-    _check_stages(stages, out.element_size(), "wgrad")
+    rows]; ``out`` an [E, M, N] bf16 or fp32 view with contiguous rows; ``cols``: a tile's
+    columns, 128 or 256 (wide). ``fp8_gemm.wgrad`` has checked the arguments."""
+    if cols not in (TILE_COLS.value, 2 * TILE_COLS.value):
+        raise ValueError(f"cols = {cols}: weight-gradient tiles are 128 or 256 columns wide")
+    _check_stages(stages, out.element_size(), "wgrad", cols)
     a_t_scale, b_t_scale = _features_contiguous(a_t_scale), _features_contiguous(b_t_scale)
     e, m, n = out.shape
-    work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, TILE_COLS.value)
+    work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, cols)
     grid = launch_grid(work, a_t.device, programs)
     # a step's column scales: one unswizzled 512-byte row of the [row blocks, N] scales
     scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -897,8 +956,9 @@ def launch_wgrad(
         _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
         a_t_scale,
         _nvmma(b_t, [TILE_COLS.value, BLOCK]),
-        TensorDescriptor.from_tensor(b_t_scale.t(), [1, TILE_COLS.value], scale_layout),
-        _nvmma(out, [1, HALF_ROWS.value, TILE_COLS.value]),
+        TensorDescriptor.from_tensor(b_t_scale.t(), [1, cols], scale_layout),
+        # (a wide tile stores 64-column blocks: its accumulators' width)
+        _nvmma(out, [1, HALF_ROWS.value, GATE_UP_COLS.value if cols > TILE_COLS.value else cols]),
         row_start,
         e,
         m,
@@ -906,6 +966,7 @@ def launch_wgrad(
         a_t_scale.stride(1),
         STAGES=stages,
         NUM_PROGS=grid[0],
+        COLS=cols,
         num_warps=4,
         maxnreg=KERNEL_MAXNREG,
     )

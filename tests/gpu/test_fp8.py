@@ -303,20 +303,35 @@ def test_warp_specialized_dgrad_of_gate_up_gives_the_triton_kernels_bits(
 
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
-@pytest.mark.parametrize("out_dtype, programs", [(torch.bfloat16, None), (torch.float32, 7)])
+@pytest.mark.parametrize(
+    "out_dtype, programs, bn",
+    [(torch.bfloat16, None, 256), (torch.bfloat16, 7, 256), (torch.bfloat16, None, 128),
+     (torch.float32, 7, 128)],
+)  # fmt: skip
 def test_warp_specialized_weight_gradient_gives_the_triton_kernels_bits(
-    monkeypatch, h: int, i: int, experts: int, out_dtype: torch.dtype, programs: int | None
+    monkeypatch,
+    h: int,
+    i: int,
+    experts: int,
+    out_dtype: torch.dtype,
+    programs: int | None,
+    bn: int,
 ) -> None:
     """The same for the weight gradient d_W[e] = A_e^T B_e over each expert's rows (the K
     loop's length per expert; expert 1 has none and gets zeros), in bf16 and in fp32
-    (``wgrad_fp32``), as the down's [E, H, I] from d_z [rows, H] and h [rows, I]."""
+    (``wgrad_fp32``), as the down's [E, H, I] from d_z [rows, H] and h [rows, I], in wide
+    tiles (256 columns: four 64-column partial accumulators a consumer; I = 2880 ends in a
+    partial one) and 128-column ones."""
     from megamoe.kernels import fp8, fp8_gemm
 
     sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 2)
     a_t, b_t = (fp8.quantize_cols(_rows(sched, width, gen)) for width in (h, i))
     kind = "wgrad_fp32" if out_dtype == torch.float32 else "wgrad"
     ws, triton_dw = _warp_specialized_and_triton(
-        monkeypatch, kind, lambda: fp8_gemm.wgrad(*a_t, *b_t, sched, programs, out_dtype=out_dtype)
+        monkeypatch,
+        kind,
+        lambda: fp8_gemm.wgrad(*a_t, *b_t, sched, programs, out_dtype=out_dtype),
+        bn=bn,
     )
     assert not ws.isnan().any(), "elements the kernel did not write"
     assert torch.equal(ws, triton_dw), "not the Triton kernel's bits"

@@ -789,10 +789,10 @@ def test_the_automatic_walk_groups_row_tiles_where_a_wave_would_reread_an_expert
 def test_wide_tiles_run_as_narrow_triton_tiles_and_bad_widths_are_refused() -> None:
     """A wide warp-specialized tile (256 columns; gate/up 128 of each weight) runs on the
     Triton kernels as the narrow tile, whose bits it has (``fp8_gemm.triton_tiles``), and the
-    SwiGLU backward's and the weight gradient's as the split tile; other tiles stay as they
-    are. ``fp8_ws``'s launchers
-    refuse another width, a wide SwiGLU backward and a ring past the shared memory, each with
-    an error naming it, before anything is launched; the defaults fit."""
+    SwiGLU backward's and the weight gradient's (128 or 256 columns) as the split tile;
+    other tiles stay as they are. ``fp8_ws``'s launchers refuse another width, a wide SwiGLU
+    backward and a ring past the shared memory, each with an error naming it, before
+    anything is launched; the defaults fit."""
     from megamoe.kernels import fp8_ws
 
     wide = fp8_gemm.WIDE
@@ -800,9 +800,11 @@ def test_wide_tiles_run_as_narrow_triton_tiles_and_bad_widths_are_refused() -> N
     assert fp8_gemm.triton_tiles("mm", wide) == dataclasses.replace(wide, bn=128)
     assert fp8_gemm.triton_tiles("pair", wide).bn == 128
     assert fp8_gemm.triton_tiles("gate_up", dataclasses.replace(wide, bn=128)).bn == 64
-    for kind in ("swiglu_bwd", "wgrad"):
-        split = fp8_gemm.triton_tiles(kind, fp8_gemm.WARP_SPECIALIZED)
+    for kind, t in (("swiglu_bwd", fp8_gemm.WARP_SPECIALIZED), ("wgrad", fp8_gemm.WARP_SPECIALIZED),
+                    ("wgrad", fp8_gemm.GPU_TILES["wgrad"])):  # fmt: skip
+        split = fp8_gemm.triton_tiles(kind, t)
         assert not split.warp_specialized and split.split_m == 2 and split.programs_per_sm == 2
+        assert split.bn == 128
     plain = dataclasses.replace(wide, warp_specialized=False)
     assert fp8_gemm.triton_tiles("mm", plain) is plain
     for kind, t in fp8_gemm.GPU_TILES.items():
@@ -821,3 +823,8 @@ def test_wide_tiles_run_as_narrow_triton_tiles_and_bad_widths_are_refused() -> N
         fp8_ws.launch_gate_up(x, x, (x, x), (x, x), 4, None, (x, x, x), 3, cols=256)
     with pytest.raises(ValueError, match="stages = 4 needs .* with 128-column tiles and the gate"):
         fp8_ws.launch_gate_up(x, x, (x, x), (x, x), 4, None, (x, x, x), 4, cols=128)
+    out = torch.zeros(1, 4, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cols = 192: weight-gradient tiles are 128 or 256"):
+        fp8_ws.launch_wgrad(x, x, x, x, x, out, 3, cols=192)
+    with pytest.raises(ValueError, match="stages = 4 needs .* with 256-column tiles and the wgrad"):
+        fp8_ws.launch_wgrad(x, x, x, x, x, out, 4, cols=256)
