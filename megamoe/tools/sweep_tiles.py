@@ -158,7 +158,9 @@ CANDIDATES: dict[str, dict[str, list[GemmTiles]]] = {
             dataclasses.replace(_FP8_FLAT, stages=3),
             _FP8_FLAT,
         ]
-        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 3)],
+        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, stages=n) for n in (4, 3)]
+        # wide: 256 columns, four 64-column partial accumulators a consumer
+        + [dataclasses.replace(fp8_gemm.WARP_SPECIALIZED, bn=256, stages=3)],
         # fp32 outputs (the kernel picks the entry by the output dtype; the bench's weight
         # gradients are bf16, so a sweep times these only through "wgrad")
         "wgrad_fp32": [
