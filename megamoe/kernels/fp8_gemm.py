@@ -126,9 +126,9 @@ GPU_TILES: dict[str, GemmTiles] = {
     "swiglu_bwd": WARP_SPECIALIZED,
     # the weight gradient on the warp-specialized kernel's wide tiles (256 columns as four
     # 64-column partial accumulators a consumer, 3 stages), its column scales through the
-    # ring's shared memory: 1.02-1.20x its 128-column tiles on the 13 table models that fit
-    # one H100 at 16384 tokens and 1.09-1.12x at the dsv3 preset (H100, 2026-12-06); those
-    # were 1.08-1.30x the split tiles at the dsv3 and qwen3-30b presets
+    # ring's shared memory: 1.02-1.28x its 128-column tiles on the 14 table models that fit
+    # one H100 at 16384 tokens (geometric mean 1.10x) and 1.05-1.14x at the dsv3 and
+    # qwen3-30b presets (2026-12-06); those were 1.08-1.30x the split tiles at the presets
     "wgrad": dataclasses.replace(WARP_SPECIALIZED, bn=256, stages=3),
     # into fp32 (``out_dtype``): its [64, 128] fp32 epilogue tile takes a stage's shared memory
     "wgrad_fp32": dataclasses.replace(_SPLIT, stages=2),

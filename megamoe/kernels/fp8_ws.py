@@ -134,7 +134,7 @@ def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 12
     (``staging_cols(kind, cols)`` wide, 64 rows; ``out_bytes`` an element: 2 for bf16, 4 for
     fp32), the barriers."""
     b_rows = 2 * cols if kind == "gate_up" else cols
-    # (the weight gradient's ring also holds each step's 128 fp32 column scales)
+    # (the weight gradient's ring also holds each step's fp32 column scales, one a column)
     step = (TILE_ROWS + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
     staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
     return stages * step + staging + 16 * stages
@@ -579,7 +579,7 @@ def _wgrad_consumer(c_descs, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.co
     if WIDE:
         bufs = bufs + (c_bufs[1].index(HALF), c_bufs[2].index(HALF), c_bufs[3].index(HALF))
     tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, COLS)
-    zero = gl.zeros([HALF_ROWS, COLS // len(bufs)], gl.float32, layout)
+    zero = gl.zeros([HALF_ROWS, COLS // len(bufs)], gl.float32, layout)  # a block's columns
     d = zero
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
@@ -725,7 +725,7 @@ def _ws_gate_up_kernel(
 @gluon.jit(do_not_specialize=["E", "M", "N", "s_ak"])
 def _ws_wgrad_kernel(
     at_desc, at_s_ptr, bt_desc,  # A^T [M, rows], its 128x1 scales; B^T [N, rows]
-    bs_desc,  # B^T's 128x1 scales, feature-major [row blocks, N]: a step's 128 a box
+    bs_desc,  # B^T's 128x1 scales, feature-major [row blocks, N]: a step's 128 (wide: 256) a box
     c_desc,  # d_W [E, M, N]
     row_start_ptr,  # the experts' first rows
     E, M, N,
@@ -950,7 +950,8 @@ def launch_wgrad(
     e, m, n = out.shape
     work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, cols)
     grid = launch_grid(work, a_t.device, programs)
-    # a step's column scales: one unswizzled 512-byte row of the [row blocks, N] scales
+    # a step's column scales: one unswizzled row of the [row blocks, N] scales (512 B; 1 KB
+    # for a wide tile)
     scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     _ws_wgrad_kernel[grid](
         _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
