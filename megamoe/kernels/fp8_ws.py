@@ -33,11 +33,10 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
 Bits: per K step each element's partial product comes from four m64n128k32 wgmma instructions
 (gate/up's 64-column tiles and the wide weight gradient: m64n64k32, as gate/up's Triton
 tiles; an element's product is the same from either shape, the GPU tests show), in K order,
-from a zero
-accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the promotion is the same expression
-in the same order, and the SwiGLU epilogues call the Triton
-kernels' device functions (``tiles.swiglu``, ``tiles.swiglu_backward``), so the output is
-bitwise that of ``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid, one
+from a zero accumulator, as in ``fp8_gemm.fp8_mma``'s 64-row tiles, the promotion is the same
+expression in the same order, and the SwiGLU epilogues call the Triton kernels' device
+functions (``tiles.swiglu``, ``tiles.swiglu_backward``), so the output is bitwise that of
+``fp8_gemm``'s kernels (the GPU tests compare them). The persistent grid, one
 CTA per SM, walks the tiles of the used row blocks in groups of row tiles (``_tile_origin``,
 ``walk_group``) or each expert's weight tiles in order; no walk changes a bit.
 
