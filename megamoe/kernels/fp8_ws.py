@@ -48,6 +48,8 @@ tiles ask for it (``GemmTiles.warp_specialized``); the CPU tests compile it for 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -771,11 +773,19 @@ def supported(device: torch.device, block_rows: int) -> bool:
     return hopper and block_rows % TILE_ROWS == 0
 
 
+_GL_DTYPES = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+@functools.lru_cache(maxsize=None)
+def _nvmma_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The swizzled shared layout wgmma reads of ``block`` boxes (made once: its construction
+    cost several microseconds of host time at every launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
 def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``block`` boxes in the swizzled shared layout wgmma reads."""
-    dtype = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _nvmma_layout(tuple(block), t.dtype))
 
 
 def _check_stages(stages: int, out_bytes: int, kind: str = "mm", cols: int = 128) -> None:
@@ -927,6 +937,11 @@ def _features_contiguous(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
+# a weight-gradient step's column scales: one unswizzled row of the [row blocks, N] scales
+# (512 B; 1 KB for a wide tile)
+_SCALE_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
 def launch_wgrad(
     a_t: torch.Tensor,
     a_t_scale: torch.Tensor,
@@ -949,14 +964,11 @@ def launch_wgrad(
     e, m, n = out.shape
     work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, cols)
     grid = launch_grid(work, a_t.device, programs)
-    # a step's column scales: one unswizzled row of the [row blocks, N] scales (512 B; 1 KB
-    # for a wide tile)
-    scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     _ws_wgrad_kernel[grid](
         _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
         a_t_scale,
         _nvmma(b_t, [TILE_COLS.value, BLOCK]),
-        TensorDescriptor.from_tensor(b_t_scale.t(), [1, cols], scale_layout),
+        TensorDescriptor.from_tensor(b_t_scale.t(), [1, cols], _SCALE_ROW_LAYOUT),
         # (a wide tile stores 64-column blocks: its accumulators' width)
         _nvmma(out, [1, HALF_ROWS.value, GATE_UP_COLS.value if cols > TILE_COLS.value else cols]),
         row_start,

@@ -384,7 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["bf16", "fp8"],
         default="bf16",
         help="the expert GEMMs' precision (fp8: the weights' fp8 copies stay cached across "
-        "the calls, so their quantization is not in the profile)",
+        "the calls, so their quantization is not in the profile, unless --quantize-weights)",
+    )
+    parser.add_argument(
+        "--quantize-weights",
+        action="store_true",
+        help="fp8: quantize the weights again in every call, as the first micro-batch of an "
+        "optimizer step does (the bench's default)",
     )
     args = parser.parse_args(argv)
     env = harness.init_distributed()
@@ -394,6 +400,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape, case, config = harness.case_of_args(args, parser, env)
     config = config.replace(precision=args.precision)
     call = harness.layer_call(args.backend, case, config, env.group, args.backward)
+    if args.quantize_weights:
+        from .bench import forget_fp8_weights
+
+        layer_step = call
+
+        def call() -> None:
+            forget_fp8_weights()
+            layer_step()
+
     for _ in range(args.warmup):
         call()
     what = "forward + backward" if args.backward else "forward"
@@ -419,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=args.backend,
         backward=args.backward,
         precision=args.precision,
+        quantize_weights=args.quantize_weights,
         world_size=env.world_size,
         rank=env.rank,
         tokens_per_rank=case.tokens,
