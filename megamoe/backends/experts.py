@@ -15,6 +15,7 @@ import torch
 
 from ..config import MoEConfig
 from ..kernels import fp8, fp8_gemm, gemm
+from ..kernels.rows import QuantizedRows
 from ..kernels.runtime import empty
 from ..kernels.schedule import RowSchedule, uniform_schedule
 from ..types import ExpertWeights, RoutedActivations, SharedActivations, stacked_gate_up
@@ -175,8 +176,9 @@ def _fp8_of(ctx: TritonContext) -> fp8_weights.StepWeights:
     return ctx.fp8 if ctx.fp8 is not None else fp8_weights.step_weights(ctx.weights)
 
 
-def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> Dgrad:
-    """The routed rows' d_x and the weight gradients' operands (:class:`Dgrad`)."""
+def routed_dgrad(dz: torch.Tensor | QuantizedRows, ctx: TritonContext) -> Dgrad:
+    """The routed rows' d_x and the weight gradients' operands (:class:`Dgrad`); in fp8 ``dz``
+    may come quantized (``rows.route_grad(..., quantize=True)``)."""
     sched, w, routed = ctx.schedule.routed, ctx.weights, ctx.routed
     if _is_fp8(ctx.schedule.config):
         w8 = _fp8_of(ctx)
@@ -186,7 +188,7 @@ def routed_dgrad(dz: torch.Tensor, ctx: TritonContext) -> Dgrad:
 
 
 def _fp8_dgrad(
-    dz: torch.Tensor,
+    dz: torch.Tensor | QuantizedRows,
     w_down: fp8.Fp8Weight,
     w_gate: fp8.Fp8Weight,
     w_up: fp8.Fp8Weight,
@@ -197,21 +199,24 @@ def _fp8_dgrad(
 ) -> Dgrad:
     """:class:`Dgrad` in fp8: d_z, d_g and d_u quantized 1x128 for the data gradients on the
     weights' transposed copies, and 128x1 for the weight gradients, each by one pass
-    (:func:`_rows_cols`). d_g and d_u share one buffer, so one pass covers both where no
-    128-row block straddles the two (rows % 128 == 0: the same blocks, the same bits)."""
-    (dzq, dzq_s), dz_cols = _rows_cols(dz)
-    rows, n = g.shape
-    both = empty((2, rows, n), dz.dtype, dz.device)
-    fp8_gemm.dgrad_swiglu(dzq, dzq_s, w_down, g, u, sched, programs, dz.dtype, out=both)
-    if rows % 128:
+    (:func:`_rows_cols`; d_z's may have come from the route grad, ``dz`` then its
+    :class:`QuantizedRows`). d_g and d_u share one buffer, so one pass covers both where
+    no 128-row block straddles the two (rows % 128 == 0: the same blocks, the same bits)."""
+    quantized = isinstance(dz, QuantizedRows)
+    (dzq, dzq_s), dz_cols = dz if quantized else _rows_cols(dz)
+    m, n = g.shape
+    dtype = g.dtype if quantized else dz.dtype  # the data gradients' (d_z's: the route grad's)
+    both = empty((2, m, n), dtype, g.device)
+    fp8_gemm.dgrad_swiglu(dzq, dzq_s, w_down, g, u, sched, programs, dtype, out=both)
+    if m % 128:
         (gq, gs), dg_cols = _rows_cols(both[0])
         (uq, us), du_cols = _rows_cols(both[1])
     else:
-        (q, s), (q_t, s_t) = _rows_cols(both.view(2 * rows, n))
-        gq, gs, uq, us = q[:rows], s[:rows], q[rows:], s[rows:]
-        blocks = rows // 128
-        dg_cols, du_cols = (q_t[:, :rows], s_t[:, :blocks]), (q_t[:, rows:], s_t[:, blocks:])
-    dx = fp8_gemm.dgrad_pair(gq, gs, w_gate, uq, us, w_up, sched, programs, dz.dtype)
+        (q, s), (q_t, s_t) = _rows_cols(both.view(2 * m, n))
+        gq, gs, uq, us = q[:m], s[:m], q[m:], s[m:]
+        blocks = m // 128
+        dg_cols, du_cols = (q_t[:, :m], s_t[:, :blocks]), (q_t[:, m:], s_t[:, blocks:])
+    dx = fp8_gemm.dgrad_pair(gq, gs, w_gate, uq, us, w_up, sched, programs, dtype)
     return Dgrad(dx, dg_cols, du_cols, dz_cols)
 
 

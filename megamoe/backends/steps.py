@@ -203,9 +203,13 @@ def prepare(
 # Forward
 
 
+def _fp8(config: MoEConfig) -> bool:
+    return config.precision == "fp8"
+
+
 def _packed_width(config: MoEConfig) -> int | None:
     """int16 words of the packed fp8 rows the dispatch moves; None in bf16 (bf16 rows)."""
-    return fp8.packed_width(config.hidden_size) if config.precision == "fp8" else None
+    return fp8.packed_width(config.hidden_size) if _fp8(config) else None
 
 
 def publish_tokens(ws: Workspace, x: torch.Tensor, config: MoEConfig) -> None:
@@ -390,7 +394,8 @@ def routed_grads(dy: torch.Tensor, config: MoEConfig) -> torch.Tensor:
 
 def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
     """Pull dy rows, route grad by row, dgrad/wgrad GEMMs, push d_x rows and d_w values back.
-    In fp8 the pull moves dy's packed 1x128 rows, which the route grad reads dequantized."""
+    In fp8 the pull moves dy's packed 1x128 rows, which the route grad reads dequantized, and
+    the route grad writes d_z quantized for the GEMMs (``rows.route_grad(quantize=True)``)."""
     schedule = ctx.schedule
     ws, sched, programs = schedule.ep.workspace, schedule.routed, schedule.config.copy_programs
     publish_grads(ws, dy, schedule.config)
@@ -408,7 +413,9 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> Steps[MoEGrads]:
             scale=False,
             packed_width=_packed_width(schedule.config),
         )
-        dz, dw_rows = rows.route_grad_rows(dy_rows, ctx.routed.z, ctx.slot_weights, sched)
+        dz, dw_rows = rows.route_grad_rows(
+            dy_rows, ctx.routed.z, ctx.slot_weights, sched, quantize=_fp8(schedule.config)
+        )
         dgrad = experts.routed_dgrad(dz, ctx)
         shared_grads = beside.run(experts.shared_wgrad, shared_dgrad, ctx)
         comm.combine_push(ws, dgrad.dx, sched, "dx", programs=programs)
@@ -431,10 +438,13 @@ def nan_if(invalid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def local_backward(ctx: TritonContext, dy: torch.Tensor) -> MoEGrads:
     """One process: route grad, dgrad and wgrad GEMMs, combine d_x in k order (+ shared). In
-    fp8 the route grad reads dy's packed 1x128 rows by token (the values W > 1 pulls)."""
+    fp8 the route grad reads dy's packed 1x128 rows by token (the values W > 1 pulls) and writes
+    d_z quantized."""
     sched = ctx.schedule.routed
     dy_routed = routed_grads(dy, ctx.schedule.config)
-    dz, d_topk = rows.route_grad(dy_routed, ctx.routed.z, ctx.slot_weights, sched)
+    dz, d_topk = rows.route_grad(
+        dy_routed, ctx.routed.z, ctx.slot_weights, sched, quantize=_fp8(ctx.schedule.config)
+    )
     dgrad = experts.routed_dgrad(dz, ctx)
     d_w_gate, d_w_up, d_w_down = experts.routed_wgrad(dgrad, ctx)
     shared_dgrad = experts.shared_dgrad(dy, ctx)

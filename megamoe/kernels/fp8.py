@@ -53,6 +53,8 @@ __all__ = [
     "pow2_scale",
     "block_amax",
     "load_quantized_rows",
+    "store_row_blocks",
+    "store_col_blocks",
     "quantize_rows",
     "quantize_cols",
     "quantize_rows_cols",
@@ -194,20 +196,27 @@ def load_quantized_rows(
     q_ptr, s_ptr, rows, c0, K, stride_q, stride_s, row_mask, COLS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """The [len(rows), COLS] fp32 tile at columns c0.. (c0 and COLS multiples of 128) of
-    1x128-quantized rows of K columns, dequantized (``q * scale``, exact): fp8 ``q`` rows
-    ``stride_q`` apart, their scales ``[rows, ceil(K/128)]`` ``stride_s`` apart (e.g.
-    :func:`unpack_rows`' views of packed rows); masked entries are 0. Each row's COLS / 128
-    scales are loaded once and broadcast over their blocks."""
+    """The [len(rows), COLS] fp32 tile at columns c0.. (c0 and COLS multiples of 128, or a
+    narrower COLS inside one 128-column block) of 1x128-quantized rows of K columns,
+    dequantized (``q * scale``, exact): fp8 ``q`` rows ``stride_q`` apart, their scales
+    ``[rows, ceil(K/128)]`` ``stride_s`` apart (e.g. :func:`unpack_rows`' views of packed
+    rows); masked entries are 0. Each row's scales are loaded once and broadcast over their
+    blocks."""
     cols = c0 + tl.arange(0, COLS)
     mask = row_mask[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
     q = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
-    blocks = c0 // 128 + tl.arange(0, COLS // 128)
-    s_mask = row_mask[:, None] & (blocks * 128 < K)[None, :]
-    scale = tl.load(s_ptr + rows64[:, None] * stride_s + blocks[None, :], mask=s_mask, other=0.0)
-    x = tl.reshape(from_e4m3(q, UPCAST), [rows.shape[0], COLS // 128, 128])
-    return tl.reshape(x * scale[:, :, None], [rows.shape[0], COLS])
+    if COLS < 128:  # one block: one scale a row
+        scale = tl.load(s_ptr + rows64 * stride_s + c0 // 128, mask=row_mask, other=0.0)
+        x = from_e4m3(q, UPCAST) * scale[:, None]
+    else:
+        blocks = c0 // 128 + tl.arange(0, COLS // 128)
+        s_mask = row_mask[:, None] & (blocks * 128 < K)[None, :]
+        s_offs = rows64[:, None] * stride_s + blocks[None, :]
+        scale = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
+        x = tl.reshape(from_e4m3(q, UPCAST), [rows.shape[0], COLS // 128, 128])
+        x = tl.reshape(x * scale[:, :, None], [rows.shape[0], COLS])
+    return x
 
 
 @triton.jit
@@ -219,8 +228,8 @@ def _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCA
 
 
 @triton.jit
-def _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, s_col,
-                      UPCAST: tl.constexpr):  # fmt: skip
+def store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, s_col,
+                     UPCAST: tl.constexpr):  # fmt: skip
     """Quantize the fp32 tile ``x [R, 128]`` (one 128-column block, entries outside the source
     0) 1x128: q at ``q_ptr + row * stride_qm + col``, each row's scale at ``s_ptr + row *
     stride_sm + s_col``; only where ``row_ok`` / ``col_ok``."""
@@ -234,8 +243,8 @@ def _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, st
 
 
 @triton.jit
-def _store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, stride_qt, stride_sk, s_row,
-                      UPCAST: tl.constexpr):  # fmt: skip
+def store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, stride_qt, stride_sk, s_row,
+                     UPCAST: tl.constexpr):  # fmt: skip
     """Quantize the fp32 tile ``x [128, C]`` (one 128-row block, entries outside the source 0)
     128x1 and store it transposed: q_t[col, row] at ``qt_ptr + col * stride_qt + row``, each
     column's scale at ``s_ptr + col * stride_sk + s_row``; only where ``row_ok`` / ``col_ok``."""
@@ -268,7 +277,7 @@ def _quantize_rows_kernel(
     cols = kb * 128 + tl.arange(0, 128)
     row_ok, col_ok = rows < M, cols < K
     x = _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCAST)
-    _store_row_blocks(
+    store_row_blocks(
         x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, kb * stride_sk, UPCAST
     )
 
@@ -309,8 +318,8 @@ def _quantize_cols_kernel(
     else:
         x = source_f32(x, UPCAST)
     x = tl.where(mask, x, 0.0)
-    _store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, M, stride_sk, mb * stride_sb,
-                      UPCAST)  # fmt: skip
+    store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, M, stride_sk, mb * stride_sb,
+                     UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -346,16 +355,16 @@ def _quantize_rows_cols_kernel(
         rows = mb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         row_ok = rows < M
         x = _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCAST)
-        _store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm,
-                          kb * stride_sk, UPCAST)  # fmt: skip
+        store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm,
+                         kb * stride_sk, UPCAST)  # fmt: skip
     rows = mb * 128 + tl.arange(0, 128)
     row_ok = rows < M
     for c in tl.static_range(128 // CHUNK):
         chunk = kb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         chunk_ok = chunk < K
         x = _load_f32_tile(x_ptr, rows, chunk, row_ok, chunk_ok, stride_xm, stride_xk, UPCAST)
-        _store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, stride_qt,
-                          stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
+        store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, stride_qt,
+                         stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
 
 
 @triton.jit

@@ -11,13 +11,19 @@ Expert-parallel variants (same kernels, a constexpr switch, so W > 1 gives the b
 
 dy may be packed fp8 rows (``fp8.quantize_packed``, int16): the route grad then reads them
 dequantized (exact in fp32) through the same kernel (a constexpr switch) and the same fp32
-reduction, so dz and dw are those of the dequantized dy given as fp32.
+reduction, so dz and dw are those of the dequantized dy given as fp32. For the fp8 backward
+the route grad can quantize dz itself (``quantize=True``): the same kernel's lookups and loads
+in 128 x 128 tiles that write dz's 1x128 and 128x1 quantizations (the bits
+``fp8.quantize_rows_cols`` gives of the bf16 dz) and never dz, whose write and second read
+were the fp8 backward's largest quantization pass.
 
 Only rows of used row blocks are touched; grids are sized for the worst case so the host
 never reads the schedule.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,14 +32,35 @@ import triton.language as tl
 from . import fp8
 from .runtime import check_out, empty, interpreting
 from .schedule import RowSchedule
-from .tiles import load_rows, store_rows
+from .tiles import cast, load_rows, store_rows
 
-__all__ = ["gather", "combine", "combine_slots", "route_grad", "route_grad_rows"]
+__all__ = [
+    "gather",
+    "combine",
+    "combine_slots",
+    "route_grad",
+    "route_grad_rows",
+    "QuantizedRows",
+]
+
+
+class QuantizedRows(NamedTuple):
+    """A row tile's two fp8 quantizations (``fp8.quantize_rows_cols``' result): ``rows`` =
+    (q [M, N], 1x128 scales [M, ceil(N/128)]), ``cols`` = (q_t [N, M], 128x1 scales [N,
+    ceil(M/128)])."""
+
+    rows: tuple[torch.Tensor, torch.Tensor]
+    cols: tuple[torch.Tensor, torch.Tensor]
+
 
 # Rows x columns of one program's tile in these memory-bound kernels.
 _ROWS = 16
 _COLS = 512
 _TOKENS = 16
+# The fp8 route grad's 128 x 128 tile program (``route_grad(..., quantize=True)``): the rows
+# of its chunks (128: the whole tile in one pass) and its warps (docs/tuning.md)
+_QUANT_CHUNK = 128
+_QUANT_WARPS = 8
 # What combine_slots writes when its step is invalid (a bad step must show as a NaN loss): the
 # bits of a float32 quiet NaN (a NaN constexpr global would never equal itself, which Triton's
 # launcher reads as "changed since compiled").
@@ -105,6 +132,36 @@ def _combine_kernel(
 
 
 @triton.jit
+def _route_rows(rows, used, row_src_ptr, w_ptr, TOP_K: tl.constexpr, BY_ROW: tl.constexpr):
+    """Of layout rows ``rows`` (``used``: in a used row block): which are real (not padding),
+    the dy row each reads (the row itself when dy is in the row layout, ``BY_ROW``, else its
+    token), where its dw goes (its row, or its slot) and its routing weight (0 on padding)."""
+    slot = tl.load(row_src_ptr + rows, mask=used, other=-1)
+    real = used & (slot >= 0)
+    if BY_ROW:  # dy already in the row layout (pulled from the source ranks); dw per row
+        dy_row = rows
+        dw_at = rows
+    else:
+        dy_row = slot // TOP_K
+        dw_at = slot
+    return real, dy_row, dw_at, tl.load(w_ptr + slot, mask=real, other=0.0)
+
+
+@triton.jit
+def _dy_tile(dy_ptr, dy_scale_ptr, dy_row, c0, H, stride_dy, stride_dy_scale, real,
+             COLS: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """dy's rows ``dy_row`` at columns c0..c0+COLS in fp32, 0 where not ``real`` or past H:
+    bf16 rows, or packed fp8 rows (1x128 scales) dequantized, exactly."""
+    if PACKED:
+        return fp8.load_quantized_rows(
+            dy_ptr, dy_scale_ptr, dy_row, c0, H, stride_dy, stride_dy_scale, real, COLS, UPCAST
+        )
+    else:
+        cols = c0 + tl.arange(0, COLS)
+        return load_rows(dy_ptr, dy_row, cols, stride_dy, real, cols < H)
+
+
+@triton.jit
 def _route_grad_kernel(
     dy_ptr,
     dy_scale_ptr,
@@ -127,29 +184,119 @@ def _route_grad_kernel(
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     used = rows < tl.load(num_blocks_ptr) * BLOCK_ROWS
-    slot = tl.load(row_src_ptr + rows, mask=used, other=-1)
-    real = used & (slot >= 0)
-    if BY_ROW:  # dy already in the row layout (pulled from the source ranks); dw per row
-        dy_row = rows
-        dw_at = rows
-    else:
-        dy_row = slot // TOP_K
-        dw_at = slot
-    w = tl.load(w_ptr + slot, mask=real, other=0.0)
+    real, dy_row, dw_at, w = _route_rows(rows, used, row_src_ptr, w_ptr, TOP_K, BY_ROW)
     dot = tl.zeros([ROWS], dtype=tl.float32)
     for c0 in range(0, H, COLS):
         cols = c0 + tl.arange(0, COLS)
         col_mask = cols < H
-        if PACKED:  # fp8 rows with 1x128 scales (packed rows' views): dequantized, exact
-            dy = fp8.load_quantized_rows(
-                dy_ptr, dy_scale_ptr, dy_row, c0, H, stride_dy, stride_dy_scale, real, COLS,
-                UPCAST,
-            )  # fmt: skip
-        else:
-            dy = load_rows(dy_ptr, dy_row, cols, stride_dy, real, col_mask)
+        dy = _dy_tile(
+            dy_ptr, dy_scale_ptr, dy_row, c0, H, stride_dy, stride_dy_scale, real, COLS, PACKED,
+            UPCAST,
+        )  # fmt: skip
         dot += tl.sum(dy * load_rows(z_ptr, rows, cols, H, real, col_mask), axis=1)
         store_rows(dz_ptr, rows, cols, H, w[:, None] * dy, used, col_mask, UPCAST)
     tl.store(dw_ptr + dw_at, dot, mask=real)
+
+
+@triton.jit
+def _route_grad_fp8_kernel(
+    dy_ptr,
+    dy_scale_ptr,
+    z_ptr,
+    w_ptr,
+    row_src_ptr,
+    num_blocks_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    dot_ptr,
+    H,
+    M,
+    stride_dy,
+    stride_dy_scale,
+    stride_sk,
+    stride_stb,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BY_ROW: tl.constexpr,
+    PACKED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One 128-row block by 128 columns (``kb``) of dz = w * dy, rounded to z's dtype as
+    ``_route_grad_kernel`` stores it, quantized as ``fp8.quantize_rows_cols`` quantizes that
+    stored dz: 1x128 into q [M, H] (scales ``s_ptr + row + kb * stride_sk``), 128x1 into q_t
+    [H, M] (scales ``st_ptr + col + block * stride_stb``); and each row's <dy, z> over the
+    block's columns into ``dot[kb, row]``. With CHUNK 128 in one pass over the tile; else in
+    two sweeps, of CHUNK rows and then CHUNK columns at a time, as
+    ``fp8._quantize_rows_cols_kernel`` makes them (the second reads dy again, from L2)."""
+    mb = tl.program_id(0)
+    kb = tl.program_id(1)
+    if mb * 128 < tl.load(num_blocks_ptr) * BLOCK_ROWS:  # (row blocks are whole 128-row blocks)
+        cols = kb * 128 + tl.arange(0, 128)
+        col_ok = cols < H
+        for c in tl.static_range(128 // CHUNK):
+            rows = mb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+            used = rows < M
+            real, dy_row, _, w = _route_rows(rows, used, row_src_ptr, w_ptr, TOP_K, BY_ROW)
+            dy = _dy_tile(
+                dy_ptr, dy_scale_ptr, dy_row, kb * 128, H, stride_dy, stride_dy_scale, real, 128,
+                PACKED, UPCAST,
+            )  # fmt: skip
+            dot = tl.sum(dy * load_rows(z_ptr, rows, cols, H, real, col_ok), axis=1)
+            tl.store(dot_ptr + kb * M + rows, dot, mask=used)
+            dz = _stored(w[:, None] * dy, z_ptr.dtype.element_ty, UPCAST)
+            fp8.store_row_blocks(dz, rows, cols, used, col_ok, q_ptr, s_ptr, H, 1,
+                                 kb * stride_sk, UPCAST)  # fmt: skip
+            if CHUNK == 128:  # the whole tile at once: its columns' blocks too
+                fp8.store_col_blocks(dz, rows, cols, used, col_ok, qt_ptr, st_ptr, M, 1,
+                                     mb * stride_stb, UPCAST)  # fmt: skip
+        if CHUNK < 128:
+            rows = mb * 128 + tl.arange(0, 128)
+            used = rows < M
+            real, dy_row, _, w = _route_rows(rows, used, row_src_ptr, w_ptr, TOP_K, BY_ROW)
+            for c in tl.static_range(128 // CHUNK):
+                c0 = kb * 128 + c * CHUNK
+                chunk = c0 + tl.arange(0, CHUNK)
+                dy = _dy_tile(
+                    dy_ptr, dy_scale_ptr, dy_row, c0, H, stride_dy, stride_dy_scale, real, CHUNK,
+                    PACKED, UPCAST,
+                )  # fmt: skip
+                dz = _stored(w[:, None] * dy, z_ptr.dtype.element_ty, UPCAST)
+                fp8.store_col_blocks(dz, rows, chunk, used, chunk < H, qt_ptr, st_ptr, M, 1,
+                                     mb * stride_stb, UPCAST)  # fmt: skip
+
+
+@triton.jit
+def _stored(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 ``x`` as a tensor of ``dtype`` holds it (rounded there and read back, exactly)."""
+    return fp8.source_f32(cast(x, dtype, UPCAST), UPCAST)
+
+
+@triton.jit
+def _route_grad_dw_kernel(
+    dot_ptr,
+    row_src_ptr,
+    w_ptr,
+    num_blocks_ptr,
+    dw_ptr,
+    M,
+    KB,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BY_ROW: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """dw of ``_route_grad_fp8_kernel``'s rows: the sum of each row's KB partial dots in
+    column order, at its slot (or row) as ``_route_grad_kernel`` places it."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    used = rows < tl.load(num_blocks_ptr) * BLOCK_ROWS
+    real, _, dw_at, _ = _route_rows(rows, used, row_src_ptr, w_ptr, TOP_K, BY_ROW)
+    dw = tl.zeros([ROWS], dtype=tl.float32)
+    for kb in range(KB):
+        dw += tl.load(dot_ptr + kb * M + rows, mask=real, other=0.0)
+    tl.store(dw_ptr + dw_at, dw, mask=real)
 
 
 def gather(x: torch.Tensor, sched: RowSchedule, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,20 +419,26 @@ def route_grad(
     sched: RowSchedule,
     dz: torch.Tensor | None = None,
     dw: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quantize: bool = False,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """(dz [rows, H] in the layout, zeros on padding rows; dw [T, K] fp32) of the tokens' output
     gradient ``dy``: ``[T, H]``, or its packed fp8 rows ``[T, fp8.packed_width(H)]`` int16
     (``fp8.quantize_packed``), read dequantized (exact in fp32).
 
     ``dz``, ``dw``: where to write them (default: new tensors; contiguous, of those shapes and
     dtypes). Only the slots of the schedule's real rows are written into ``dw``: the row
-    windows of one layout (``schedule.row_window``) fill one ``dw`` between them."""
+    windows of one layout (``schedule.row_window``) fill one ``dw`` between them.
+
+    ``quantize``: dz is never written; in its place come its 1x128 and 128x1 quantizations
+    (:class:`QuantizedRows`, the bits ``fp8.quantize_rows_cols`` gives of that dz) for the fp8
+    data and weight gradients. dw then sums each row's products per 128 columns first (other
+    bits than without ``quantize``; the same by token and by row)."""
     shape = (sched.num_tokens, sched.top_k)
     if dw is None:
         dw = empty(shape, torch.float32, z.device)
     else:
         check_out("dw", dw, shape, torch.float32)
-    return _launch_route_grad(dy, z, weights, sched, dw, by_row=False, dz=dz)
+    return _launch_route_grad(dy, z, weights, sched, dw, by_row=False, dz=dz, quantize=quantize)
 
 
 def route_grad_rows(
@@ -294,19 +447,20 @@ def route_grad_rows(
     weights: torch.Tensor,
     sched: RowSchedule,
     dz: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quantize: bool = False,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """:func:`route_grad` with ``dy`` already in the row layout (pulled unscaled from the peers):
     ``[>= rows, H]``, or packed fp8 rows ``[>= rows, fp8.packed_width(H)]`` int16.
 
     ``weights`` is indexed by the global slot of each row (every rank's weights, concatenated).
     Returns (dz [rows, H], zeros on padding rows; dw [rows] fp32, set on real rows only), with
     the bits :func:`route_grad` gives for the same rows. ``dz``: where to write dz (default: a
-    new tensor; contiguous [rows, H] of z's dtype).
+    new tensor; contiguous [rows, H] of z's dtype). ``quantize``: as :func:`route_grad`'s.
     """
     if dy_rows.shape[0] < sched.rows:
         raise ValueError(f"dy_rows must have >= {sched.rows} rows, got {dy_rows.shape[0]}")
     dw = empty(sched.rows, torch.float32, z.device)
-    return _launch_route_grad(dy_rows, z, weights, sched, dw, by_row=True, dz=dz)
+    return _launch_route_grad(dy_rows, z, weights, sched, dw, by_row=True, dz=dz, quantize=quantize)
 
 
 def _launch_route_grad(
@@ -317,8 +471,10 @@ def _launch_route_grad(
     dw: torch.Tensor,
     by_row: bool,
     dz: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_route_grad_kernel`` over every row block: dy by token (``by_row`` False) or by row;
+    quantize: bool = False,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """``_route_grad_kernel`` (or with ``quantize`` ``_route_grad_fp8_kernel`` and
+    ``_route_grad_dw_kernel``) over every row block: dy by token (``by_row`` False) or by row;
     int16 ``dy`` is packed fp8 rows (read through ``fp8.unpack_rows``' views)."""
     h = z.shape[1]
     packed = dy.dtype == torch.int16
@@ -328,28 +484,70 @@ def _launch_route_grad(
         raise ValueError(f"dy must have {h} contiguous columns (z's), got {list(dy.shape)}")
     else:
         dy_scale = dy
+    rows_args = (dy, dy_scale, z, weights, sched.row_src, sched.num_blocks)
+    flags = dict(TOP_K=sched.top_k, BLOCK_ROWS=sched.block_rows, BY_ROW=by_row)
+    if quantize:
+        if dz is not None:
+            raise ValueError("dz: route_grad(quantize=True) writes no dz; pass dz=None")
+        if sched.block_rows % fp8.BLOCK:
+            raise ValueError(
+                f"quantize needs row blocks of a multiple of {fp8.BLOCK} rows (whole 128x1 "
+                f"blocks of dz), got block_rows = {sched.block_rows}"
+            )
+        return _route_grad_quantized(rows_args, h, sched.rows, dw, packed, flags)
     if dz is None:
         dz = empty((sched.rows, h), z.dtype, z.device)
     else:
         check_out("dz", dz, (sched.rows, h), z.dtype)
     _route_grad_kernel[(sched.rows // _ROWS,)](
-        dy,
-        dy_scale,
-        z,
-        weights,
-        sched.row_src,
-        sched.num_blocks,
+        *rows_args,
         dz,
         dw,
         h,
         dy.stride(0),
         dy_scale.stride(0),
-        TOP_K=sched.top_k,
-        BLOCK_ROWS=sched.block_rows,
-        BY_ROW=by_row,
         PACKED=packed,
         ROWS=_ROWS,
         COLS=_COLS,
         UPCAST=interpreting(),
+        **flags,
     )
     return dz, dw
+
+
+def _route_grad_quantized(
+    rows_args: tuple, h: int, m: int, dw: torch.Tensor, packed: bool, flags: dict
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """The ``quantize`` route grad of :func:`_launch_route_grad`: dz's two quantizations into
+    the layouts ``fp8.quantize_rows_cols`` returns, and dw from per-block partial dots."""
+    dy, dy_scale, z = rows_args[:3]
+    mb, kb = m // fp8.BLOCK, triton.cdiv(h, fp8.BLOCK)
+    q = empty((m, h), fp8.FP8, z.device)
+    scale = empty((kb, m), torch.float32, z.device).t()
+    q_t = empty((h, m), fp8.FP8, z.device)
+    scale_t = empty((mb, h), torch.float32, z.device).t()
+    dots = empty((kb, m), torch.float32, z.device)
+    if m and h:
+        _route_grad_fp8_kernel[(mb, kb)](
+            *rows_args,
+            q,
+            scale,
+            q_t,
+            scale_t,
+            dots,
+            h,
+            m,
+            dy.stride(0),
+            dy_scale.stride(0),
+            scale.stride(1),
+            scale_t.stride(1),
+            PACKED=packed,
+            CHUNK=_QUANT_CHUNK,
+            UPCAST=interpreting(),
+            num_warps=_QUANT_WARPS,
+            **flags,
+        )
+        _route_grad_dw_kernel[(m // _ROWS,)](
+            dots, rows_args[4], rows_args[3], rows_args[5], dw, m, kb, ROWS=_ROWS, **flags
+        )
+    return QuantizedRows((q, scale), (q_t, scale_t)), dw

@@ -6,9 +6,9 @@ with the GPU tile choices (``fp8_gemm.GPU_TILES``: split 128-row tiles, 4 warps,
 per SM), and with the sweep's whole 64-row candidates, in a subprocess without the
 interpreter (the flattened candidates: ``test_flattened_sm90a.py``). Checked: sm_90a PTX,
 shared memory <= 227 KB, fp8 wgmma (e4m3 operands) and TMA in the GEMMs, the saturating
-hardware conversion in the quantizers, the route grad's packed-rows variant (the fp8 dy), the
-programs that share an SM within its registers and shared memory, no spills and no local
-memory.
+hardware conversion in the quantizers, the route grad's packed-rows variant (the fp8 dy) and
+the one that quantizes d_z, the programs that share an SM within its registers and shared
+memory, no spills and no local memory.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ def step(h, i, e, tokens, top_k, block_rows):
     z, w = meta(s.rows, h), meta(tokens * top_k, dtype=torch.float32)
     rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s)
     rows.route_grad(meta(tokens, fp8.packed_width(h), dtype=torch.int16), z, w, s)
+    # the same writing d_z's two quantizations (the fp8 backward's)
+    rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s,
+                         quantize=True)
+    rows.route_grad(meta(tokens, fp8.packed_width(h), dtype=torch.int16), z, w, s,
+                    quantize=True)
 
 def unsplit(tiles):  # the sweep's first one-warpgroup candidates with whole tiles (split_m 1)
     first = lambda kind: next(t for t in sweep_tiles.CANDIDATES["fp8"][kind]
@@ -92,7 +97,7 @@ reports = []
 for launch in launches:
     fp8_kernel = launch.fn.fn.__module__ in (
         "megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm", "megamoe.kernels.fp8_ws")
-    if not fp8_kernel and launch.fn.fn.__name__ != "_route_grad_kernel":
+    if not fp8_kernel and not launch.fn.fn.__name__.startswith("_route_grad"):
         continue  # the row schedule's kernels (tests/compile/test_kernels_sm90a.py)
     r = compile_launch(launch, keep_ptx=True)
     ptx = r.pop("ptx")
@@ -116,10 +121,13 @@ QUANTIZERS = (
     "_quantize_cols_kernel",
     "_quantize_rows_cols_kernel",
     "_quantize_weight_kernel",
+    "_route_grad_fp8_kernel",
 )
 WARP_SPECIALIZED = ("_ws_gate_up_kernel", "_ws_grouped_mm_kernel", "_ws_wgrad_kernel")  # fp8_ws
 GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel", *WARP_SPECIALIZED)
 ROUTE_GRAD = "_route_grad_kernel"  # its packed-rows variant (the fp8 backward's dy)
+# the route grad that writes d_z quantized (a quantizer) and its dw sum
+ROUTE_GRAD_FP8 = ("_route_grad_fp8_kernel", "_route_grad_dw_kernel")
 
 
 background.define("reports", ["-c", SCRIPT], timeout=1200)  # (started at collection's end)
@@ -136,10 +144,11 @@ def _what(r: dict) -> str:
 
 
 def test_every_fp8_kernel_compiles_for_sm90a(reports: list[dict]) -> None:
-    assert {r["name"] for r in reports} == {*QUANTIZERS, *GEMMS, ROUTE_GRAD}
-    packed = [r["variant"] for r in reports if r["name"] == ROUTE_GRAD]
-    assert {v["BY_ROW"] for v in packed} == {False, True}, packed
-    assert all(v["PACKED"] for v in packed), packed
+    assert {r["name"] for r in reports} == {*QUANTIZERS, *GEMMS, ROUTE_GRAD, *ROUTE_GRAD_FP8}
+    for name in (ROUTE_GRAD, *ROUTE_GRAD_FP8):
+        variants = [r["variant"] for r in reports if r["name"] == name]
+        assert {v["BY_ROW"] for v in variants} == {False, True}, (name, variants)
+        assert all(v.get("PACKED", True) for v in variants), (name, variants)
     for r in reports:
         assert r["target_sm90a"], f"{_what(r)}: PTX is not for sm_90a"
         assert 0 <= r["shared"] <= SMEM_LIMIT, f"{_what(r)}: {r['shared']} B of shared memory"

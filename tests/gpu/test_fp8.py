@@ -343,3 +343,43 @@ def test_warp_specialized_weight_gradient_gives_the_triton_kernels_bits(
         ref = a64[:, rows] @ b64[:, rows].T
         err = (ws[e].double() - ref).norm() / ref.norm()
         assert err <= 3e-3, f"expert {e}: relative error {err:.3g} from float64"
+
+
+@pytest.mark.parametrize("h", [7168, 2880])
+def test_route_grad_writes_dz_quantized_with_the_passes_bits(h: int) -> None:
+    """The fp8 backward's route grad (``quantize=True``) on the GPU: d_z's 1x128 and 128x1
+    quantizations bitwise ``fp8.quantize_rows_cols`` of the bf16 d_z of the plain route grad,
+    by token and (pulled) by row, on poisoned buffers; dw the same by token and by row and
+    within fp32 summation of float64."""
+    from megamoe.kernels import fp8, rows
+    from megamoe.kernels.schedule import build_row_schedule
+
+    t, k, e = 4000, 8, 32
+    gen = torch.Generator(device=DEV).manual_seed(h)
+    ids = torch.rand(t, e, device=DEV, generator=gen).topk(k, dim=1).indices
+    sched = build_row_schedule(ids, e, 128)
+    scale = torch.rand(t, 1, device=DEV, generator=gen) * 8
+    dy = (torch.randn(t, h, device=DEV, generator=gen) * scale).bfloat16()
+    w = torch.rand(t, k, device=DEV, generator=gen)
+    z = torch.randn(sched.rows, h, device=DEV, generator=gen).bfloat16()
+    packed = fp8.quantize_packed(dy)
+    dz, _ = rows.route_grad(packed, z, w, sched)
+    with poisoned_buffers():
+        want = fp8.quantize_rows_cols(dz)
+        got = rows.route_grad(packed, z, w, sched, quantize=True)
+        got_rows = rows.route_grad_rows(rows.gather(packed, sched), z, w, sched, quantize=True)
+    used = int(sched.num_blocks) * 128
+    slots = sched.row_src[:used].long()
+    real = slots >= 0
+    for q, dw in (got, got_rows):
+        (qr, sr), (qc, sc) = q
+        (wr, wsr), (wc, wsc) = want
+        assert torch.equal(qr[:used].view(torch.uint8), wr[:used].view(torch.uint8))
+        assert torch.equal(sr[:used], wsr[:used])
+        assert torch.equal(qc[:, :used].view(torch.uint8), wc[:, :used].view(torch.uint8))
+        assert torch.equal(sc[:, : used // 128], wsc[:, : used // 128])
+    dw = got[1].view(-1)[slots[real]]
+    assert torch.equal(got_rows[1][:used][real], dw)
+    dq = fp8.dequantize_rows(*fp8.unpack_rows(packed, h))
+    prods = dq[slots[real] // k].double() * z[:used][real].double()
+    assert ((dw.double() - prods.sum(1)).abs() <= 1e-5 * prods.abs().sum(1)).all()

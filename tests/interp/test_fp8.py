@@ -396,6 +396,61 @@ def test_route_grad_reads_packed_dy_rows() -> None:
     assert (dw_err <= 1e-6 * prods.abs().sum(1)).all()
 
 
+@pytest.mark.parametrize("h, chunk", [(384, 128), (272, 128), (272, 64)])
+def test_route_grad_quantizes_dz(monkeypatch, h: int, chunk: int) -> None:
+    """``route_grad(..., quantize=True)`` (the fp8 backward's): d_z's two quantizations are
+    bitwise ``quantize_rows_cols`` of the bf16 d_z the plain route grad writes, by token and
+    (pulled) by row, every used row's bytes and scales written (poisoned buffers), in one pass
+    over each tile and in two sweeps of 64 (H 272: a partial 128-column block); dw matches
+    float64 within fp32 summation and is the same by token and by row; bad arguments are
+    named."""
+    from megamoe.kernels import rows
+
+    monkeypatch.setattr(rows, "_QUANT_CHUNK", chunk)
+
+    t, k, e = 150, 2, 3  # 300 rows in 128-row blocks: padding rows in every expert's last one
+    gen = torch.Generator().manual_seed(12)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    sched = build_row_schedule(ids, e, 128)
+    dy = (torch.randn(t, h, generator=gen) * torch.rand(t, 1, generator=gen) * 8).to(torch.bfloat16)
+    dy[3, 5] = float("nan")  # (a NaN stays in its blocks, in both paths alike)
+    w = torch.rand(t, k, generator=gen)
+    z = torch.randn(sched.rows, h, generator=gen).to(torch.bfloat16)
+    packed = fp8.quantize_packed(dy)
+    dz, dw_plain = rows.route_grad(packed, z, w, sched)
+    with poisoned_buffers():
+        want = fp8.quantize_rows_cols(dz)
+        got, dw = rows.route_grad(packed, z, w, sched, quantize=True)
+        got_rows, dw_rows = rows.route_grad_rows(
+            rows.gather(packed, sched), z, w, sched, quantize=True
+        )
+    used = int(sched.num_blocks) * 128
+    blocks = used // 128
+    for q in (got, got_rows):
+        (qr, sr), (qc, sc) = q
+        (wr, wsr), (wc, wsc) = want
+        assert torch.equal(qr[:used].view(torch.uint8), wr[:used].view(torch.uint8))
+        assert torch.equal(sr[:used], wsr[:used])
+        assert torch.equal(qc[:, :used].view(torch.uint8), wc[:, :used].view(torch.uint8))
+        assert torch.equal(sc[:, :blocks], wsc[:, :blocks])
+    slots = sched.row_src[:used].long()
+    real = slots >= 0
+    bits = dw_rows[:used][real].view(torch.int32)
+    assert torch.equal(bits, dw.view(-1)[slots[real]].view(torch.int32))
+    finite = ~torch.isnan(dw_plain.view(-1)[slots[real]])
+    assert torch.equal(torch.isnan(dw.view(-1)[slots[real]]), ~finite)
+    dq = fp8.dequantize_rows(*fp8.unpack_rows(packed, h))
+    prods = dq[slots[real] // k].double() * z[:used][real].double()
+    err = (dw.view(-1)[slots[real]].double() - prods.sum(1)).abs()
+    assert (err[finite] <= 1e-6 * prods.abs().sum(1)[finite]).all()
+    with pytest.raises(ValueError, match="dz: route_grad"):
+        rows.route_grad(packed, z, w, sched, dz=dz, quantize=True)
+    small = build_row_schedule(ids, e, 16)
+    z16 = torch.zeros(small.rows, h, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_rows = 16"):
+        rows.route_grad(packed, z16, w, small, quantize=True)
+
+
 def test_packed_rows_name_bad_arguments() -> None:
     q, scale = fp8.quantize_rows(torch.randn(4, 144))
     with pytest.raises(ValueError, match=r"packed must be an int16 \[rows, 80\] tensor"):

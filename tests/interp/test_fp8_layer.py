@@ -24,6 +24,7 @@ from megamoe.backends import fp8_weights, resolve_backend
 from megamoe.backends import triton as backend
 from megamoe.config import TUNABLES, MoEConfig
 from megamoe.kernels import comm, fp8
+from megamoe.kernels import rows as kernel_rows
 from megamoe.kernels.runtime import poisoned_buffers
 from megamoe.types import ExpertWeights, MoEGrads
 from support.lockstep import ep_step
@@ -298,8 +299,9 @@ def test_each_activation_and_gradient_is_quantized_by_one_pass(
 ) -> None:
     """h feeds the down GEMM (1x128) and the weight gradient of down (128x1): the forward
     quantizes it both ways by one quantize_rows_cols pass and keeps only the 128x1 copy for
-    the backward. d_z, d_g and d_u each feed a data gradient and a weight gradient: the
-    backward quantizes each by one quantize_rows_cols pass (d_g and d_u together where their
+    the backward. d_z, d_g and d_u each feed a data gradient and a weight gradient: the route
+    grad writes d_z's two quantizations itself (``quantize=True``, d_z never in bf16), the
+    backward quantizes d_g and d_u by one quantize_rows_cols pass each (together where their
     rows are whole 128-row blocks), and nothing by quantize_rows or quantize_cols."""
     p = _problem()
     x, ids, tw, dy = p.single
@@ -320,11 +322,18 @@ def test_each_activation_and_gradient_is_quantized_by_one_pass(
     ), calls
     assert ctx.routed.h.dtype == torch.int16 and ctx.shared.h.dtype == torch.int16  # packed
     calls.clear()
+    route_grads = []
+
+    def route_grad(*args, _fn=kernel_rows.route_grad, **kwargs):
+        route_grads.append(kwargs.get("quantize"))
+        return _fn(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_rows, "route_grad", route_grad)
     backend.backward(ctx, dy)
+    assert route_grads == [True]
     assert rows % 128 == 0 and t % 128  # the shared expert's d_g, d_u: one pass each
     assert sorted(calls) == sorted(
         [
-            ("quantize_rows_cols", (rows, h)),  # d_z
             ("quantize_rows_cols", (2 * rows, i)),  # d_g and d_u
             ("quantize_rows_cols", (t, h)),  # the shared expert's d_z: d_y
             ("quantize_rows_cols", (t, s)),  # its d_g
