@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument(
         "--tiles",
         nargs="+",
-        default=[(128, 8), (128, 4), (128, 16), (64, 4), (64, 8)],
+        default=[(128, 4), (128, 8), (128, 16), (64, 4), (64, 8)],
         type=lambda t: tuple(int(v) for v in t.split(",")),
         help="the fused kernel's (chunk, warps) to time; the first is the library's",
     )

@@ -60,7 +60,7 @@ _TOKENS = 16
 # The fp8 route grad's 128 x 128 tile program (``route_grad(..., quantize=True)``): the rows
 # of its chunks (128: the whole tile in one pass) and its warps (docs/tuning.md)
 _QUANT_CHUNK = 128
-_QUANT_WARPS = 8
+_QUANT_WARPS = 4
 # What combine_slots writes when its step is invalid (a bad step must show as a NaN loss): the
 # bits of a float32 quiet NaN (a NaN constexpr global would never equal itself, which Triton's
 # launcher reads as "changed since compiled").
