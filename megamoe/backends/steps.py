@@ -204,6 +204,7 @@ def prepare(
 
 
 def _fp8(config: MoEConfig) -> bool:
+    """Whether the layer runs DeepSeek-V3's fp8 recipe (docs/fp8.md)."""
     return config.precision == "fp8"
 
 
