@@ -46,11 +46,10 @@ BACKENDS: dict[str, str] = {
     "fused": "megamoe.backends.fused",
     "reference": "megamoe.backends.reference",
 }
-# name -> the MoEConfig.precision values it runs (docs/fp8.md: "fused" refuses fp8 for now
-# rather than compute in bf16).
+# name -> the MoEConfig.precision values it runs (docs/fp8.md).
 BACKEND_PRECISIONS: dict[str, tuple[str, ...]] = {
     "triton": ("bf16", "fp8"),
-    "fused": ("bf16",),
+    "fused": ("bf16", "fp8"),
     "reference": ("bf16", "fp8"),  # fp8: the recipe in torch ops (megamoe.reference)
 }
 
@@ -59,6 +58,9 @@ BACKEND_PRECISIONS: dict[str, tuple[str, ...]] = {
 _AUTO_ONE_GPU = ("triton", "fused", "reference")
 _AUTO_ONE_GPU_WIDE = ("fused", "triton", "reference")
 _AUTO_EXPERT_PARALLEL = ("fused", "triton", "reference")
+# In fp8 backend "triton" first at every world size: its GEMMs are the warp-specialized Gluon
+# kernels, the fused forward's the Triton tiles (BENCHMARKS.md, "The fused forward in fp8").
+_AUTO_FP8 = ("triton", "fused", "reference")
 # On one GPU the fused forward beats the unfused one where the expert GEMMs are wide (its fixed
 # cost, about 1 ms of host and start-up time, then hides): hidden x intermediate at least this
 # (DeepSeek-V3's 7168 x 2048 and wider; GLM-4.5's 5120 x 1536 and narrower go unfused) ...
@@ -74,6 +76,8 @@ def auto_order(
 ) -> tuple[str, ...]:
     """The backends backend="auto" tries at this expert-parallel world size, best first; on
     one GPU, given the config and the tokens of the step, "fused" first for wide layers."""
+    if config is not None and config.precision == "fp8":
+        return _AUTO_FP8
     if world_size > 1:
         return _AUTO_EXPERT_PARALLEL
     if config is not None and tokens is not None:

@@ -55,7 +55,7 @@ from ..kernels.fused.backward import (
 from ..kernels.runtime import empty, persistent_programs
 from ..kernels.schedule import row_window
 from ..types import ExpertWeights, MoEGrads, RoutedActivations
-from . import state, steps
+from . import fp8_weights, state, steps
 from .requirements import KERNEL_DTYPE, is_available, supports
 from .state import EmptyContext, TritonContext, TritonSchedule, save
 from .steps import build_schedule, check
@@ -88,10 +88,12 @@ FUSED_BACKWARD_ENV = "MEGAMOE_FUSED_BACKWARD"
 
 def uses_comm_kernel(config: MoEConfig, world_size: int) -> bool:
     """``config.comm_kernel``, None resolved: on when the ring holds every row (the comm kernel
-    needs that; a bounded ring keeps the one-kernel forward), at any world size (docs/tuning.md)."""
+    needs that; a bounded ring keeps the one-kernel forward), at any world size, in bf16; off
+    in fp8, whose compute programs fit beside the comm kernel's only capped at 216 registers,
+    where they spill (docs/tuning.md)."""
     if config.comm_kernel is not None:
         return config.comm_kernel
-    return config.ring_rows is None
+    return config.ring_rows is None and config.precision == "bf16"
 
 
 def resolved_tunables(
@@ -118,11 +120,16 @@ def _experts_step(
     schedule: TritonSchedule,
     weights: ExpertWeights,
     x: torch.Tensor,
+    fp8w: fp8_weights.StepWeights | None,
     trace: torch.Tensor | None = None,
 ) -> steps.ExpertsOutput:
-    """``steps.experts_unfused`` as one fused launch."""
+    """``steps.experts_unfused`` as one fused launch (in fp8 on the step's fp8 weights
+    ``fp8w`` and this rank's published packed rows)."""
     config = schedule.config
-    shared = (x, weights.s_gate, weights.s_up, weights.s_down) if weights.has_shared else None
+    tokens = steps.published_tokens(ws, x, config)
+    shared = None
+    if weights.has_shared:
+        shared = (tokens, weights.s_gate, weights.s_up, weights.s_down)
     tunables = resolved_tunables(config, ws.device, ws.world_size)
     out = fused_forward(
         ws,
@@ -137,6 +144,7 @@ def _experts_step(
         down_lag=config.down_lag,
         trace=trace,
         comm_kernel=tunables["comm_kernel"],
+        fp8_weights=fp8w,
     )
     return (out.routed if out.full else None), out.shared, out.shared_out
 
@@ -171,7 +179,9 @@ def forward(
     (``fused_forward``, ``megamoe.tools.fused_trace``)."""
     from . import check_precision  # (the package imports this module)
 
-    check_precision("fused", config)  # bf16 only: never fp8 computed as bf16 unnoticed
+    check_precision("fused", config)
+    if backward_kind() == "fused":
+        _check_fused_backward(config)
     if x.shape[0] == 0:
         return steps.empty_forward(x, topk_weights, weights)
     x, topk_weights, weights, schedule = steps.prepare(
@@ -240,6 +250,17 @@ def backward_kind(world_size: int = 1) -> str:
     if value not in ("0", "1"):
         raise ValueError(f"{FUSED_BACKWARD_ENV} must be 0 or 1, got {value!r}")
     return "fused" if value == "1" else "triton"
+
+
+def _check_fused_backward(config: MoEConfig) -> None:
+    """The fused backward runs bf16 only: fp8 runs the fused forward with backend "triton"'s
+    backward (an error, not bf16 arithmetic on fp8 activations)."""
+    if config.precision != "bf16":
+        raise ValueError(
+            f"{FUSED_BACKWARD_ENV}=1 selects the fused backward, which runs bf16 only; precision "
+            f"{config.precision!r} runs backend 'fused''s forward with backend 'triton''s "
+            f"backward: unset {FUSED_BACKWARD_ENV} or set it to 0"
+        )
 
 
 def _shared_inputs(ctx: TritonContext, dy: torch.Tensor) -> SharedBackwardInputs | None:
@@ -394,6 +415,7 @@ def backward_steps(ctx: TritonContext, dy: torch.Tensor) -> steps.Steps[MoEGrads
     for d topk_weights (its reduction order) and their push -> barrier -> k-order combine of
     the own d_x slots + shared d_x. After a bounded ring: one replay and launch per macrobatch
     (:func:`_macrobatch_steps`). Bitwise ``steps.backward_steps``."""
+    _check_fused_backward(ctx.schedule.config)
     if ctx.routed is None:
         return (yield from _macrobatch_steps(ctx, dy, ctx.schedule.ep.workspace))
     schedule = ctx.schedule
@@ -443,6 +465,7 @@ def backward(ctx: TritonContext | EmptyContext, grad_y: torch.Tensor) -> MoEGrad
     macrobatch (:func:`_macrobatch_steps`; W > 1: in :func:`backward_steps`)."""
     if isinstance(ctx, EmptyContext) or backward_kind() != "fused":
         return steps.backward(ctx, grad_y)
+    _check_fused_backward(ctx.schedule.config)
     dy = grad_y.to(ctx.x.dtype).contiguous()
     if ctx.schedule.ep is not None:
         ws = ctx.schedule.ep.workspace

@@ -9,7 +9,6 @@ generators. With one process the same functions run without a workspace.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Generator
 from typing import TypeVar
 
@@ -65,9 +64,12 @@ EP_CHANNEL = 0
 # (routed activations or None when not kept, shared activations or None, shared output or
 # None), with z pushed into the source ranks' combine slots.
 ExpertsOutput = tuple[RoutedActivations | None, SharedActivations | None, torch.Tensor | None]
-# (workspace, schedule, local weights, local tokens) -> ExpertsOutput: the part of the forward
-# between its two barriers
-ExpertsForward = Callable[[Workspace, TritonSchedule, ExpertWeights, torch.Tensor], ExpertsOutput]
+# (workspace, schedule, local weights, local tokens, the step's fp8 weights or None) ->
+# ExpertsOutput: the part of the forward between its two barriers
+ExpertsForward = Callable[
+    [Workspace, TritonSchedule, ExpertWeights, torch.Tensor, "fp8_weights.StepWeights | None"],
+    ExpertsOutput,
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,9 +304,8 @@ def forward_steps(
     publish(ws, topk_weights=topk_weights.detach())
     yield from barrier_point(ws)
     _, slot_weights = comm.gather_routing(ws)
-    if experts_step is None:
-        experts_step = functools.partial(experts_unfused, fp8w=fp8w)
-    routed, shared, shared_out = experts_step(ws, schedule, weights, x)
+    experts_step = experts_unfused if experts_step is None else experts_step
+    routed, shared, shared_out = experts_step(ws, schedule, weights, x, fp8w)
     yield from barrier_point(ws)
     # After an overflow nobody pushed into the slots: the combine writes NaN, not stale rows.
     y = rows.combine_slots(

@@ -5,9 +5,9 @@ Importing this module registers megamoe in transformers' registries:
 - ``ExpertsInterface`` (one process, or experts that are not split between ranks): the keys
   ``"megamoe"`` (backend ``"auto"``), ``"megamoe_triton"``, ``"megamoe_fused"`` and
   ``"megamoe_reference"`` (one pinned backend each, so runs can compare them), and their fp8
-  twins ``"megamoe_fp8"``, ``"megamoe_triton_fp8"`` and ``"megamoe_reference_fp8"``
-  (``MoEConfig(precision="fp8")``: DeepSeek-V3's block-scaled E4M3 recipe, docs/fp8.md; backend
-  "fused" has no fp8). Select one with ``from_pretrained(..., experts_implementation=key)`` or
+  twins ``"megamoe_fp8"``, ``"megamoe_triton_fp8"``, ``"megamoe_fused_fp8"`` and
+  ``"megamoe_reference_fp8"`` (``MoEConfig(precision="fp8")``: DeepSeek-V3's block-scaled E4M3
+  recipe, docs/fp8.md). Select one with ``from_pretrained(..., experts_implementation=key)`` or
   ``model.set_experts_implementation(key)``; :func:`experts_implementation` gives the key of a
   backend and precision.
 - ``EPImplementationInterface`` (expert parallelism over W > 1 ranks): the key ``"megamoe"``, for

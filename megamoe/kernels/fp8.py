@@ -53,11 +53,15 @@ __all__ = [
     "pow2_scale",
     "block_amax",
     "load_quantized_rows",
+    "row_blocks",
+    "col_blocks",
     "store_row_blocks",
     "store_col_blocks",
+    "quantize_rows_cols_tile",
     "quantize_rows",
     "quantize_cols",
     "quantize_rows_cols",
+    "rows_cols_buffers",
     "quantize_weight",
     "PACK_WORDS",
     "packed_width",
@@ -228,14 +232,30 @@ def _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCA
 
 
 @triton.jit
+def row_blocks(x, UPCAST: tl.constexpr):
+    """(q [R, 128], scale [R]) of the fp32 tile ``x [R, 128]`` (one 128-column block, entries
+    outside the source 0) quantized 1x128: the arithmetic of every 1x128 quantizer."""
+    scale, inverse = pow2_scale(block_amax(x, 1))
+    return to_e4m3(x * inverse[:, None], UPCAST), scale
+
+
+@triton.jit
+def col_blocks(x, UPCAST: tl.constexpr):
+    """(q_t [C, 128], scale [C]) of the fp32 tile ``x [128, C]`` (one 128-row block, entries
+    outside the source 0) quantized 128x1, transposed: the arithmetic of every 128x1
+    quantizer."""
+    scale, inverse = pow2_scale(block_amax(x, 0))
+    return tl.trans(to_e4m3(x * inverse[None, :], UPCAST)), scale
+
+
+@triton.jit
 def store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, stride_sm, s_col,
                      UPCAST: tl.constexpr):  # fmt: skip
-    """Quantize the fp32 tile ``x [R, 128]`` (one 128-column block, entries outside the source
-    0) 1x128: q at ``q_ptr + row * stride_qm + col``, each row's scale at ``s_ptr + row *
-    stride_sm + s_col``; only where ``row_ok`` / ``col_ok``."""
-    scale, inverse = pow2_scale(block_amax(x, 1))
+    """Quantize the fp32 tile ``x [R, 128]`` 1x128 (:func:`row_blocks`): q at ``q_ptr + row *
+    stride_qm + col``, each row's scale at ``s_ptr + row * stride_sm + s_col``; only where
+    ``row_ok`` / ``col_ok``."""
+    q, scale = row_blocks(x, UPCAST)
     rows64 = rows.to(tl.int64)
-    q = to_e4m3(x * inverse[:, None], UPCAST)
     tl.store(
         q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, row_ok[:, None] & col_ok[None, :]
     )
@@ -245,11 +265,10 @@ def store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, stride_qm, str
 @triton.jit
 def store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, stride_qt, stride_sk, s_row,
                      UPCAST: tl.constexpr):  # fmt: skip
-    """Quantize the fp32 tile ``x [128, C]`` (one 128-row block, entries outside the source 0)
-    128x1 and store it transposed: q_t[col, row] at ``qt_ptr + col * stride_qt + row``, each
-    column's scale at ``s_ptr + col * stride_sk + s_row``; only where ``row_ok`` / ``col_ok``."""
-    scale, inverse = pow2_scale(block_amax(x, 0))
-    q = tl.trans(to_e4m3(x * inverse[None, :], UPCAST))  # [C, 128]
+    """Quantize the fp32 tile ``x [128, C]`` 128x1 (:func:`col_blocks`) and store it
+    transposed: q_t[col, row] at ``qt_ptr + col * stride_qt + row``, each column's scale at
+    ``s_ptr + col * stride_sk + s_row``; only where ``row_ok`` / ``col_ok``."""
+    q, scale = col_blocks(x, UPCAST)  # [C, 128]
     offs = cols.to(tl.int64)[:, None] * stride_qt + rows[None, :]
     tl.store(qt_ptr + offs, q, mask=col_ok[:, None] & row_ok[None, :])
     tl.store(s_ptr + cols * stride_sk + s_row, scale, mask=col_ok)
@@ -323,32 +342,21 @@ def _quantize_cols_kernel(
 
 
 @triton.jit
-def _quantize_rows_cols_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    M,
-    M_out,
-    K,
-    stride_xm,
-    stride_xk,
-    stride_sm,
-    stride_sk,
-    stride_qt,
-    stride_stk,
-    stride_stb,
-    CHUNK: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One 128x128 tile, both quantizations: 1x128 into q [M, K] and its scales, in [CHUNK,
-    128] row chunks, then 128x1 into q_t [K, M_out] (x^T, rows ``stride_qt`` apart; its
-    columns M..M_out-1 those of zero rows) and theirs, in [128, CHUNK] column chunks. The
-    second sweep reads the tile again, from L2 (it was just read), so memory reads it once;
-    the chunks keep a program small, so many share an SM and their loads overlap."""
-    mb = tl.program_id(0)
-    kb = tl.program_id(1)
+def quantize_rows_cols_tile(mb, kb, src, rows_out, cols_out, K, CHUNK: tl.constexpr,
+                            UPCAST: tl.constexpr):  # fmt: skip
+    """The 128x128 tile (row block ``mb``, column block ``kb``) of ``x [M, K]``, both
+    quantizations: 1x128 into q [M, K] and its scales, in [CHUNK, 128] row chunks, then 128x1
+    into q_t [K, M_out] (x^T, rows ``stride_qt`` apart; its columns M..M_out-1 those of zero
+    rows) and theirs, in [128, CHUNK] column chunks. The second sweep reads the tile again,
+    from L2 (it was just read), so memory reads it once; the chunks keep a program small.
+    A device function: ``quantize_rows_cols``' kernel and the fused forward's h tasks.
+
+    ``src`` (x_ptr, M, stride_xm, stride_xk); ``rows_out`` (q_ptr, s_ptr, stride_sm,
+    stride_sk), q's rows K apart; ``cols_out`` (qt_ptr, st_ptr, M_out, stride_qt, stride_stk,
+    stride_stb)."""
+    x_ptr, M, stride_xm, stride_xk = src
+    q_ptr, s_ptr, stride_sm, stride_sk = rows_out
+    qt_ptr, st_ptr, M_out, stride_qt, stride_stk, stride_stb = cols_out
     cols = kb * 128 + tl.arange(0, 128)
     col_ok = cols < K
     for c in tl.static_range(128 // CHUNK):
@@ -365,6 +373,15 @@ def _quantize_rows_cols_kernel(
         x = _load_f32_tile(x_ptr, rows, chunk, row_ok, chunk_ok, stride_xm, stride_xk, UPCAST)
         store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, stride_qt,
                          stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
+
+
+@triton.jit
+def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
+                               UPCAST: tl.constexpr):  # fmt: skip
+    """One 128x128 tile a program (:func:`quantize_rows_cols_tile`)."""
+    quantize_rows_cols_tile(
+        tl.program_id(0), tl.program_id(1), src, rows_out, cols_out, K, CHUNK, UPCAST
+    )
 
 
 @triton.jit
@@ -506,42 +523,43 @@ def quantize_rows_cols(
     packed_width(M')] int16, :func:`pack_rows`' layout; one tensor to keep for a backward) and
     its (q_t, scale) are their :func:`unpack_rows` views."""
     _check_source("x", x, 2)
-    if not isinstance(pad_to, int) or pad_to < 1:
-        raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
     m, k = x.shape
-    m_out = triton.cdiv(m, pad_to) * pad_to
+    (q, scale), (q_t, scale_t), m_out = rows_cols_buffers(m, k, x.device, pad_to, cols_out)
     mb, kb = triton.cdiv(m_out, BLOCK), triton.cdiv(k, BLOCK)
-    q = empty((m, k), FP8, x.device)
-    scale = empty((kb, m), torch.float32, x.device).t()
-    if cols_out is None:
-        q_t = empty((k, m_out), FP8, x.device)
-        scale_t = empty((mb, k), torch.float32, x.device).t()
-    else:
-        q_t, scale_t = unpack_rows(_packed_out(cols_out, k, m_out, x.device, "cols_out"), m_out)
     if m_out and k:
         _quantize_rows_cols_kernel[(mb, kb)](
-            x,
-            q,
-            scale,
-            q_t,
-            scale_t,
-            m,
-            m_out,
+            (x, m, x.stride(0), x.stride(1)),
+            (q, scale, scale.stride(0), scale.stride(1)),
+            (q_t, scale_t, m_out, q_t.stride(0), scale_t.stride(0), scale_t.stride(1)),
             k,
-            x.stride(0),
-            x.stride(1),
-            scale.stride(0),
-            scale.stride(1),
-            q_t.stride(0),
-            scale_t.stride(0),
-            scale_t.stride(1),
             CHUNK=_ROWS_COLS_CHUNK,
             UPCAST=interpreting(),
             num_warps=_ROWS_COLS_WARPS,
         )
-    if cols_out is not None:
-        _zero_tail(cols_out, m_out)
     return (q, scale), (q_t, scale_t)
+
+
+def rows_cols_buffers(
+    m: int, k: int, device: torch.device, pad_to: int = 1, cols_out: torch.Tensor | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int]:
+    """The outputs of :func:`quantize_rows_cols` of an ``[m, k]`` source, not yet written:
+    ``(q, scale), (q_t, scale_t)`` in its layouts (into ``cols_out``'s packed rows, whose
+    padding words are zeroed here) and M' (``m`` padded to ``pad_to``). Whatever writes them
+    with :func:`quantize_rows_cols_tile` (that function, the fused forward's h tasks) gives its
+    bits."""
+    if not isinstance(pad_to, int) or pad_to < 1:
+        raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
+    m_out = triton.cdiv(m, pad_to) * pad_to
+    mb, kb = triton.cdiv(m_out, BLOCK), triton.cdiv(k, BLOCK)
+    q = empty((m, k), FP8, device)
+    scale = empty((kb, m), torch.float32, device).t()
+    if cols_out is None:
+        q_t = empty((k, m_out), FP8, device)
+        scale_t = empty((mb, k), torch.float32, device).t()
+    else:
+        q_t, scale_t = unpack_rows(_packed_out(cols_out, k, m_out, device, "cols_out"), m_out)
+        _zero_tail(cols_out, m_out)
+    return (q, scale), (q_t, scale_t), m_out
 
 
 def _check_quantized(q: torch.Tensor, scale: torch.Tensor) -> None:

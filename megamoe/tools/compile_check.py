@@ -144,15 +144,17 @@ def _train_step(backend, cfg, tokens: int) -> None:
     backend.backward(ctx, x)
 
 
-def _ep_step(cfg, tokens: int, world_size: int) -> None:
-    """Rank 0's launches of one expert-parallel training step of backend "triton"."""
+def _ep_step(cfg, tokens: int, world_size: int, backend=None) -> None:
+    """Rank 0's launches of one expert-parallel training step of backend "triton" (or of
+    ``backend`` "fused"'s forward)."""
     from ..backends import steps
     from ..ep.workspace import emulated_workspaces
 
     ws = emulated_workspaces(world_size, tokens, cfg.hidden_size, cfg.top_k, device="meta")[0]
     x, ids, w, weights = _problem(cfg, tokens, world_size)
     sched = steps.run_steps(steps.schedule_steps(ids, cfg, ws), ws)
-    _, ctx = steps.run_steps(steps.forward_steps(x, w, weights, sched), ws)
+    forward = steps.forward_steps if backend is None else backend.forward_steps
+    _, ctx = steps.run_steps(forward(x, w, weights, sched), ws)
     steps.run_steps(steps.backward_steps(ctx, x), ws)
 
 
@@ -232,9 +234,9 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
                 torch.empty((H200_SMS, 64, 3), dtype=torch.int64, device="meta") if trace else None
             )
             _, ctx = fused.forward(x, ids, w, weights, config, None, sched, trace=kernel_trace)
-            # the fused backward (opt-in: MEGAMOE_FUSED_BACKWARD=1), dy of x's shape
+            # the fused backward (opt-in: MEGAMOE_FUSED_BACKWARD=1; bf16 only), dy of x's shape
             saved = os.environ.get(fused.FUSED_BACKWARD_ENV)
-            os.environ[fused.FUSED_BACKWARD_ENV] = "1"
+            os.environ[fused.FUSED_BACKWARD_ENV] = "1" if config.precision == "bf16" else "0"
             try:
                 fused.backward(ctx, x)
             finally:
@@ -273,6 +275,12 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
         (
             "fused dsv3 one kernel, ring of 4 minibatches",
             fused_step(cfg.replace(ring_rows=4 * cfg.minibatch_rows)),
+        ),
+        ("fused fp8 dsv3 one kernel", fused_step(cfg.replace(precision="fp8"))),  # (default)
+        ("fused fp8 dsv3 comm kernel", fused_step(cfg.replace(precision="fp8", comm_kernel=True))),
+        (
+            "fused fp8 dsv3 W=2 (rank 0)",
+            lambda: _ep_step(ep2.replace(precision="fp8"), tokens, 2, fused),
         ),
     ]
 

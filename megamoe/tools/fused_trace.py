@@ -174,7 +174,7 @@ def _timed_forward(run, device: torch.device) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ..backends import fused
-    from ..config import TUNABLES
+    from ..config import PRECISIONS, TUNABLES
     from ..kernels.fused import new_trace
     from .harness import add_case_arguments, case_of_args, finish_distributed, init_distributed
     from .profile import format_profile, profile_calls
@@ -187,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--events", type=int, default=4096, help="trace slots per program")
     parser.add_argument("--out", help="directory for trace_rank*.json and timeline_rank0.png")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="MoEConfig's")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -199,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fused_trace: needs a CUDA GPU", file=sys.stderr)
         return 2
     shape, case, config = case_of_args(args, parser, env)
+    config = config.replace(precision=args.precision)
     tunables = fused.resolved_tunables(config, env.device, env.world_size)
     x, ids, w = case.x.detach(), case.topk_ids, case.topk_weights.detach()
     weights = type(case.weights)(*(None if t is None else t.detach() for t in case.weights))

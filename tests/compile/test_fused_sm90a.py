@@ -22,10 +22,12 @@ from megamoe.kernels.fused.residency import SM90_REGISTERS_PER_SM, SM90_SHARED_P
 from support import background
 from support.compiled import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, pick
 
+FP8 = ("fused fp8 dsv3 one kernel", "fused fp8 dsv3 comm kernel")
 UNTRACED = (
     "fused dsv3 comm kernel",
     "fused dsv3 one kernel",
     "fused dsv3 one kernel, ring of 4 minibatches",
+    *FP8,  # (beside the comm kernel capped: plan.FP8_FUSED_REGISTERS)
 )
 
 
@@ -58,10 +60,22 @@ def test_flags_use_release_and_acquire(compiled) -> None:
         assert "fence.proxy.async.global" in ptx
 
 
+def test_fp8_variants_run_e4m3_wgmma_and_quantize_h(compiled) -> None:
+    """In fp8 the tiles are block-scaled e4m3 wgmma from shared memory (both operands K-major)
+    and the h tasks round with the saturating e4m3 conversion."""
+    for scenario in FP8:
+        r = _compute(compiled, scenario)
+        assert r["num_warps"] == 8, scenario  # (two warpgroups: 64 rows each)
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", r["ptx"])
+        assert "cvt.rn.satfinite.e4m3x2.f32" in r["ptx"], scenario
+
+
 def test_row_copies_use_16_byte_vectors(compiled) -> None:
     for ptx in (
         _compute(compiled, "fused dsv3 one kernel")["ptx"],
+        _compute(compiled, "fused fp8 dsv3 one kernel")["ptx"],  # packed fp8 rows
         pick(compiled, "fused_comm_kernel", "fused dsv3 comm kernel")[0]["ptx"],
+        pick(compiled, "fused_comm_kernel", "fused fp8 dsv3 comm kernel")[0]["ptx"],
     ):
         assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
         assert re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
@@ -86,6 +100,7 @@ def test_comm_kernel_fits_beside_the_compute_kernel(compiled) -> None:
         ("fused dsv3 comm kernel", "fused dsv3 comm kernel"),
         ("fused dsv3 odd row width", "fused dsv3 odd row width"),
         ("fused dsv3 comm kernel traced", "fused dsv3 comm kernel"),
+        ("fused fp8 dsv3 comm kernel", "fused fp8 dsv3 comm kernel"),
     ]
     for compute_scenario, comm_scenario in pairs:
         compute = _compute(compiled, compute_scenario)

@@ -147,6 +147,33 @@ def test_single_gpu_fused_backward_gives_triton_bits(name: str, monkeypatch) -> 
         assert not _differences(_run_fused(p), run_backend(p)), (name, ring_rows)
 
 
+FP8_CASES = ("dsv3", "qwen3-30b", "empty_experts", "one_expert_all_rows")
+
+
+@pytest.mark.parametrize("comm_kernel", [True, False], ids=["comm-kernel", "one-kernel"])
+@pytest.mark.parametrize("name", FP8_CASES)
+def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bool) -> None:
+    """precision "fp8": the fused forward (fp8 tiles on the pulled packed rows, h tasks) and
+    backend triton's backward give backend triton's fp8 layer bit for bit (its GEMMs on this
+    GPU the warp-specialized kernels), every buffer poisoned; the layer within the recipe's
+    bars (tests/gpu/test_fp8.py) and bitwise run to run."""
+    p = make_problem(
+        CASES[name],
+        seed=5,
+        device=DEV,
+        precision="fp8",
+        minibatch_rows=256,
+        ring_rows=None,
+        comm_kernel=comm_kernel,
+    )
+    ours = _run_fused(p)
+    assert torch.isfinite(ours[0]).all() and all(
+        torch.isfinite(g).all() for g in ours[1] if g is not None
+    )
+    assert not _differences(ours, run_backend(p)), f"{name}: not bitwise backend triton's fp8"
+    assert not _differences(ours, _run_fused(p)), f"{name}: not bitwise run to run"
+
+
 def test_single_gpu_comm_kernel_bits() -> None:
     """config.comm_kernel on one GPU: the comm kernel's programs beside the compute kernel's."""
     for name in ("dsv3", "sizes_not_tile_multiples"):

@@ -479,11 +479,6 @@ def test_fsdp2_over_two_gloo_ranks_equals_one_process():
         ({"ring_rows": 1536}, ValueError, r"ring_rows must be a multiple of minibatch_rows"),
         ({"capacity_factor": 0.5}, ValueError, "capacity_factor must be a number >= 1.0"),
         ({"precision": "fp4"}, ValueError, r"precision must be one of \['bf16', 'fp8'\]"),
-        (
-            {"precision": "fp8", "backend": "fused"},
-            ValueError,
-            r"backend 'fused' does not run precision 'fp8'",
-        ),
     ],
 )
 def test_bad_options_are_refused_when_the_override_is_applied(options, error, match):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import megamoe
 from megamoe import functional
-from megamoe.backends import fp8_weights, resolve_backend
+from megamoe.backends import fp8_weights
 from megamoe.backends import triton as backend
 from megamoe.config import TUNABLES, MoEConfig
 from megamoe.kernels import comm, fp8
@@ -472,20 +472,3 @@ def test_precision_is_part_of_the_key_and_not_a_tunable() -> None:
 def test_precision_errors(changes: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _config(**changes)
-
-
-def test_backend_fused_refuses_fp8() -> None:
-    cfg = _config(precision="fp8")
-    with pytest.raises(ValueError, match="backend 'fused' does not run precision 'fp8'"):
-        resolve_backend("fused", CPU, 1, cfg, torch.bfloat16)
-    assert resolve_backend("auto", CPU, 1, cfg, torch.bfloat16) == "reference"  # (no GPU here)
-    assert resolve_backend("triton", CPU, 1, cfg, torch.bfloat16) == "triton"
-    assert megamoe.backends.available_backends(CPU, config=cfg)["fused"][0] is False
-    p = _problem(Case(8, 128, 64, 4, 2, block_rows=128))
-    x, ids, tw, _ = p.single
-    with pytest.raises(ValueError, match="backend 'fused' does not run precision 'fp8'"):
-        functional.forward(x, ids, tw, p.weights, p.config, backend="fused")
-    from megamoe.backends import fused
-
-    with pytest.raises(ValueError, match="backend 'fused' does not run precision 'fp8'"):
-        fused.forward(x, ids, tw, p.weights, p.config, None, None)  # the backend called directly

@@ -28,6 +28,7 @@ find their counters already complete).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,8 @@ import triton.language as tl
 
 from ...ep.workspace import Workspace
 from ...types import RoutedActivations, SharedActivations
-from .. import comm
-from ..gemm import gate_up_2d, tiles_for, weight_2d
+from .. import comm, fp8
+from ..gemm import gate_up_2d, weight_2d
 from ..runtime import descriptor, empty, interpreting, side_stream
 from ..schedule import RowSchedule
 from .plan import (
@@ -45,15 +46,13 @@ from .plan import (
     COMM_KERNEL_WARPS,
     COMM_PULL,
     COMM_PUSH,
-    FUSED_STAGES,
-    FUSED_WARPS,
     FusedPlan,
     plan_launch,
 )
 from .residency import check_side_by_side, prefer_shared
 from .roles import comm_role, compute_role, push_minibatches
 from .sync import arrive_all, flag_layout, flag_pointers
-from .tasks import gate_up_start, task_counts
+from .tasks import gate_up_start, gate_up_tasks, task_counts
 
 __all__ = ["FusedOutputs", "fused_forward", "fused_forward_kernel", "fused_comm_kernel"]
 
@@ -87,8 +86,16 @@ def fused_forward_kernel(
     sh_in_desc,
     sdw_desc,
     so_desc,
+    # fp8's h tasks (128x128 boxes): h, its 1x128 q, its 128x1 q^T; routed and shared
+    h_tile,
+    hq_tile,
+    hqt_tile,
+    sh_tile,
+    shq_tile,
+    shqt_tile,
+    fp8,  # (routed, shared) scales and sizes of fp8 (roles' "fp8 bundle")
     rows,  # (x_table, combine_table, xs_ptr, z_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr)
-    dims,  # (T, H, I, IS, ring, slots, max_mb, max_blocks, gate_up_rows, down_rows)
+    dims,  # (T, H, I, IS, ring, slots, max_mb, max_blocks, gate_up_rows, down_rows, row_words)
     sync,  # (flags_ptr, err_ptr, rank, budget, expected_arrivals)
     trace,  # (trace_ptr, max_events)
     C: tl.constexpr,
@@ -97,7 +104,8 @@ def fused_forward_kernel(
     routed = (xs_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, h_in_desc, wd_desc, z_desc)
     half = (xs_half, g_half, u_half, h_half, h_in_half, z_half)
     shared = (x_desc, sgw_desc, suw_desc, sg_desc, su_desc, sh_desc, sh_in_desc, sdw_desc, so_desc)
-    descs = (routed, half, shared)
+    quant = ((h_tile, hq_tile, hqt_tile), (sh_tile, shq_tile, shqt_tile))
+    descs = (routed, half, shared, fp8, quant)
     flags_ptr, err_ptr, rank, budget, expected_arrivals = sync
     watch = (err_ptr, rank, budget)
     T, H, I, IS, ring, slots, max_mb, max_blocks = dims[:8]
@@ -107,7 +115,7 @@ def fused_forward_kernel(
         flags_ptr, max_mb, max_blocks
     )
     env = (rows, dims, (ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr), watch, trace)
-    counts = task_counts(rows[6], T, H, I, IS, C.MB, C.BM, C.BN_GATE_UP, C.BN_DOWN, C.SHARED)
+    counts = task_counts(rows[6], T, H, I, IS, C)
     first_event = 0
     if C.INTERPRET and not C.COMM_KERNEL:  # one program plays every role, in rounds
         used_rows = counts[0] * C.BM
@@ -121,7 +129,7 @@ def fused_forward_kernel(
                 comm_role(m, m + 1, role, used_rows, ring, slots, env, C, C.TRACE)
             # every task before the first gate/up tile of minibatch m + 1 has its inputs now
             limit = counts[2] + gate_up_start(
-                m + 1, n_mb, tl.cdiv(I, C.BN_GATE_UP) * G, tl.cdiv(H, C.BN_DOWN) * G, C.LAG
+                m + 1, n_mb, gate_up_tasks(I, C) * G, tl.cdiv(H, C.BN_DOWN) * G, C.LAG
             )
             compute_role(limit, counts, ticket_ptr, 0, descs, env, C)
             m += 1
@@ -140,9 +148,7 @@ def fused_forward_kernel(
                     flags_ptr, max_mb, max_blocks
                 )
                 env = (rows, dims, (ready_ptr, z_done_ptr, h_done_ptr, sh_done_ptr), watch, trace)
-                counts = task_counts(
-                    rows[6], T, H, I, IS, C.MB, C.BM, C.BN_GATE_UP, C.BN_DOWN, C.SHARED
-                )
+                counts = task_counts(rows[6], T, H, I, IS, C)
     # every program (the interpreter: the one, after its rounds) takes the tasks that are left
     compute_role(counts[3], counts, ticket_ptr, first_event, descs, env, C)
 
@@ -227,48 +233,79 @@ def _check_trace(trace: torch.Tensor | None, plan: FusedPlan) -> None:
 
 def _descriptors(
     plan: FusedPlan,
-    ws: Workspace,
-    routed: RoutedActivations,
-    weights,
-    shared_inputs,
-    shared: SharedActivations | None,
-    shared_out: torch.Tensor | None,
+    routed: tuple[torch.Tensor, ...],
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    shared: tuple[torch.Tensor, ...] | None,
 ) -> tuple:
-    """The 24 descriptors of the compute kernel, in its argument order (``weights``: the 2-D
-    views of ``gemm.weight_2d``)."""
-    bm = plan.meta.BM
-    gu, dn = tiles_for("gate_up"), tiles_for("mm")
-    w_gate, w_up, w_down = weights
-    xs, g, u, h, z = routed
-    routed_descs = (
-        descriptor(xs, [bm, gu.bk]),
-        descriptor(w_gate, [gu.bn, gu.bk]),
-        descriptor(w_up, [gu.bn, gu.bk]),
-        *(descriptor(o, [bm, gu.bn]) for o in (g, u, h)),
-        descriptor(h, [bm, dn.bk]),
-        descriptor(w_down, [dn.bn, dn.bk]),
-        descriptor(z, [bm, dn.bn]),
-    )
-    hm = bm // 2 if plan.meta.HALF else bm
-    half_descs = (
-        descriptor(xs, [hm, gu.bk]),
-        *(descriptor(o, [hm, gu.bn]) for o in (g, u, h)),
-        descriptor(h, [hm, dn.bk]),
-        descriptor(z, [hm, dn.bn]),
-    )
+    """The 24 descriptors of the compute kernel, in its argument order. ``routed`` / ``shared``:
+    each expert set's (A rows, g, u, h, h_in, out), h_in the down tiles' A (h, or in fp8 its
+    1x128 quantization; A the packed rows' fp8 bytes); ``weights``: the 2-D views of
+    ``gemm.weight_2d`` (gate, up, down), ``shared``'s followed by its own three."""
+    m = plan.meta
+    bm = m.BM // m.SPLIT_M  # (fp8's tiles: two halves of BM / 2 rows)
+
+    def expert_set(rows, w):
+        a, g, u, h, h_in, out = rows
+        return (
+            descriptor(a, [bm, m.BK_GATE_UP]),
+            *(descriptor(wt, [m.BN_GATE_UP, m.BK_GATE_UP]) for wt in w[:2]),
+            *(descriptor(o, [bm, m.BN_GATE_UP]) for o in (g, u, h)),
+            descriptor(h_in, [bm, m.BK_DOWN]),
+            descriptor(w[2], [m.BN_DOWN, m.BK_DOWN]),
+            descriptor(out, [bm, m.BN_DOWN]),
+        )
+
+    routed_descs = expert_set(routed, weights)
+    if m.HALF:
+        hm = bm // 2
+        a, g, u, h, h_in, z = routed
+        half_descs = (
+            descriptor(a, [hm, m.BK_GATE_UP]),
+            *(descriptor(o, [hm, m.BN_GATE_UP]) for o in (g, u, h)),
+            descriptor(h_in, [hm, m.BK_DOWN]),
+            descriptor(z, [hm, m.BN_DOWN]),
+        )
+    else:  # never read
+        half_descs = tuple(routed_descs[i] for i in (0, 3, 4, 5, 6, 8))
     if shared is None:  # never read (C.SHARED False removes the shared branch)
         return (*routed_descs, *half_descs, *routed_descs)
-    x, s_gate, s_up, s_down = shared_inputs
-    shared_descs = (
-        descriptor(x, [bm, gu.bk]),
-        descriptor(s_gate, [gu.bn, gu.bk]),
-        descriptor(s_up, [gu.bn, gu.bk]),
-        *(descriptor(o, [bm, gu.bn]) for o in shared),
-        descriptor(shared.h, [bm, dn.bk]),
-        descriptor(s_down, [dn.bn, dn.bk]),
-        descriptor(shared_out, [bm, dn.bn]),
+    return (*routed_descs, *half_descs, *expert_set(shared[:6], shared[6:]))
+
+
+def _fp8_operands(
+    a: tuple[torch.Tensor, torch.Tensor], w: tuple[fp8.Fp8Weight, ...], h: torch.Tensor
+) -> tuple[tuple, tuple, torch.Tensor, torch.Tensor]:
+    """In fp8, one expert set's bundle of what its tiles read besides the descriptors
+    (``roles``' "fp8 bundle"), its h task's three 128x128 descriptors, h's 1x128 quantization
+    (the down tiles' A) and the packed rows of h^T that its 128x1 quantization goes into
+    (``fp8.rows_cols_buffers``: the layouts of the unfused forward's ``quantize_rows_cols(h,
+    pad_to=16, cols_out=...)``, whose bits the h tasks write). ``a``: the A rows' (q, scale);
+    ``w``: (gate, up, down)."""
+    a_q, a_s = a
+    gate, up, down = w
+    if up.scale.stride() != gate.scale.stride():
+        raise ValueError(
+            f"the gate and up weights' scales must share their strides, got "
+            f"{gate.scale.stride()} and {up.scale.stride()}"
+        )
+    m, inter = h.shape
+    cols = empty((inter, fp8.packed_width(m + -m % 16)), torch.int16, h.device)
+    (hq, hs), (hq_t, hs_t), m_out = fp8.rows_cols_buffers(m, inter, h.device, 16, cols)
+    bundle = (
+        (a_s, a_q.shape[0], *a_s.stride()),
+        (gate.scale, up.scale, *gate.scale.stride()),
+        (down.scale, *down.scale.stride()),
+        (m, m_out, (hs, *hs.stride()), (hs_t, *hs_t.stride())),
     )
-    return (*routed_descs, *half_descs, *shared_descs)
+    tiles = tuple(descriptor(t, [fp8.BLOCK, fp8.BLOCK]) for t in (h, hq, hq_t))
+    return bundle, tiles, hq, cols
+
+
+def _placeholder(flags: torch.Tensor) -> tuple:
+    """A bf16 launch's fp8 bundles (the kernel's signature; never read)."""
+    quant = (0, 0, (flags, 0, 0), (flags, 0, 0))
+    one = ((flags, 0, 0, 0), (flags, flags, 0, 0, 0), (flags, 0, 0, 0), quant)
+    return one, one
 
 
 def fused_forward(
@@ -286,6 +323,7 @@ def fused_forward(
     down_lag: int | None = None,
     trace: torch.Tensor | None = None,
     comm_kernel: bool = False,
+    fp8_weights: Sequence[fp8.Fp8Weight | None] | None = None,
 ) -> FusedOutputs:
     """Shared expert, pull, routed expert GEMMs and push of this rank in one launch (no host
     sync).
@@ -313,13 +351,23 @@ def fused_forward(
             one (kind << 32 | index, start ns, end ns) per pulled minibatch or task.
         comm_kernel: pull and push in ``fused_comm_kernel`` beside this kernel (on a side
             stream, joined before returning); needs a ring of every row.
+        fp8_weights: DeepSeek-V3's fp8 recipe (docs/fp8.md): the step's quantized (gate, up,
+            down[, s_gate, s_up, s_down]) (``Fp8Weight``; the bf16 weights then give only the
+            shapes). The workspace's x buffers hold packed fp8 rows
+            (``workspace.publish_packed``), ``shared``'s x is this rank's packed rows ``[T,
+            fp8.packed_width(H)]``, every GEMM runs ``fp8_gemm``'s tiles and one task per row
+            block quantizes h (1x128 for down, 128x1 for the backward); the ring must hold
+            every row. The outputs are the unfused fp8 forward's, bit for bit.
 
     Returns:
         :class:`FusedOutputs`.
     """
     comm.check_schedule(ws, sched)
+    is_fp8 = fp8_weights is not None
     intermediate = w_gate.shape[1]
     shared_intermediate = 0 if shared is None else shared[1].shape[0]
+    dev, dtype, t, h = ws.device, ws.dtype, ws.num_tokens, ws.hidden
+    row_words = fp8.packed_width(h) if is_fp8 else h
     plan = plan_launch(
         ws.device,
         rows=sched.rows,
@@ -337,36 +385,64 @@ def fused_forward(
         down_lag=down_lag,
         comm_kernel=comm_kernel,
         traced=trace is not None,
+        fp8=is_fp8,
+        row_words=row_words,
     )
     _check_trace(trace, plan)
-    dev, dtype, t, h = ws.device, ws.dtype, ws.num_tokens, ws.hidden
     n = plan.buffer_rows
-    routed = RoutedActivations(
-        empty((n, h), dtype, dev),
-        *(empty((n, intermediate), dtype, dev) for _ in range(3)),
-        empty((n, h), dtype, dev),
-    )
+    xs = empty((n, row_words), torch.int16 if is_fp8 else dtype, dev)
+    g, u, h_rows = (empty((n, intermediate), dtype, dev) for _ in range(3))
+    z = empty((n, h), dtype, dev)
     shared_acts = shared_out = None
     if shared is not None:
         x = shared[0]
-        if x.shape != (t, h) or x.dtype != dtype or not x.is_contiguous():
+        x_dtype = torch.int16 if is_fp8 else dtype
+        if x.shape != (t, row_words) or x.dtype != x_dtype or not x.is_contiguous():
             raise ValueError(
-                f"shared x must be a contiguous [{t}, {h}] {dtype} tensor, got "
-                f"{list(x.shape)} {x.dtype}"
+                f"shared x must be a contiguous [{t}, {row_words}] {x_dtype} tensor"
+                f"{' (packed fp8 rows)' if is_fp8 else ''}, got {list(x.shape)} {x.dtype}"
             )
-        shared_acts = SharedActivations(
-            *(empty((t, shared_intermediate), dtype, dev) for _ in range(3))
-        )
+        sg, su, sh = (empty((t, shared_intermediate), dtype, dev) for _ in range(3))
         shared_out = empty((t, h), dtype, dev)
-    (wg, gate_up_rows), (wu, _) = gate_up_2d(w_gate, w_up)
-    wd, down_rows = weight_2d(w_down)
-    descs = _descriptors(plan, ws, routed, (wg, wu, wd), shared, shared_acts, shared_out)
     flags = _flags(plan, sched.max_blocks, dev, flags)
+    if is_fp8:
+        f8 = _check_fp8_weights(fp8_weights, shared is not None)
+        a = fp8.unpack_rows(xs, h)
+        routed_q8, tiles, h_in, h_saved = _fp8_operands(a, f8[:3], h_rows)
+        quant_descs = (*tiles, *tiles)
+        (wg, gate_up_rows), (wu, _) = gate_up_2d(f8[0].q, f8[1].q)
+        wd, down_rows = weight_2d(f8[2].q)
+        routed_ops = (a[0], g, u, h_rows, h_in, z)
+        q8 = (routed_q8, routed_q8)
+        shared_ops = None
+        if shared is not None:
+            sa = fp8.unpack_rows(shared[0], h)
+            shared_q8, shared_tiles, sh_in, sh_saved = _fp8_operands(sa, f8[3:], sh)
+            q8 = (routed_q8, shared_q8)
+            quant_descs = (*tiles, *shared_tiles)
+            s_w = (weight_2d(w.q)[0] for w in f8[3:])
+            shared_ops = (sa[0], sg, su, sh, sh_in, shared_out, *s_w)
+    else:
+        (wg, gate_up_rows), (wu, _) = gate_up_2d(w_gate, w_up)
+        wd, down_rows = weight_2d(w_down)
+        routed_ops = (xs, g, u, h_rows, h_rows, z)
+        h_saved = h_rows
+        q8 = _placeholder(flags)
+        shared_ops = None
+        if shared is not None:
+            shared_ops = (shared[0], sg, su, sh, sh, shared_out, *shared[1:])
+            sh_saved = sh
+    routed = RoutedActivations(xs, g, u, h_saved, z)
+    if shared is not None:
+        shared_acts = SharedActivations(sg, su, sh_saved)
+    descs = _descriptors(plan, routed_ops, (wg, wu, wd), shared_ops)
+    if not is_fp8:  # never read
+        quant_descs = descs[:6]
     rows = (
         ws.peers.x,
         ws.peers.combine,
-        routed.xs,
-        routed.z,
+        xs,
+        z,
         sched.row_src,
         sched.block_expert,
         sched.num_blocks,
@@ -382,15 +458,17 @@ def fused_forward(
         sched.max_blocks,
         gate_up_rows,
         down_rows,
+        row_words,
     )
     budget = comm.spin_budget(budget)
     sync = (flags, ws.errors, ws.rank, budget, plan.expected_arrivals)
     traced = (flags, 0) if trace is None else (trace, trace.shape[1])
-    compute_args = (*descs, rows, dims, sync, traced)
+    compute_args = (*descs, *quant_descs, q8, rows, dims, sync, traced)
     compute_options = dict(
         C=plan.meta.as_constexprs(),
-        num_warps=FUSED_WARPS,
-        num_stages=FUSED_STAGES,
+        num_warps=plan.warps,
+        num_stages=plan.stages,
+        **({} if plan.registers is None else {"maxnreg": plan.registers}),
         # not cooperative with the comm kernel: its programs run beside
         # these (the start-up count reports programs that are not resident)
         launch_cooperative_grid=plan.meta.GPU and not comm_kernel,
@@ -400,6 +478,22 @@ def fused_forward(
     else:
         _launch_with_comm_kernel(plan, compute_args, compute_options, (rows, dims, sync), dev)
     return FusedOutputs(routed, plan.full, plan.ring_rows, shared_acts, shared_out)
+
+
+def _check_fp8_weights(
+    weights: Sequence[fp8.Fp8Weight | None], has_shared: bool
+) -> tuple[fp8.Fp8Weight, ...]:
+    """``fused_forward``'s ``fp8_weights``: three (six with a shared expert) ``Fp8Weight``
+    with their forward copies (q, scale)."""
+    wanted = 6 if has_shared else 3
+    found = tuple(weights)[:wanted]
+    if len(found) < wanted or any(w is None or w.q is None or w.scale is None for w in found):
+        raise ValueError(
+            f"fp8_weights must hold {wanted} Fp8Weight (gate, up, down"
+            f"{', s_gate, s_up, s_down' if has_shared else ''}) with q and scale, got "
+            f"{[None if w is None else type(w).__name__ for w in found]}"
+        )
+    return found
 
 
 def _launch_with_comm_kernel(

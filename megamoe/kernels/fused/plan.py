@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gemm import tiles_for
+from .. import fp8 as fp8_quant
+from .. import fp8_gemm
+from ..gemm import GemmTiles, tiles_for
 from ..runtime import interpreting, persistent_programs
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "fused_grid",
     "FUSED_WARPS",
     "FUSED_STAGES",
+    "FP8_FUSED_WARPS",
+    "FP8_FUSED_STAGES",
     "COMM_KERNEL_WARPS",
     "COMM_KERNEL_REGISTERS",
     "COMM_KERNEL_TILE_BYTES",
@@ -53,6 +57,15 @@ __all__ = [
 # change the pipelining: 4 (as the unfused gate/up) needs ~197 KB of shared memory of 227.
 FUSED_WARPS = 8
 FUSED_STAGES = 4
+# In fp8 the tiles are the Triton fp8 kernels' widths (``fp8_gemm.triton_tiles``), 128 rows as
+# one tile of two warpgroups (64 rows each, as the unfused kernels' halves: the same wgmma
+# shapes and bits) rather than two halves of one warpgroup: the halves need 254-255 registers
+# a thread in the unfused kernels, and the fused kernel's own state made them spill.
+FP8_FUSED_WARPS = 8
+FP8_FUSED_STAGES = 4
+# ... and beside the comm kernel (80 registers x 128 threads) capped so that both fit one SM's
+# 64K registers: 216 (dsv3 at sm_90a: 207 used, no spills; 222 uncapped).
+FP8_FUSED_REGISTERS = 216
 # The fused backward's pipeline depth: the unfused backward GEMMs' 3 (~144 KB of shared memory).
 BACKWARD_STAGES = 3
 # The fused backward's route-grad task (W > 1) works on [16, 512] pieces of its row block, the
@@ -108,6 +121,12 @@ class FusedMeta(NamedTuple):
     INTERPRET: bool  # the CPU interpreter's sequential driver
     GPU: bool  # inline PTX (fences, timer) allowed
     UPCAST: bool  # fp32 tiles (the interpreter)
+    # fp8 (docs/fp8.md): block-scaled tiles on packed x rows, and one h-quantization task per
+    # row block after its gate/up tiles (``roles.quantize_h``); 0 / False in bf16
+    FP8: bool = False
+    SPLIT_M: int = 1  # the fp8 tiles' row halves (``GemmTiles.split_m``; FP8_FUSED_WARPS)
+    STRICT: bool = False  # their ``strict_order``
+    QUANT_CHUNK: int = 64  # the h task's sweep (``fp8.quantize_rows_cols_tile``'s CHUNK)
 
     @functools.lru_cache(maxsize=256)  # (a launch's host time: built once per plan)
     def as_constexprs(self) -> "FusedMeta":
@@ -129,6 +148,9 @@ class FusedPlan:
     full: bool  # the ring holds every row of the schedule
     buffer_rows: int  # rows of the routed buffers (the schedule's, or the ring's)
     grid: int
+    warps: int  # of the compute kernel
+    stages: int
+    registers: int | None  # its register cap (None: the compiler's choice)
     expected_arrivals: int  # programs that count in at the start (0: no start-up count)
     shared_blocks: int
     meta: FusedMeta  # the compute kernel's
@@ -194,6 +216,14 @@ def fused_grid(num_comm: int, device: torch.device, comm_kernel: bool = False) -
     return programs
 
 
+def _tiles(fp8: bool) -> tuple[GemmTiles, GemmTiles]:
+    """(gate/up, down) tiles of a launch: the unfused kernels' (``gemm.tiles_for``), in fp8
+    the Triton fp8 kernels' (``fp8_gemm.triton_tiles``; the warp-specialized kernel's bits)."""
+    if not fp8:
+        return tiles_for("gate_up"), tiles_for("mm")
+    return tuple(fp8_gemm.triton_tiles(k, fp8_gemm.tiles_for(k)) for k in ("gate_up", "mm"))
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -211,7 +241,11 @@ def _once_per_launch(plan: Callable[..., FusedPlan]) -> Callable[..., FusedPlan]
 
     @functools.wraps(plan)
     def once(device: torch.device, **kwargs: Any) -> FusedPlan:
-        reads = (tiles_for("gate_up"), tiles_for("mm"), persistent_programs(device), interpreting())
+        reads = (
+            *(t(kind) for t in (tiles_for, fp8_gemm.tiles_for) for kind in ("gate_up", "mm")),
+            persistent_programs(device),
+            interpreting(),
+        )
         return cached(reads, device, **kwargs)
 
     return once
@@ -236,11 +270,15 @@ def plan_launch(
     down_lag: int | None,
     comm_kernel: bool,
     traced: bool,
+    fp8: bool = False,
+    row_words: int | None = None,
 ) -> FusedPlan:
     """The plan of one launch; a bad value is a ValueError naming it.
 
     ``rows``: the schedule's (worst-case) rows; ``shared_intermediate`` 0: no shared expert;
-    ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``).
+    ``num_comm`` / ``ring_rows`` / ``down_lag`` None: derived (see ``fused_forward``);
+    ``fp8``: the fp8 recipe's tiles; ``row_words``: ``itemsize`` words of a pulled row (None:
+    ``hidden``; packed fp8 rows: ``fp8.packed_width(hidden)``).
     Computed once per distinct launch (:func:`_once_per_launch`).
     """
     from .. import comm
@@ -269,6 +307,11 @@ def plan_launch(
             f"ring_rows ({ring_rows}) must be a multiple of minibatch_rows ({minibatch_rows})"
         )
     full = ring_rows >= rows
+    if fp8 and not full:
+        raise ValueError(
+            f"precision 'fp8' needs a ring that holds every row (its backward reads the saved "
+            f"rows): ring_rows None or >= {rows}, got {ring_rows}"
+        )
     if comm_kernel and not full:
         raise ValueError(
             f"comm_kernel needs a ring that holds every row: ring_rows None or >= "
@@ -276,7 +319,7 @@ def plan_launch(
         )
     slots = ring_rows // minibatch_rows
     grid = fused_grid(num_comm, device, comm_kernel)
-    gate_up, down = tiles_for("gate_up"), tiles_for("mm")
+    gate_up, down = _tiles(fp8)
     group = minibatch_rows // bm  # row blocks per task-list group
     computing = grid if comm_kernel else max(1, grid - num_comm)
     lag = routed_lag(
@@ -299,7 +342,8 @@ def plan_launch(
     arrivals = 0
     if comm_kernel:
         arrivals = grid if interpreting() else grid + num_comm
-    copy_rows, copy_cols = comm.copy_tile(hidden, itemsize, comm.COPY_TILE_BYTES)
+    row_words = hidden if row_words is None else row_words
+    copy_rows, copy_cols = comm.copy_tile(row_words, itemsize, comm.COPY_TILE_BYTES)
     meta = FusedMeta(
         NUM_COMM=num_comm,
         MB=minibatch_rows,
@@ -317,16 +361,19 @@ def plan_launch(
         PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm),
         RING_WRAPS=slots < max_mb,
         COMM_KERNEL=comm_kernel,
-        HALF=bm // 2 >= MIN_HALF_ROWS,  # (the interpreter's small blocks run whole)
+        # (the interpreter's small blocks run whole; fp8's split tiles do not run half)
+        HALF=bm // 2 >= MIN_HALF_ROWS and not fp8,
         TRACE=traced,
         PHASE=0,
         INTERPRET=interpreting(),
         GPU=not interpreting(),
         UPCAST=interpreting(),
+        FP8=fp8,
+        QUANT_CHUNK=fp8_quant._ROWS_COLS_CHUNK,  # (quantize_rows_cols' tuning: same bits)
     )
     comm_meta = None
     if comm_kernel:
-        kernel_rows, kernel_cols = comm.copy_tile(hidden, itemsize, COMM_KERNEL_TILE_BYTES)
+        kernel_rows, kernel_cols = comm.copy_tile(row_words, itemsize, COMM_KERNEL_TILE_BYTES)
         comm_meta = meta._replace(ROWS=kernel_rows, COLS=kernel_cols, TRACE=False, PHASE=COMM_BOTH)
     return FusedPlan(
         num_comm=num_comm,
@@ -337,6 +384,9 @@ def plan_launch(
         full=full,
         buffer_rows=rows if full else ring_rows,
         grid=grid,
+        warps=FP8_FUSED_WARPS if fp8 else FUSED_WARPS,
+        stages=FP8_FUSED_STAGES if fp8 else FUSED_STAGES,
+        registers=FP8_FUSED_REGISTERS if fp8 and comm_kernel else None,
         expected_arrivals=arrivals,
         shared_blocks=triton.cdiv(tokens, bm) if has_shared else 0,
         meta=meta,

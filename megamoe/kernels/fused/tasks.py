@@ -29,6 +29,7 @@ __all__ = [
     "task_kind",
     "take_task",
     "task_counts",
+    "gate_up_tasks",
     "half_padding",
     "wgrad_task",
     "wgrad_part_length",
@@ -124,27 +125,29 @@ def take_task(ticket_ptr, limit, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def task_counts(
-    num_blocks_ptr,
-    T,
-    H,
-    I,
-    IS,
-    MB: tl.constexpr,
-    BM: tl.constexpr,
-    BN1: tl.constexpr,
-    BN2: tl.constexpr,
-    SHARED: tl.constexpr,
-):
-    """(routed row blocks, shared row blocks, shared tasks, all tasks) of a launch; ``BN1`` /
-    ``BN2``: the gate/up and down tile widths."""
+def gate_up_tasks(inter, C: tl.constexpr):
+    """Tasks of the first kind per row block of a forward part whose intermediate size is
+    ``inter``: its gate/up column tiles and, in fp8 (``C.FP8``), the block's h-quantization
+    task, which is their last column (after the group's gate/up tiles, before its down
+    tiles)."""
+    n = tl.cdiv(inter, C.BN_GATE_UP)
+    if C.FP8:
+        n += 1
+    return n
+
+
+@triton.jit
+def task_counts(num_blocks_ptr, T, H, I, IS, C: tl.constexpr):
+    """(routed row blocks, shared row blocks, shared tasks, all tasks) of a forward launch
+    (``C``: its constexprs)."""
     num_blocks = tl.load(num_blocks_ptr)
-    shared_blocks = tl.cdiv(T, BM)
-    if SHARED:
-        shared_total = part_length(shared_blocks, tl.cdiv(IS, BN1), tl.cdiv(H, BN2), MB // BM)
+    shared_blocks = tl.cdiv(T, C.BM)
+    n2 = tl.cdiv(H, C.BN_DOWN)
+    if C.SHARED:
+        shared_total = part_length(shared_blocks, gate_up_tasks(IS, C), n2, C.MB // C.BM)
     else:
         shared_total = 0
-    total = shared_total + part_length(num_blocks, tl.cdiv(I, BN1), tl.cdiv(H, BN2), MB // BM)
+    total = shared_total + part_length(num_blocks, gate_up_tasks(I, C), n2, C.MB // C.BM)
     return num_blocks, shared_blocks, shared_total, total
 
 

@@ -1,0 +1,167 @@
+"""Backend "fused" with ``precision="fp8"`` under the interpreter.
+
+Its forward is one fused launch on packed fp8 x rows: ``fp8_gemm``'s gate/up and down tiles as
+tasks and one task per row block that quantizes h (1x128 for the down tiles, 128x1 into the
+packed rows of h^T the backward reads). Checked: y, every gradient and every saved activation
+bitwise backend "triton"'s fp8 layer (poisoned buffers), with the comm kernel and as one
+kernel, with minibatches of one and of two row blocks, an expert without rows and experts of
+several blocks, a stacked gate/up weight; W = 2, 3 and 8 (lockstep) bitwise one process; the
+errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe import functional
+from megamoe.backends import auto_order, available_backends, fused, resolve_backend
+from megamoe.backends import triton as backend
+from megamoe.kernels import fp8
+from megamoe.kernels.fused import fused_forward
+from megamoe.kernels.runtime import poisoned_buffers
+from megamoe.types import ExpertWeights
+from support.bits import assert_same_grads, assert_same_shared, used_rows
+from support.lockstep import ep_step
+from support.problems import Case, make_problem, params
+
+FP8 = dict(precision="fp8", ring_rows=None)
+# H 144: a partial 128 block along K; T 40: the shared expert's rows are no multiple of 16.
+CASE = Case(40, 144, 112, 4, 2, shared=48, block_rows=128)
+# 200 tokens over experts 0-2: about 133 rows each (two row blocks), expert 3 without rows
+BLOCKS_CASE = Case(200, 128, 64, 4, 2, shared=32, routing="empty_experts", block_rows=128)
+
+
+def _step(p, backend_name: str, weights: ExpertWeights | None = None):
+    """functional.moe forward and backward (the custom ops), every buffer poisoned."""
+    x, ids, tw, dy = p.single
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, tw)]
+    w = ExpertWeights(
+        *(None if t is None else t.detach().requires_grad_(True) for t in weights or p.weights)
+    )
+    present = leaves + [t for t in w if t is not None]
+    with poisoned_buffers():
+        y = functional.moe(leaves[0], ids, leaves[1], w, p.config, backend=backend_name)
+        grads = torch.autograd.grad(y, present, dy)
+    return y.detach(), grads
+
+
+def _same_routed(ctx, ctx_ref, used: int, hidden: int) -> None:
+    """The saved routed rows bitwise, on the used rows: xs (packed fp8), g, u, z, and h^T's
+    128x1 quantization (packed rows of h^T: its used columns and their scales; the unfused
+    pass also quantizes the unused rows past the last block, which nothing reads)."""
+    for name in ("xs", "g", "u", "z"):
+        a, b = getattr(ctx.routed, name), getattr(ctx_ref.routed, name)
+        assert torch.equal(a[:used], b[:used]), f"{name} differs"
+    rows = ctx_ref.routed.xs.shape[0]
+    (q, s), (q_ref, s_ref) = (fp8.unpack_rows(c.routed.h, rows) for c in (ctx, ctx_ref))
+    assert torch.equal(q[:, :used].view(torch.uint8), q_ref[:, :used].view(torch.uint8)), "h^T"
+    assert torch.equal(s[:, : used // 128], s_ref[:, : used // 128]), "h^T scales"
+
+
+@pytest.mark.parametrize(
+    "case,tunables",
+    [
+        (CASE, dict(minibatch_rows=128)),  # one kernel (fp8's default)
+        (CASE, dict(minibatch_rows=128, comm_kernel=True)),
+        (BLOCKS_CASE, dict(minibatch_rows=256, comm_kernel=True)),
+        (BLOCKS_CASE, dict(minibatch_rows=128, comm_programs=1, down_lag=0)),
+    ],
+    ids=["one-kernel", "comm-kernel", "blocks-comm-kernel", "blocks-one-kernel"],
+)
+def test_fused_fp8_forward_is_bitwise_triton(case: Case, tunables: dict) -> None:
+    p = make_problem(case, seed=3, **FP8, **tunables)
+    x, ids, tw, _ = p.single
+    if case is BLOCKS_CASE:
+        assert (ids == 3).sum() == 0 and max((ids == e).sum() for e in range(3)) > 128
+    with poisoned_buffers():
+        sched = backend.build_schedule(ids, p.config, None)
+        y_ref, ctx_ref = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
+        y, ctx = fused.forward(x, ids, tw, p.weights, p.config, None, sched)
+    assert torch.isfinite(y_ref).all()
+    assert torch.equal(y, y_ref)
+    _same_routed(ctx, ctx_ref, used_rows(sched.routed), case.hidden)
+    assert_same_shared(ctx, ctx_ref, "W=1")
+    y_ref, g_ref = _step(p, "triton")
+    y, g = _step(p, "fused")
+    assert torch.equal(y, y_ref)
+    assert all(torch.isfinite(t).all() for t in g_ref)
+    assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+
+
+def test_fused_fp8_with_a_stacked_gate_up_weight() -> None:
+    p = make_problem(CASE, seed=4, minibatch_rows=128, **FP8)
+    y_ref, g_ref = _step(p, "triton")
+    w = p.weights
+    y, g = _step(p, "fused", ExpertWeights.from_gate_up(torch.cat([w.w_gate, w.w_up], 1), *w[2:]))
+    assert torch.equal(y, y_ref)
+    i = CASE.intermediate
+    assert torch.equal(g[2][:, :i], g_ref[2]) and torch.equal(g[2][:, i:], g_ref[3])
+    for a, b in zip((*g[:2], *g[3:]), (*g_ref[:2], *g_ref[4:])):  # the rest
+        assert torch.equal(a, b)
+
+
+EP_CASES = [
+    Case(20, 128, 64, 4, 2, shared=32, world=2, block_rows=128),
+    Case(12, 128, 48, 6, 2, world=3, block_rows=128),
+    Case(4, 128, 32, 8, 2, routing="zipf", world=8, block_rows=128),  # one expert per rank
+]
+
+
+@pytest.mark.parametrize("case", params(*EP_CASES))
+def test_expert_parallel_fused_fp8_is_bitwise_single_process(case: Case) -> None:
+    """Every rank's y, gradients and saved shared activations bitwise those of one process
+    (backend "triton" on the global batch; the shared expert's weight gradients are per-rank
+    partial sums), the fused forward pulling packed fp8 rows from the peers."""
+    p = make_problem(case, seed=len(EP_CASES) + case.world, minibatch_rows=128, **FP8)
+    e_local, t = case.local_experts, case.tokens
+    with poisoned_buffers():
+        out, _, _ = ep_step(p, backend="fused")
+        ref, _, _ = ep_step(p)
+        x, ids, tw, dy = p.single
+        sched = backend.build_schedule(ids, p.config, None)
+        y1, ctx1 = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
+        g1 = backend.backward(ctx1, dy)
+    for r, ((y, ctx, g), (y_ref, ctx_ref, g_ref)) in enumerate(zip(out, ref)):
+        tok, ex = slice(r * t, (r + 1) * t), slice(r * e_local, (r + 1) * e_local)
+        assert torch.equal(y, y1[tok]), f"rank {r}: y"
+        assert torch.equal(g.x, g1.x[tok]), f"rank {r}: d_x"
+        assert torch.equal(g.topk_weights, g1.topk_weights[tok]), f"rank {r}: d_w"
+        for name in ("w_gate", "w_up", "w_down"):
+            assert torch.equal(getattr(g, name), getattr(g1, name)[ex]), f"rank {r}: {name}"
+        assert_same_grads(g, g_ref, f"rank {r} (the unfused forward at this W)")
+        assert_same_shared(ctx, ctx_ref, f"rank {r}")
+
+
+def test_fp8_errors() -> None:
+    p = make_problem(CASE, seed=0, minibatch_rows=128, **FP8)
+    x, ids, tw, _ = p.single
+    bounded = p.config.replace(ring_rows=128)
+    with pytest.raises(ValueError, match="precision 'fp8' needs a ring that holds every row"):
+        fused.forward(x, ids, tw, p.weights, bounded, None, None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(fused.FUSED_BACKWARD_ENV, "1")
+        with pytest.raises(ValueError, match="MEGAMOE_FUSED_BACKWARD=1 selects the fused"):
+            fused.forward(x, ids, tw, p.weights, p.config, None, None)
+    # the kernel's launcher: every weight's forward copy, the shared expert's too
+    from megamoe.backends import fp8_weights, steps
+
+    sched = backend.build_schedule(ids, p.config, None)
+    run = steps.single_rank(sched, ids)
+    w8 = fp8_weights.step_weights(p.weights)
+    packed = fp8.quantize_packed(x)
+    shared = (packed, p.weights.s_gate, p.weights.s_up, p.weights.s_down)
+    args = (run.ep.workspace, run.routed, *p.weights[:3], None, 128)
+    with pytest.raises(ValueError, match=r"fp8_weights must hold 6 Fp8Weight"):
+        fused_forward(*args, shared=shared, fp8_weights=w8[:3])
+    with pytest.raises(ValueError, match=r"shared x must be a contiguous \[40, \d+\] torch.int16"):
+        fused_forward(*args, shared=(x, *shared[1:]), fp8_weights=w8)
+    # fp8 resolves the comm kernel to off (its compute programs fit beside it only capped)
+    assert not fused.uses_comm_kernel(p.config.replace(comm_kernel=None), 1)
+    assert fused.uses_comm_kernel(p.config.replace(precision="bf16", comm_kernel=None), 1)
+    # every backend runs fp8; backend "auto" takes backend "triton" first in fp8, at every W
+    cpu = torch.device("cpu")
+    assert resolve_backend("fused", cpu, 1, p.config, torch.bfloat16) == "fused"
+    assert available_backends(cpu, config=p.config)["fused"][0]
+    assert auto_order(1, p.config, 1 << 20)[0] == "triton"
+    assert auto_order(2, p.config)[0] == "triton"
