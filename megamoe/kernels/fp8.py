@@ -57,7 +57,6 @@ __all__ = [
     "col_blocks",
     "store_row_blocks",
     "store_col_blocks",
-    "quantize_rows_cols_tile",
     "quantize_rows",
     "quantize_cols",
     "quantize_rows_cols",
@@ -342,18 +341,20 @@ def _quantize_cols_kernel(
 
 
 @triton.jit
-def quantize_rows_cols_tile(mb, kb, src, rows_out, cols_out, K, CHUNK: tl.constexpr,
-                            UPCAST: tl.constexpr):  # fmt: skip
-    """The 128x128 tile (row block ``mb``, column block ``kb``) of ``x [M, K]``, both
-    quantizations: 1x128 into q [M, K] and its scales, in [CHUNK, 128] row chunks, then 128x1
-    into q_t [K, M_out] (x^T, rows ``stride_qt`` apart; its columns M..M_out-1 those of zero
-    rows) and theirs, in [128, CHUNK] column chunks. The second sweep reads the tile again,
-    from L2 (it was just read), so memory reads it once; the chunks keep a program small.
-    A device function: ``quantize_rows_cols``' kernel and the fused forward's h tasks.
+def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
+                               UPCAST: tl.constexpr):  # fmt: skip
+    """One 128x128 tile of ``x [M, K]`` a program (row block ``program_id(0)``, column block
+    ``program_id(1)``), both quantizations: 1x128 into q [M, K] and its scales, in [CHUNK, 128]
+    row chunks, then 128x1 into q_t [K, M_out] (x^T, rows ``stride_qt`` apart; its columns
+    M..M_out-1 those of zero rows) and theirs, in [128, CHUNK] column chunks. The second sweep
+    reads the tile again, from L2 (it was just read), so memory reads it once; the chunks keep
+    a program small, so many share an SM and their loads overlap.
 
     ``src`` (x_ptr, M, stride_xm, stride_xk); ``rows_out`` (q_ptr, s_ptr, stride_sm,
     stride_sk), q's rows K apart; ``cols_out`` (qt_ptr, st_ptr, M_out, stride_qt, stride_stk,
     stride_stb)."""
+    mb = tl.program_id(0)
+    kb = tl.program_id(1)
     x_ptr, M, stride_xm, stride_xk = src
     q_ptr, s_ptr, stride_sm, stride_sk = rows_out
     qt_ptr, st_ptr, M_out, stride_qt, stride_stk, stride_stb = cols_out
@@ -373,15 +374,6 @@ def quantize_rows_cols_tile(mb, kb, src, rows_out, cols_out, K, CHUNK: tl.conste
         x = _load_f32_tile(x_ptr, rows, chunk, row_ok, chunk_ok, stride_xm, stride_xk, UPCAST)
         store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, stride_qt,
                          stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
-
-
-@triton.jit
-def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
-                               UPCAST: tl.constexpr):  # fmt: skip
-    """One 128x128 tile a program (:func:`quantize_rows_cols_tile`)."""
-    quantize_rows_cols_tile(
-        tl.program_id(0), tl.program_id(1), src, rows_out, cols_out, K, CHUNK, UPCAST
-    )
 
 
 @triton.jit
@@ -544,9 +536,8 @@ def rows_cols_buffers(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int]:
     """The outputs of :func:`quantize_rows_cols` of an ``[m, k]`` source, not yet written:
     ``(q, scale), (q_t, scale_t)`` in its layouts (into ``cols_out``'s packed rows, whose
-    padding words are zeroed here) and M' (``m`` padded to ``pad_to``). Whatever writes them
-    with :func:`quantize_rows_cols_tile` (that function, the fused forward's h tasks) gives its
-    bits."""
+    padding words are zeroed here) and M' (``m`` padded to ``pad_to``); the fused forward's h
+    tasks write them too, with :func:`row_blocks` / :func:`col_blocks` (the same bits)."""
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
     m_out = triton.cdiv(m, pad_to) * pad_to

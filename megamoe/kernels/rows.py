@@ -230,7 +230,7 @@ def _route_grad_fp8_kernel(
     [H, M] (scales ``st_ptr + col + block * stride_stb``); and each row's <dy, z> over the
     block's columns into ``dot[kb, row]``. With CHUNK 128 in one pass over the tile; else in
     two sweeps, of CHUNK rows and then CHUNK columns at a time, as
-    ``fp8.quantize_rows_cols_tile`` makes them (the second reads dy again, from L2)."""
+    ``fp8._quantize_rows_cols_kernel`` makes them (the second reads dy again, from L2)."""
     mb = tl.program_id(0)
     kb = tl.program_id(1)
     if mb * 128 < tl.load(num_blocks_ptr) * BLOCK_ROWS:  # (row blocks are whole 128-row blocks)

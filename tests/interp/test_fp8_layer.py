@@ -27,7 +27,7 @@ from megamoe.kernels import comm, fp8
 from megamoe.kernels import rows as kernel_rows
 from megamoe.kernels.runtime import poisoned_buffers
 from megamoe.types import ExpertWeights, MoEGrads
-from support.lockstep import ep_step
+from support.lockstep import ep_against_single_process
 from support.oracle import reference_grads, rel_err
 from support.problems import Case, make_problem, params
 
@@ -350,30 +350,11 @@ EP_CASES = [
 
 
 def _ep_against_single_process(case: Case):
-    """Every rank's y, d_x, d_w and expert weight gradients bitwise those of one process on
-    the global batch (the shared expert's weight gradients: per-rank partial sums); returns
-    the ranks' (y, ctx, grads) and the single process's context."""
+    """``ep_against_single_process`` of backend "triton" on ``case``; returns the problem, the
+    ranks' (y, ctx, grads) and the single process's context."""
     p = _problem(case, seed=EP_CASES.index(case))
-    e_local, t = case.local_experts, case.tokens
     with poisoned_buffers():
-        out, _, _ = ep_step(p, poison_slots=False)
-        x, ids, tw, dy = p.single
-        sched = backend.build_schedule(ids, p.config, None)
-        y1, ctx1 = backend.forward(x, ids, tw, p.weights, p.config, None, sched)
-        g1 = backend.backward(ctx1, dy)
-    assert len(out) == case.world
-    for r, (y, _, g) in enumerate(out):
-        tok, ex = slice(r * t, (r + 1) * t), slice(r * e_local, (r + 1) * e_local)
-        assert torch.equal(y, y1[tok]), f"rank {r}: y"
-        assert torch.equal(g.x, g1.x[tok]), f"rank {r}: d_x"
-        assert torch.equal(g.topk_weights, g1.topk_weights[tok]), f"rank {r}: d_w"
-        for name in ("w_gate", "w_up", "w_down"):
-            assert torch.equal(getattr(g, name), getattr(g1, name)[ex]), f"rank {r}: {name}"
-    for name in ("s_gate", "s_up", "s_down"):  # per-rank partial sums: equal within rounding
-        if getattr(g1, name) is not None:
-            total = sum(getattr(o[2], name).double() for o in out)
-            ref = getattr(g1, name).double()
-            assert (total - ref).norm() <= 2e-2 * ref.norm(), name
+        out, ctx1 = ep_against_single_process(p, poison_slots=False)
     return p, out, ctx1
 
 

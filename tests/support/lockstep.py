@@ -13,7 +13,7 @@ from megamoe.kernels import comm
 
 from .problems import Problem
 
-__all__ = ["lockstep", "ep_step"]
+__all__ = ["lockstep", "ep_step", "ep_against_single_process"]
 
 
 def lockstep(rank_steps: list, wss: list) -> list:
@@ -64,3 +64,36 @@ def ep_step(p: Problem, config=None, backend: str = "triton", wss=None, poison_s
     for ws in wss:
         check_errors(ws)
     return [(y, ctx, g) for (y, ctx), g in zip(outs, grads)], scheds, wss
+
+
+def ep_against_single_process(p: Problem, backend: str = "triton", **kwargs):
+    """One :func:`ep_step` of ``backend`` (``kwargs``: its options) checked against backend
+    "triton" in one process on the global batch: every rank's y, d_x, d_w and expert weight
+    gradients bitwise, the shared expert's weight gradients (per-rank partial sums) equal
+    within rounding. Returns the ranks' (y, ctx, grads) and the single process's context. Call
+    inside ``poisoned_buffers()``."""
+    import torch
+
+    from megamoe.backends import triton as unfused
+
+    case = p.case
+    e_local, t = case.local_experts, case.tokens
+    out, _, _ = ep_step(p, backend=backend, **kwargs)
+    x, ids, tw, dy = p.single
+    sched = unfused.build_schedule(ids, p.config, None)
+    y1, ctx1 = unfused.forward(x, ids, tw, p.weights, p.config, None, sched)
+    g1 = unfused.backward(ctx1, dy)
+    assert len(out) == case.world
+    for r, (y, _, g) in enumerate(out):
+        tok, ex = slice(r * t, (r + 1) * t), slice(r * e_local, (r + 1) * e_local)
+        assert torch.equal(y, y1[tok]), f"rank {r}: y"
+        assert torch.equal(g.x, g1.x[tok]), f"rank {r}: d_x"
+        assert torch.equal(g.topk_weights, g1.topk_weights[tok]), f"rank {r}: d_w"
+        for name in ("w_gate", "w_up", "w_down"):
+            assert torch.equal(getattr(g, name), getattr(g1, name)[ex]), f"rank {r}: {name}"
+    for name in ("s_gate", "s_up", "s_down"):  # per-rank partial sums: equal within rounding
+        if getattr(g1, name) is not None:
+            total = sum(getattr(o[2], name).double() for o in out)
+            ref = getattr(g1, name).double()
+            assert (total - ref).norm() <= 2e-2 * ref.norm(), name
+    return out, ctx1

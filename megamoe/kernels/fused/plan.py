@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import fp8 as fp8_quant
 from .. import fp8_gemm
 from ..gemm import GemmTiles, tiles_for
 from ..runtime import interpreting, persistent_programs
@@ -121,12 +120,11 @@ class FusedMeta(NamedTuple):
     INTERPRET: bool  # the CPU interpreter's sequential driver
     GPU: bool  # inline PTX (fences, timer) allowed
     UPCAST: bool  # fp32 tiles (the interpreter)
-    # fp8 (docs/fp8.md): block-scaled tiles on packed x rows, and one h-quantization task per
-    # row block after its gate/up tiles (``roles.quantize_h``); 0 / False in bf16
+    # fp8 (docs/fused.md, "fp8"): block-scaled tiles on packed x rows, and one h task per row
+    # block after its gate/up tiles (``roles.quantize_h``); 1 / False in bf16
     FP8: bool = False
-    SPLIT_M: int = 1  # the fp8 tiles' row halves (``GemmTiles.split_m``; FP8_FUSED_WARPS)
+    SPLIT_M: int = 1  # the fp8 tiles' row halves: 1, 128 rows on two warpgroups (FP8_FUSED_WARPS)
     STRICT: bool = False  # their ``strict_order``
-    QUANT_CHUNK: int = 64  # the h task's sweep (``fp8.quantize_rows_cols_tile``'s CHUNK)
 
     @functools.lru_cache(maxsize=256)  # (a launch's host time: built once per plan)
     def as_constexprs(self) -> "FusedMeta":
@@ -369,7 +367,6 @@ def plan_launch(
         GPU=not interpreting(),
         UPCAST=interpreting(),
         FP8=fp8,
-        QUANT_CHUNK=fp8_quant._ROWS_COLS_CHUNK,  # (quantize_rows_cols' tuning: same bits)
     )
     comm_meta = None
     if comm_kernel:
