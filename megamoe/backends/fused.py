@@ -90,7 +90,7 @@ def uses_comm_kernel(config: MoEConfig, world_size: int) -> bool:
     """``config.comm_kernel``, None resolved: on when the ring holds every row (the comm kernel
     needs that; a bounded ring keeps the one-kernel forward), at any world size, in bf16; off
     in fp8, whose compute programs fit beside the comm kernel's only capped at 216 registers,
-    where they spill (docs/tuning.md)."""
+    and whose two forwards traced alike (docs/fused.md, "fp8")."""
     if config.comm_kernel is not None:
         return config.comm_kernel
     return config.ring_rows is None and config.precision == "bf16"

@@ -20,6 +20,10 @@ tunable. Every spin-wait has a budget (``comm.wait_at_least``): on expiry it rec
 index, peer, rank) in the workspace's stall record and the program stops; the host raises
 ``StallError`` at its next check.
 
+In fp8 (``fused_forward(fp8_weights=...)``) the pulled rows are packed fp8 rows, the tiles
+``fp8_gemm``'s, and one more task per row block quantizes its h for the down tiles and the
+backward (docs/fused.md, "fp8"); the outputs are the unfused fp8 forward's bits.
+
 Under the interpreter (``INTERPRET``, programs run one after another) one program runs, per
 minibatch m, every comm role's pull of m, then the compute tasks in ticket order up to the first
 gate/up tile of minibatch m + 1; then the remaining tasks. Same source and the same waits (they

@@ -216,7 +216,8 @@ def fused_grid(num_comm: int, device: torch.device, comm_kernel: bool = False) -
 
 def _tiles(fp8: bool) -> tuple[GemmTiles, GemmTiles]:
     """(gate/up, down) tiles of a launch: the unfused kernels' (``gemm.tiles_for``), in fp8
-    the Triton fp8 kernels' (``fp8_gemm.triton_tiles``; the warp-specialized kernel's bits)."""
+    the Triton fp8 kernels' widths (``fp8_gemm.triton_tiles``; the warp-specialized kernels'
+    bits), 128 rows on two warpgroups (``FP8_FUSED_WARPS``)."""
     if not fp8:
         return tiles_for("gate_up"), tiles_for("mm")
     return tuple(fp8_gemm.triton_tiles(k, fp8_gemm.tiles_for(k)) for k in ("gate_up", "mm"))
@@ -359,7 +360,7 @@ def plan_launch(
         PUSH_CHUNK=min(PUSH_CHUNK_ROWS, bm),
         RING_WRAPS=slots < max_mb,
         COMM_KERNEL=comm_kernel,
-        # (the interpreter's small blocks run whole; fp8's split tiles do not run half)
+        # (the interpreter's small blocks run whole; fp8's tiles have no half-height variant)
         HALF=bm // 2 >= MIN_HALF_ROWS and not fp8,
         TRACE=traced,
         PHASE=0,
