@@ -155,3 +155,25 @@ def test_fp8_errors() -> None:
     assert "precision" not in available_backends(cpu, config=p.config)["fused"][1]  # (no GPU)
     assert auto_order(1, p.config, 1 << 20)[0] == "triton"
     assert auto_order(2, p.config)[0] == "triton"
+
+
+def test_a_missing_gate_up_tile_is_reported_by_the_h_task() -> None:
+    """A gate/up tile that never signals (the ticket starts past it): the block's h task and
+    down tiles give up after the budget, and the host raises a StallError naming the wait."""
+    from megamoe.backends import fp8_weights, steps
+    from megamoe.ep.workspace import check_errors, packed_x_buffer
+    from megamoe.errors import StallError
+
+    p = make_problem(CASE, seed=2, minibatch_rows=128, **FP8)
+    x, ids, _, _ = p.single
+    run = steps.single_rank(backend.build_schedule(ids, p.config, None), ids)
+    ws = run.ep.workspace
+    fp8.quantize_packed(x, out=packed_x_buffer(ws, fp8.packed_width(CASE.hidden)))
+    flags = torch.zeros(4096, dtype=torch.int32)
+    flags[0] = 1  # (the ticket: task 0, gate/up tile 0 of block 0, is never taken)
+    w8 = fp8_weights.step_weights(p.weights)
+    fused_forward(
+        ws, run.routed, *p.weights[:3], 1, 128, budget=1 << 12, flags=flags, fp8_weights=w8
+    )
+    with pytest.raises(StallError, match=r"h tiles of a row block \(index 0\)"):
+        check_errors(ws)
