@@ -70,6 +70,9 @@ def _same_routed(ctx, ctx_ref, used: int, hidden: int) -> None:
     ids=["one-kernel", "comm-kernel", "blocks-comm-kernel", "blocks-one-kernel"],
 )
 def test_fused_fp8_forward_is_bitwise_triton(case: Case, tunables: dict) -> None:
+    """y and the saved activations bitwise backend "triton"'s; through the custom ops with
+    the backward (backend "triton"'s on them) once, for the default forward (the stacked
+    weight's test and the expert-parallel ones run it too)."""
     p = make_problem(case, seed=3, **FP8, **tunables)
     x, ids, tw, _ = p.single
     if case is BLOCKS_CASE:
@@ -82,11 +85,12 @@ def test_fused_fp8_forward_is_bitwise_triton(case: Case, tunables: dict) -> None
     assert torch.equal(y, y_ref)
     _same_routed(ctx, ctx_ref, used_rows(sched.routed), case.hidden)
     assert_same_shared(ctx, ctx_ref, "W=1")
-    y_ref, g_ref = _step(p, "triton")
-    y, g = _step(p, "fused")
-    assert torch.equal(y, y_ref)
-    assert all(torch.isfinite(t).all() for t in g_ref)
-    assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+    if tunables.get("comm_kernel") is None and case is CASE:  # (the backward: once here)
+        y_ref, g_ref = _step(p, "triton")
+        y, g = _step(p, "fused")
+        assert torch.equal(y, y_ref)
+        assert all(torch.isfinite(t).all() for t in g_ref)
+        assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
 
 
 def test_fused_fp8_with_a_stacked_gate_up_weight() -> None:
