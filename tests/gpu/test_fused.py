@@ -155,8 +155,8 @@ FP8_CASES = ("dsv3", "qwen3-30b", "empty_experts", "one_expert_all_rows")
 def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bool) -> None:
     """precision "fp8": the fused forward (fp8 tiles on the pulled packed rows, h tasks) and
     backend triton's backward give backend triton's fp8 layer bit for bit (its GEMMs on this
-    GPU the warp-specialized kernels), every buffer poisoned; the layer within the recipe's
-    bars (tests/gpu/test_fp8.py) and bitwise run to run."""
+    GPU the warp-specialized kernels), every buffer poisoned, and bitwise run to run (backend
+    triton's fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
     p = make_problem(
         CASES[name],
         seed=5,

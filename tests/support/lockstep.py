@@ -7,7 +7,10 @@ then every rank arrives, then every rank waits (the interpreter runs one program
 
 from __future__ import annotations
 
+import torch
+
 from megamoe.backends import fused, steps
+from megamoe.backends import triton as unfused
 from megamoe.ep.workspace import check_errors, emulated_workspaces
 from megamoe.kernels import comm
 
@@ -72,10 +75,6 @@ def ep_against_single_process(p: Problem, backend: str = "triton", **kwargs):
     gradients bitwise, the shared expert's weight gradients (per-rank partial sums) equal
     within rounding. Returns the ranks' (y, ctx, grads) and the single process's context. Call
     inside ``poisoned_buffers()``."""
-    import torch
-
-    from megamoe.backends import triton as unfused
-
     case = p.case
     e_local, t = case.local_experts, case.tokens
     out, _, _ = ep_step(p, backend=backend, **kwargs)
