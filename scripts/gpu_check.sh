@@ -31,7 +31,8 @@
 #            (the weights of the whole table's experts on one GPU; the tests check accuracy)
 #   profile  (not part of all) the GPU time of a training step per kernel (megamoe.tools.profile
 #            --backward): backend triton on $MEGAMOE_PROFILE_MODELS (default "deepseek-v3
-#            qwen3-30b-a3b") in each of $MEGAMOE_PROFILE_PRECISIONS (default "bf16 fp8")
+#            qwen3-30b-a3b") in each of $MEGAMOE_PROFILE_PRECISIONS (default "bf16 fp8"), at
+#            $MEGAMOE_PROFILE_TOKENS tokens (default: the profile tool's, 4096)
 #   host     (not part of all) where the host time of a call goes (megamoe.tools.profile
 #            --host): triton and fused, forward and training step, on $MEGAMOE_HOST_MODEL
 #   gemms    (not part of all) our six grouped GEMMs against torch._grouped_mm on every model
@@ -284,8 +285,10 @@ fi
 if want profile; then
     for model in ${MEGAMOE_PROFILE_MODELS:-deepseek-v3 qwen3-30b-a3b}; do
         for precision in ${MEGAMOE_PROFILE_PRECISIONS:-bf16 fp8}; do
+            # shellcheck disable=SC2086
             step "profile $model $precision step" "$OUT/profile.log" "$PY" -m megamoe.tools.profile \
-                --backward --model "$model" --backend triton --precision "$precision"
+                --backward --model "$model" --backend triton --precision "$precision" \
+                ${MEGAMOE_PROFILE_TOKENS:+--tokens "$MEGAMOE_PROFILE_TOKENS"}
         done
     done
 fi

@@ -78,19 +78,10 @@ def _rows_cols(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]
     return fp8.quantize_rows_cols(x, pad_to=16)
 
 
-def _h_rows_cols(h: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """(h's 1x128 quantization for the down GEMM, its 128x1 quantization for the weight
-    gradient of down as packed rows of h^T) from one pass over ``h [rows, I]``: the packed
-    rows are what the forward saves of h (half of h's bytes; :func:`_h_cols` reads them)."""
-    rows16 = h.shape[0] + -h.shape[0] % 16
-    packed = empty((h.shape[1], fp8.packed_width(rows16)), torch.int16, h.device)
-    rows, _ = fp8.quantize_rows_cols(h, pad_to=16, cols_out=packed)
-    return rows, packed
-
-
 def _h_cols(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight gradient of down's h operand (h^T 128x1-quantized: :func:`_cols` of h) from
-    the packed rows the fp8 forward saved of h (:func:`_h_rows_cols`) of ``rows`` rows."""
+    the packed rows the fp8 forward saved of h (``fp8_gemm.gate_up_quantized``'s: half of h's
+    bytes) of ``rows`` rows."""
     return fp8.unpack_rows(packed, rows + -rows % 16)
 
 
@@ -129,8 +120,7 @@ def routed_forward(
     if precision == "fp8":
         xq, xq_s = fp8.unpack_rows(xs, weights.w_gate.shape[-1])
         fp8w = fp8w if fp8w is not None else fp8_weights.step_weights(weights)
-        g, u, h = fp8_gemm.gate_up(xq, xq_s, fp8w.gate, fp8w.up, sched, out_dtype=KERNEL_DTYPE)
-        (hq, hq_s), h_cols = _h_rows_cols(h)
+        g, u, (hq, hq_s), h_cols = fp8_gemm.gate_up_quantized(xq, xq_s, fp8w.gate, fp8w.up, sched)
         z = fp8_gemm.grouped_mm(hq, hq_s, fp8w.down, sched, out_dtype=KERNEL_DTYPE)
         return RoutedActivations(xs, g, u, h_cols, z)
     g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)
@@ -160,10 +150,9 @@ def shared_forward(
     if _is_fp8(config):
         xq, xq_s = fp8.unpack_rows(x, weights.s_gate.shape[-1])
         w = fp8w if fp8w is not None else fp8_weights.step_weights(weights)
-        sg, su, sh = fp8_gemm.gate_up(
-            xq, xq_s, w.s_gate, w.s_up, one, programs, out_dtype=KERNEL_DTYPE
+        sg, su, (hq, hq_s), sh_cols = fp8_gemm.gate_up_quantized(
+            xq, xq_s, w.s_gate, w.s_up, one, programs
         )
-        (hq, hq_s), sh_cols = _h_rows_cols(sh)
         out = fp8_gemm.grouped_mm(hq, hq_s, w.s_down, one, programs, out_dtype=KERNEL_DTYPE)
         return SharedActivations(sg, su, sh_cols), out
     sg, su, sh = gemm.gate_up(x, weights.s_gate[None], weights.s_up[None], one, programs)

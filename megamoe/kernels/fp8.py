@@ -55,6 +55,7 @@ __all__ = [
     "load_quantized_rows",
     "row_blocks",
     "col_blocks",
+    "col_blocks_of",
     "store_row_blocks",
     "store_col_blocks",
     "quantize_rows",
@@ -243,7 +244,15 @@ def col_blocks(x, UPCAST: tl.constexpr):
     """(q_t [C, 128], scale [C]) of the fp32 tile ``x [128, C]`` (one 128-row block, entries
     outside the source 0) quantized 128x1, transposed: the arithmetic of every 128x1
     quantizer."""
-    scale, inverse = pow2_scale(block_amax(x, 0))
+    return col_blocks_of(x, block_amax(x, 0), UPCAST)
+
+
+@triton.jit
+def col_blocks_of(x, amax, UPCAST: tl.constexpr):
+    """:func:`col_blocks` of rows ``x [R, C]`` of a 128-row block whose columns' absolute
+    maxima (over all of the block's rows) are ``amax [C]``: (q_t [C, R], scale [C]). A tile
+    split over several warpgroups quantizes each part so, the maxima of the parts combined."""
+    scale, inverse = pow2_scale(amax)
     return tl.trans(to_e4m3(x * inverse[None, :], UPCAST)), scale
 
 

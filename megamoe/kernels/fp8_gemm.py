@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8_ws
+from . import fp8, fp8_ws
 from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
 from .gemm import GemmTiles, row_tile, weight_2d
 from .runtime import descriptor, empty, interpreting, launch_grid
@@ -73,6 +73,7 @@ __all__ = [
     "fp8_grouped_mm_tile",
     "fp8_wgrad_tile",
     "gate_up",
+    "gate_up_quantized",
     "grouped_mm",
     "dgrad_swiglu",
     "dgrad_pair",
@@ -965,6 +966,30 @@ def gate_up(
     row block (``a`` 1x128-quantized [rows, H], ``w_gate``/``w_up`` [E, I, H] 128x128-quantized)
     and h = silu(g) * u from the fp32 accumulators. ``programs``: the SMs to fill (default all,
     ``programs_per_sm`` programs on each; the bits never depend on it)."""
+    return _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, False)
+
+
+def gate_up_quantized(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_gate: Fp8Weight,
+    w_up: Fp8Weight,
+    sched: RowSchedule,
+    programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(g, u, (hq, hq_scale), h_t): :func:`gate_up`'s bf16 g and u, and its h quantized as
+    ``fp8.quantize_rows_cols(h, pad_to=16, cols_out=h_t)`` quantizes it (its bits on the used
+    rows): 1x128 for the down GEMM, and 128x1 into ``h_t``, the packed rows of h^T ([I,
+    packed_width(rows + -rows % 16)] int16) the weight gradient of down reads. On the
+    warp-specialized kernel's wide tiles the epilogue quantizes h, which is never stored;
+    elsewhere :func:`gate_up` and that pass."""
+    g, u, (hq, h_t) = _gate_up(a, a_scale, w_gate, w_up, sched, programs, torch.bfloat16, True)
+    return g, u, hq, h_t
+
+
+def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
+    """:func:`gate_up`, or with ``quantize_h`` :func:`gate_up_quantized` as (g, u, ((hq,
+    hq_scale), h_t))."""
     rows, k = _check_rows("a", a, a_scale)
     qg, sg = _check_weight("w_gate", w_gate, sched.num_experts, k, False)
     qu, su = _check_weight("w_up", w_up, sched.num_experts, k, False)
@@ -975,10 +1000,17 @@ def gate_up(
     bm, block_tiles = row_tile(t, sched.block_rows)
     hm = _sub_rows("gate_up", t, bm)  # the rows of the A and output blocks
     n = qg.shape[1]
-    g, u, h = (empty((rows, n), out_dtype, a.device) for _ in range(3))
+    g, u = (empty((rows, n), out_dtype, a.device) for _ in range(2))
     (wg, w_rows), (wu, _) = weight_2d(qg), weight_2d(qu)
     ws = t.warp_specialized and out_dtype == torch.bfloat16
+    h_t = None  # with quantize_h: the packed rows of h^T
+    if quantize_h:
+        h_t = empty((n, fp8.packed_width(rows + -rows % 16)), torch.int16, a.device)
     if ws and fp8_ws.supported(a.device, sched.block_rows):
+        h, h_quant = empty((rows, n), out_dtype, a.device), None
+        if quantize_h and t.bn == fp8_ws.TILE_COLS.value:  # (the wide tiles' epilogue)
+            hq, cols, _ = fp8.rows_cols_buffers(rows, n, a.device, 16, h_t)
+            h, h_quant = None, (hq, cols)
         fp8_ws.launch_gate_up(
             a,
             a_scale,
@@ -991,8 +1023,10 @@ def gate_up(
             programs,
             t.group_m,
             t.bn,
+            h_quant,
         )
-        return g, u, h
+        return (g, u, (hq, h_t)) if h_quant is not None else _with_h(g, u, h, h_t)
+    h = empty((rows, n), out_dtype, a.device)
     t = triton_tiles("gate_up", t)
     work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
@@ -1024,7 +1058,16 @@ def gate_up(
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    return g, u, h
+    return _with_h(g, u, h, h_t)
+
+
+def _with_h(g, u, h, h_t):
+    """(g, u, h), or with ``h_t`` (packed rows of h^T) (g, u, (h's 1x128 quantization, h_t))
+    from ``fp8.quantize_rows_cols``' pass over h."""
+    if h_t is None:
+        return g, u, h
+    hq, _ = fp8.quantize_rows_cols(h, pad_to=16, cols_out=h_t)
+    return g, u, (hq, h_t)
 
 
 def _sub_rows(kind: str, t: GemmTiles, bm: int) -> int:

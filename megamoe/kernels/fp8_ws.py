@@ -29,6 +29,10 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
     other through one partial accumulator (``WIDE_MM``): two of those would not fit its
     registers. The weight gradient's wide tile, which also holds the step's column scales,
     keeps four 64 x 64 accumulators and one 64 x 64 partial one (``WIDE_WGRAD``).
+  * gate/up's wide tile can quantize h in its epilogue instead of storing it
+    (``_store_h_quantized``, ``fp8_gemm.gate_up_quantized``): a consumer's 64 rows hold whole
+    1x128 blocks, and the tile's 128 rows one 128x1 block, whose column maxima the two
+    consumers exchange through shared memory.
 
 Bits: per K step each element's partial product comes from four m64n128k32 wgmma instructions
 (gate/up's 64-column tiles and the wide weight gradient: m64n64k32, as gate/up's Triton
@@ -63,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import tiles
+from . import fp8, tiles
 from .fp8 import BLOCK, FP8
 from .runtime import compiling_for_hopper, interpreting, launch_grid
 
@@ -138,7 +142,9 @@ def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 12
     # (the weight gradient's ring also holds each step's fp32 column scales, one a column)
     step = (TILE_ROWS + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
     staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
-    return stages * step + staging + 16 * stages
+    # (gate/up: the consumers' exchange of h's column maxima, two tiles' worth, and barriers)
+    exchange = 4 * TILE_COLS.value * 4 + 16 if kind == "gate_up" else 0
+    return stages * step + staging + 16 * stages + exchange
 
 
 @gluon.jit
@@ -496,9 +502,48 @@ def _consumer(
 
 
 @gluon.jit
+def _store_h_quantized(h, h_quant, bufs, row, col, M, N, n, HALF: gl.constexpr):
+    """This consumer's [64, 128] of h quantized as ``fp8.quantize_rows_cols`` quantizes the
+    bf16 h (the same bits; h itself is not stored): 1x128 into hq (a row's 128 columns are one
+    scale block) and its scales, and 128x1 into the packed rows of h^T (the tile's 128 rows are
+    one scale block: each consumer's column maxima go through ``xch``, double-buffered by the
+    tile's parity ``n``, once both have arrived on ``xbar``). The fp8 tiles are staged in the
+    g and u staging tiles once their stores have read them. ``h_quant``: hq's and h^T's
+    descriptors, the row scales [M, N / 128] (rows contiguous), h^T's scales (``s_tk`` apart a
+    column), ``xch`` and ``xbar``."""
+    hq_desc, hqt_desc, hs_ptr, hst_ptr, s_tk, xch, xbar = h_quant
+    layout: gl.constexpr = h.type.layout
+    cols = col + gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, layout))
+    # the values the pass reads of the stored h; 0 past N (there the B boxes held the next
+    # expert's weight rows, whose products the stores clip)
+    x = gl.where((cols < N)[None, :], h.to(gl.bfloat16).to(gl.float32), 0.0)
+    q, s = fp8.row_blocks(x, False)
+    partial = fp8.block_amax(x, 0)
+    p = n & 1
+    xch.index(2 * p + HALF).store(partial)
+    mbarrier.arrive(xbar.index(p), count=1)
+    mbarrier.wait(xbar.index(p), (n >> 1) & 1)
+    other = xch.index(2 * p + 1 - HALF).load(partial.type.layout)
+    q_t, s_t = fp8.col_blocks_of(x, gl.maximum(partial, other), False)
+    rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
+    gl.store(hs_ptr + (col // BK) * M + rows, s, mask=rows < M)
+    if HALF == 0:  # (both hold the block's column scales)
+        gl.store(hst_ptr + cols * s_tk + row // BK, s_t, mask=cols < N)
+    tma.store_wait(pendings=0)  # g's and u's stores have read their staging tiles
+    q_buf = bufs[0]._reinterpret(gl.float8e4nv, [HALF_ROWS, TILE_COLS], hq_desc.layout)
+    qt_buf = bufs[1]._reinterpret(gl.float8e4nv, [TILE_COLS, HALF_ROWS], hqt_desc.layout)
+    q_buf.store(q)
+    qt_buf.store(q_t)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(hq_desc, [row, col], q_buf)
+    tma.async_copy_shared_to_global(hqt_desc, [col, row], qt_buf)
+
+
+@gluon.jit
 def _gate_up_consumer(
-    out_descs, c_bufs, ring, scales, sched, N, K, HALF: gl.constexpr, COLS: gl.constexpr,
-    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    out_descs, c_bufs, ring, scales, sched, N, K, h_quant, HALF: gl.constexpr,
+    COLS: gl.constexpr, BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr,
+    GROUP_M: gl.constexpr, QUANT_H: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every gate/up tile of this
     CTA (``COLS`` columns of g and of u from the slot's two B boxes: 64, each into its own
@@ -506,8 +551,10 @@ def _gate_up_consumer(
     epilogue. ``out_descs``: g's, u's and h's descriptors; ``c_bufs`` the staging tiles (two
     each) of all three, or of a wide tile's g and u (h goes through g's once g's store has
     read it); ``scales``: the scale pointers (A's, then gate's and up's), M, N and the
-    strides."""
+    strides. With ``QUANT_H`` (wide tiles) h is stored quantized (``_store_h_quantized``,
+    ``h_quant``), not in bf16."""
     WIDE: gl.constexpr = COLS == TILE_COLS
+    M = scales[2]
     layout: gl.constexpr = ACC_LAYOUT if WIDE else GATE_UP_LAYOUT
     bufs = (c_bufs[0].index(HALF), c_bufs[1].index(HALF))
     if not WIDE:
@@ -517,6 +564,7 @@ def _gate_up_consumer(
     zero = gl.zeros([HALF_ROWS, COLS], gl.float32, layout)
     d = zero if WIDE else (zero, zero)
     it = 0  # ring steps consumed so far (the producer counts the same)
+    n = 0  # tiles done so far
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
         row += HALF * HALF_ROWS
@@ -529,9 +577,13 @@ def _gate_up_consumer(
         if WIDE:
             g_u = (out_descs[0], out_descs[1])
             _store_tiles(g_u, bufs, (acc_g, acc_u), (coord, coord))
-            _store_tiles((out_descs[2],), (bufs[0],), (h,), (coord,))
+            if QUANT_H:
+                _store_h_quantized(h, h_quant, bufs, row, col, M, N, n, HALF)
+            else:
+                _store_tiles((out_descs[2],), (bufs[0],), (h,), (coord,))
         else:
             _store_tiles(out_descs, bufs, (acc_g, acc_u, h), (coord, coord, coord))
+        n += 1
     tma.store_wait(pendings=0)
 
 
@@ -694,27 +746,39 @@ def _ws_gate_up_kernel(
     a_desc, a_s_ptr,  # the rows and their 1x128 scales
     bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, w_rows,  # gate's and up's 2-D views and scales
     g_desc, u_desc, h_desc,
+    hq_desc, hqt_desc,  # QUANT_H: h's 1x128 quantization, h^T's 128x1 (packed rows' bytes)
+    h_scales,  # QUANT_H: (hq's scales, h^T's scales, the latter's stride along the columns)
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides (gate's and up's alike)
     STAGES: gl.constexpr,
     COLS: gl.constexpr,  # the columns of each weight a tile: 64, or 128 (wide)
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    QUANT_H: gl.constexpr,  # h quantized in the epilogue, not stored (wide tiles)
 ):  # fmt: skip
     ring, g_bufs = _shared_ring(a_desc, bg_desc, g_desc, STAGES, 2 * COLS)
     c_bufs = (g_bufs, _staging(u_desc))
     if COLS == GATE_UP_COLS:
         c_bufs = c_bufs + (_staging(h_desc),)
+    # the consumers' column maxima of h (by tile parity and consumer) and their barriers
+    xch = gl.allocate_shared_memory(
+        gl.float32, [4, TILE_COLS], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
+    xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(xbar.index(i), count=2)  # one arrival per consumer
+    fence_async_shared()
+    h_quant = (hq_desc, hqt_desc) + h_scales + (xch, xbar)
     scales = (a_s_ptr, (bg_s_ptr, bu_s_ptr), M, N, s_am, s_ak, s_be, s_bn, s_bk)
     pairs = ((a_desc, (bg_desc, bu_desc), w_rows),)
     sched = (block_expert_ptr, num_blocks_ptr)
     outs = (g_desc, u_desc, h_desc)
     gl.warp_specialize(
         [
-            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 0, COLS, BLOCK_TILES,
-                                 NUM_PROGS, GROUP_M)),
-            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, 1, COLS, BLOCK_TILES,
-                                 NUM_PROGS, GROUP_M)),
+            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, h_quant, 0, COLS,
+                                 BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT_H)),
+            (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, h_quant, 1, COLS,
+                                 BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT_H)),
             (_producer, (pairs, ring, sched, N, K, False, BLOCK_TILES, NUM_PROGS, COLS,
                          GROUP_M)),
         ],
@@ -830,26 +894,50 @@ def launch_gate_up(
     up: tuple[torch.Tensor, torch.Tensor],
     w_rows: int,
     sched,
-    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     stages: int,
     programs: int | None = None,
     group_m: int = 1,
     cols: int = GATE_UP_COLS.value,
+    h_quant: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,
 ) -> None:
     """(g, u, h) = (a W_g^T, a W_u^T, silu(g) * u) of the used row blocks of ``sched`` into
     ``outs`` (each [rows, I], bf16), ``cols`` columns of each weight a tile (64, or 128:
     wide). ``gate``, ``up``: the weights' 2-D views (``gemm.weight_2d``: expert e's I rows
     start at ``e * w_rows``) and their 128x128 scales (the same strides). ``group_m``: the
-    row tiles walked together (``walk_group``). ``fp8_gemm.gate_up`` has checked the
-    arguments."""
+    row tiles walked together (``walk_group``). With ``h_quant`` (wide tiles; ``outs[2]``
+    None) h goes into ``((hq, hq_scale), (hq_t, hq_t_scale))`` instead, in the layouts of
+    ``fp8.rows_cols_buffers(rows, I, pad_to=16, cols_out=...)`` (hq_t and its scales the
+    views of packed rows of h^T): ``fp8.quantize_rows_cols``' bits of the bf16 h on the used
+    rows. ``fp8_gemm.gate_up`` has checked the arguments."""
     if cols not in (GATE_UP_COLS.value, TILE_COLS.value):
         raise ValueError(f"cols = {cols}: gate/up tiles are 64 or 128 columns of each weight")
+    if h_quant is not None and cols != TILE_COLS.value:
+        raise ValueError(f"cols = {cols}: h is quantized in the epilogue of 128-column tiles")
     _check_stages(stages, outs[0].element_size(), "gate_up", cols)
     (wg, sg), (wu, su) = gate, up
     rows, k = a.shape
     n = outs[0].shape[1]
     grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
     b_box = [cols, BLOCK]
+    out_box = [HALF_ROWS.value, cols]
+    if h_quant is None:
+        h_descs = (_nvmma(outs[2], out_box),) * 3  # (hq's and h^T's never read)
+        h_scales = (a_scale, a_scale, 16)
+    else:
+        (hq, hs), (hq_t, hs_t) = h_quant
+        if rows and (hs.stride(0) != 1 or hs.stride(1) != rows or hs_t.stride(1) != 1):
+            raise ValueError(
+                f"h's scales must have contiguous rows and h^T's contiguous row blocks, got "
+                f"strides {hs.stride()} and {hs_t.stride()}"
+            )
+        h_descs = (
+            _nvmma(outs[0], out_box),  # (h is not stored)
+            _nvmma(hq, [HALF_ROWS.value, TILE_COLS.value]),
+            _nvmma(hq_t, [TILE_COLS.value, HALF_ROWS.value]),
+        )
+        h_scales = (hs, hs_t, hs_t.stride(0))
     _ws_gate_up_kernel[grid](
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
         a_scale,
@@ -858,7 +946,9 @@ def launch_gate_up(
         _nvmma(wu, b_box),
         su,
         w_rows,
-        *(_nvmma(o, [HALF_ROWS.value, cols]) for o in outs),
+        *(_nvmma(o, out_box) for o in outs[:2]),
+        *h_descs,
+        h_scales,
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -867,6 +957,7 @@ def launch_gate_up(
         *a_scale.stride(),
         *sg.stride(),
         COLS=cols,
+        QUANT_H=h_quant is not None,
         **options,
     )
 

@@ -47,6 +47,7 @@ def step(h, i, e, tokens, top_k, block_rows):
     w_down = fp8.quantize_weight(meta(e, h, i), transposed=True)
     fp8.quantize_weight(meta(e, h, i))
     g, u, hh = fp8_gemm.gate_up(*fp8.quantize_rows(meta(s.rows, h)), w_gate, w_up, s)
+    fp8_gemm.gate_up_quantized(*fp8.quantize_rows(meta(s.rows, h)), w_gate, w_up, s)
     fp8_gemm.grouped_mm(*fp8.quantize_rows(hh), w_down, s)
     dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(meta(s.rows, h)), w_down, g, u, s)
     fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
@@ -109,7 +110,7 @@ for launch in launches:
     names = launch.fn.arg_names
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
                     if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
-                                       "PACKED", "BY_ROW", "SPLIT_M")}
+                                       "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H")}
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
@@ -168,6 +169,16 @@ def test_quantizers_use_the_saturating_conversion(reports: list[dict]) -> None:
     for r in reports:
         if r["name"] in QUANTIZERS:
             assert r["cvt_satfinite"], f"{_what(r)}: no cvt.rn.satfinite.e4m3x2.f32"
+
+
+def test_gate_up_quantizes_h_in_its_epilogue(reports: list[dict]) -> None:
+    """``fp8_gemm.gate_up_quantized`` (the layer's forward) on the warp-specialized wide tiles
+    compiles the variant of ``_ws_gate_up_kernel`` that quantizes h with the saturating
+    conversion (its wgmma and spills are checked with the other GEMMs')."""
+    variants = [r for r in reports if r["name"] == "_ws_gate_up_kernel"]
+    assert {r["variant"]["QUANT_H"] for r in variants} == {False, True}
+    for r in variants:
+        assert r["cvt_satfinite"] == r["variant"]["QUANT_H"], _what(r)
 
 
 def test_the_programs_of_one_sm_fit_without_spills(reports: list[dict]) -> None:

@@ -135,6 +135,19 @@ def _weights64(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * s[:, : q.shape[1], : q.shape[2]]
 
 
+def _gate_up_operands(h: int, i: int, experts: int, seed: int):
+    """``_routed_rows``' schedule, used rows and row experts, and gate/up's operands on it:
+    the rows 1x128-quantized (x, its scales) and two random [E, I, H] weights 128x128-quantized
+    (gate, up)."""
+    from megamoe.kernels import fp8
+
+    sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + seed)
+    x, x_scale = fp8.quantize_rows(_rows(sched, h, gen))
+    w = [torch.randn(experts, i, h, device=DEV, generator=gen) / h**0.5 for _ in range(2)]
+    w_gate, w_up = (fp8.quantize_weight(t.to(torch.bfloat16)) for t in w)
+    return sched, used, row_expert, (x, x_scale, w_gate, w_up)
+
+
 def _warp_specialized_and_triton(
     monkeypatch, kind: str, run, group_m: int = 1, bn: int | None = None
 ):
@@ -220,10 +233,7 @@ def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
     float64 g and u)."""
     from megamoe.kernels import fp8, fp8_gemm
 
-    sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 3)
-    x, x_scale = fp8.quantize_rows(_rows(sched, h, gen))
-    w = [torch.randn(experts, i, h, device=DEV, generator=gen) / h**0.5 for _ in range(2)]
-    w_gate, w_up = (fp8.quantize_weight(t.to(torch.bfloat16)) for t in w)
+    sched, used, row_expert, (x, x_scale, w_gate, w_up) = _gate_up_operands(h, i, experts, 3)
     ws, triton_guh = _warp_specialized_and_triton(
         monkeypatch,
         "gate_up",
@@ -238,6 +248,39 @@ def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
     h64 = lambda rows, e: torch.nn.functional.silu(g64(rows, e)) * u64(rows, e)  # noqa: E731
     for out, theirs, ref in zip(ws, triton_guh, (g64, u64, h64)):
         _check_ws(out, theirs, used, row_expert, experts, ref)
+
+
+@pytest.mark.parametrize("h, i, experts", [*SHAPES_WS, (2048, 1000, 4)])
+@pytest.mark.parametrize("programs, group_m", WALKS)
+def test_gate_up_epilogue_quantizes_h_with_the_passes_bits(
+    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int
+) -> None:
+    """``fp8_gemm.gate_up_quantized`` on the warp-specialized wide tiles, whose epilogue
+    quantizes h (the two consumers' column maxima exchanged), against the Triton kernel and
+    ``quantize_rows_cols``' pass over its bf16 h: g, u, h's 1x128 quantization and the packed
+    rows of h^T (bytes and scales), bitwise on the used rows (I 2880 ends in half a scale
+    block, 1000 in a partial tile; several tiles a CTA, so both tile parities of the exchange)."""
+    from megamoe.kernels import fp8, fp8_gemm
+
+    sched, used, _, (x, x_scale, w_gate, w_up) = _gate_up_operands(h, i, experts, 5)
+    ws, ref = _warp_specialized_and_triton(
+        monkeypatch,
+        "gate_up",
+        lambda: fp8_gemm.gate_up_quantized(x, x_scale, w_gate, w_up, sched, programs),
+        group_m,
+        128,
+    )
+    for name, a, b in zip(("g", "u"), ws[:2], ref[:2]):
+        assert not a[:used].isnan().any(), f"{name}: rows the kernel did not write"
+        assert torch.equal(a[:used], b[:used]), f"{name}: not the Triton kernel's bits"
+    (hq, hs), (hq_ref, hs_ref) = ws[2], ref[2]
+    assert torch.equal(hq[:used].view(torch.uint8), hq_ref[:used].view(torch.uint8)), "h 1x128"
+    assert torch.equal(hs[:used], hs_ref[:used]), "h's 1x128 scales"
+    (qt, st), (qt_ref, st_ref) = (fp8.unpack_rows(t, sched.rows + -sched.rows % 16)
+                                  for t in (ws[3], ref[3]))  # fmt: skip
+    assert torch.equal(qt[:, :used].view(torch.uint8), qt_ref[:, :used].view(torch.uint8)), "h^T"
+    assert torch.equal(st[:, : used // 128], st_ref[:, : used // 128]), "h^T's scales"
+    assert st[:, : used // 128].isfinite().all() and (st[:, : used // 128] > 0).all()
 
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
