@@ -981,8 +981,8 @@ def gate_up_quantized(
     ``fp8.quantize_rows_cols(h, pad_to=16, cols_out=h_t)`` quantizes it (its bits on the used
     rows): 1x128 for the down GEMM, and 128x1 into ``h_t``, the packed rows of h^T ([I,
     packed_width(rows + -rows % 16)] int16) the weight gradient of down reads. On the
-    warp-specialized kernel's wide tiles the epilogue quantizes h, which is never stored;
-    elsewhere :func:`gate_up` and that pass."""
+    warp-specialized kernel's wide tiles the epilogue quantizes h, which is never stored
+    (where I % 16 == 0, as in fp8 layers); elsewhere :func:`gate_up` and that pass."""
     g, u, (hq, h_t) = _gate_up(a, a_scale, w_gate, w_up, sched, programs, torch.bfloat16, True)
     return g, u, hq, h_t
 
@@ -1008,7 +1008,9 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
         h_t = empty((n, fp8.packed_width(rows + -rows % 16)), torch.int16, a.device)
     if ws and fp8_ws.supported(a.device, sched.block_rows):
         h, h_quant = empty((rows, n), out_dtype, a.device), None
-        if quantize_h and t.bn == fp8_ws.TILE_COLS.value:  # (the wide tiles' epilogue)
+        # (the wide tiles' epilogue; its fp8 stores by TMA need 16-byte rows: I % 16 == 0,
+        # as fp8 layers have)
+        if quantize_h and t.bn == fp8_ws.TILE_COLS.value and n % 16 == 0:
             hq, cols, _ = fp8.rows_cols_buffers(rows, n, a.device, 16, h_t)
             h, h_quant = None, (hq, cols)
         fp8_ws.launch_gate_up(
