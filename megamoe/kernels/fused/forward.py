@@ -282,8 +282,8 @@ def _fp8_operands(
     """In fp8, one expert set's bundle of what its tiles read besides the descriptors
     (``roles``' "fp8 bundle"), its h task's three 128x128 descriptors, h's 1x128 quantization
     (the down tiles' A) and the packed rows of h^T that its 128x1 quantization goes into
-    (``fp8.rows_cols_buffers``: the layouts of the unfused forward's ``quantize_rows_cols(h,
-    pad_to=16, cols_out=...)``, whose bits the h tasks write). ``a``: the A rows' (q, scale);
+    (``fp8.rows_cols_buffers``: the layouts of the unfused forward's
+    ``fp8_gemm.gate_up_quantized``, whose bits the h tasks write). ``a``: the A rows' (q, scale);
     ``w``: (gate, up, down)."""
     a_q, a_s = a
     gate, up, down = w
