@@ -1007,12 +1007,13 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
     if quantize_h:
         h_t = empty((n, fp8.packed_width(rows + -rows % 16)), torch.int16, a.device)
     if ws and fp8_ws.supported(a.device, sched.block_rows):
-        h, h_quant = empty((rows, n), out_dtype, a.device), None
         # (the wide tiles' epilogue; its fp8 stores by TMA need 16-byte rows: I % 16 == 0,
         # as fp8 layers have)
         if quantize_h and t.bn == fp8_ws.TILE_COLS.value and n % 16 == 0:
             hq, cols, _ = fp8.rows_cols_buffers(rows, n, a.device, 16, h_t)
             h, h_quant = None, (hq, cols)
+        else:
+            h, h_quant = empty((rows, n), out_dtype, a.device), None
         fp8_ws.launch_gate_up(
             a,
             a_scale,
