@@ -2,7 +2,8 @@
 # The one script run on a GPU machine: GPU tests, then the layer benchmark, logs + JSON under $OUT.
 #
 #   scripts/gpu_check.sh [tests] [tests-1gpu] [tests-ep] [fingerprint] [comm] [bench] [kernels]
-#                        [sustained] [sweep] [shapes] [profile] [host] [gemms] [tiles] [train] [all]
+#                        [sustained] [sweep] [shapes] [profile] [host] [gemms] [tiles] [probe]
+#                        [train] [all]
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
@@ -45,6 +46,8 @@
 #            $MEGAMOE_GEMM_TOKENS tokens in $MEGAMOE_GEMM_PRECISIONS (tiles.json); a candidate
 #            that changes bits fails the step; $MEGAMOE_TILE_ARGS adds arguments (e.g. "--kernels
 #            down wgrad_down --only flatten")
+#   probe    (not part of all) the probe benchmarks/probes/$MEGAMOE_PROBE (default
+#            epilogue_quantization.py) with $MEGAMOE_PROBE_ARGS (probe.json)
 #   train    (not part of all) megamoe train-bench: the DeepSeek-V3- and Qwen3-30B-A3B-shaped
 #            transformers models, native MoE against megamoe triton and fused, learned and
 #            balanced routing ($MEGAMOE_TRAIN_ARGS, default "--steps 20 --rounds 2"; train.json),
@@ -114,8 +117,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 for p in "${parts[@]}"; do
     case "$p" in
-        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | profile | host | gemms | tiles | train) ;;
-        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, profile, host, gemms, tiles, train or all)" >&2; exit 2 ;;
+        all | tests | tests-1gpu | tests-ep | fingerprint | comm | bench | kernels | sustained | sweep | shapes | profile | host | gemms | tiles | probe | train) ;;
+        *) echo "gpu_check.sh: unknown part '$p' (expected tests, tests-1gpu, tests-ep, fingerprint, comm, bench, kernels, sustained, sweep, shapes, profile, host, gemms, tiles, probe, train or all)" >&2; exit 2 ;;
     esac
 done
 want() {  # want PART: was PART (or a part that contains it) asked for?
@@ -123,7 +126,7 @@ want() {  # want PART: was PART (or a part that contains it) asked for?
     for p in "${parts[@]}"; do
         case "$p" in
             "$1") return 0 ;;
-            all) case "$1" in sweep | shapes | profile | host | gemms | tiles | train) ;; *) return 0 ;; esac ;;
+            all) case "$1" in sweep | shapes | profile | host | gemms | tiles | probe | train) ;; *) return 0 ;; esac ;;
             tests) [ "$1" = tests-1gpu ] || [ "$1" = tests-ep ] && return 0 ;;
         esac
     done
@@ -317,6 +320,13 @@ if want tiles; then
         --model ${MEGAMOE_TILE_MODELS:-dsv3 qwen3-30b glm-4.5} \
         --tokens "${MEGAMOE_GEMM_TOKENS:-4096}" --precision ${MEGAMOE_GEMM_PRECISIONS:-bf16} \
         ${MEGAMOE_TILE_ARGS:-} --out "$OUT/tiles.json"
+fi
+
+if want probe; then
+    probe="${MEGAMOE_PROBE:-epilogue_quantization.py}"
+    # shellcheck disable=SC2086
+    step "probe $probe" "$OUT/probe.log" "$PY" "$ROOT/benchmarks/probes/$probe" \
+        ${MEGAMOE_PROBE_ARGS:-} --out "$OUT/probe.json"
 fi
 
 if want train; then

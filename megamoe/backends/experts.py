@@ -187,24 +187,15 @@ def _fp8_dgrad(
     programs: int | None = None,
 ) -> Dgrad:
     """:class:`Dgrad` in fp8: d_z, d_g and d_u quantized 1x128 for the data gradients on the
-    weights' transposed copies, and 128x1 for the weight gradients, each by one pass
-    (:func:`_rows_cols`; d_z's may have come from the route grad, ``dz`` then its
-    :class:`QuantizedRows`). d_g and d_u share one buffer, so one pass covers both where
-    no 128-row block straddles the two (rows % 128 == 0: the same blocks, the same bits)."""
+    weights' transposed copies, and 128x1 for the weight gradients: d_z's by one pass
+    (:func:`_rows_cols`), or by the route grad (``dz`` then its :class:`QuantizedRows`), d_g's
+    and d_u's by the SwiGLU backward (``fp8_gemm.dgrad_swiglu_quantized``)."""
     quantized = isinstance(dz, QuantizedRows)
     (dzq, dzq_s), dz_cols = dz if quantized else _rows_cols(dz)
-    m, n = g.shape
     dtype = g.dtype if quantized else dz.dtype  # the data gradients' (d_z's: the route grad's)
-    both = empty((2, m, n), dtype, g.device)
-    fp8_gemm.dgrad_swiglu(dzq, dzq_s, w_down, g, u, sched, programs, dtype, out=both)
-    if m % 128:
-        (gq, gs), dg_cols = _rows_cols(both[0])
-        (uq, us), du_cols = _rows_cols(both[1])
-    else:
-        (q, s), (q_t, s_t) = _rows_cols(both.view(2 * m, n))
-        gq, gs, uq, us = q[:m], s[:m], q[m:], s[m:]
-        blocks = m // 128
-        dg_cols, du_cols = (q_t[:, :m], s_t[:, :blocks]), (q_t[:, m:], s_t[:, blocks:])
+    ((gq, gs), dg_cols), ((uq, us), du_cols) = fp8_gemm.dgrad_swiglu_quantized(
+        dzq, dzq_s, w_down, g, u, sched, programs, dtype
+    )
     dx = fp8_gemm.dgrad_pair(gq, gs, w_gate, uq, us, w_up, sched, programs, dtype)
     return Dgrad(dx, dg_cols, du_cols, dz_cols)
 

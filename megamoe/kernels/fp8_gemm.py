@@ -76,6 +76,7 @@ __all__ = [
     "gate_up_quantized",
     "grouped_mm",
     "dgrad_swiglu",
+    "dgrad_swiglu_quantized",
     "dgrad_pair",
     "wgrad",
 ]
@@ -1100,21 +1101,24 @@ def _mm_launch(
     programs: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
+    quantize: bool = False,
+) -> list:
+    """The grouped GEMM launches: the outputs in a list, or with ``quantize`` (with ``gu``)
+    :func:`dgrad_swiglu_quantized`'s."""
     rows, k = _check_rows(names[0], a, a_scale)
     q, s = _check_weight(names[1], w, sched.num_experts, k, transposed)
     n = q.shape[1]
     t = tiles_for(kind)
     wb, w_rows = weight_2d(q)
     shape = (2 if gu is not None else 1, rows, n)
-    if out is None:
-        out = empty(shape, out_dtype, a.device)
-    elif tuple(out.shape) != shape or not out.is_contiguous() or not out.is_floating_point():
+    if out is not None and (
+        tuple(out.shape) != shape or not out.is_contiguous() or not out.is_floating_point()
+    ):
         raise ValueError(
             f"out must be a contiguous floating {list(shape)} tensor, got {out.dtype} "
             f"{list(out.shape)} strides {out.stride()}"
         )
-    outs = list(out)
+    dtype = out_dtype if out is None else out.dtype
     pairs = [(a, a_scale, wb, s, w_rows)]
     if a2 is not None:
         a2_q, a2_scale, w2 = a2
@@ -1129,12 +1133,21 @@ def _mm_launch(
         for name, x in zip(("g", "u"), gu):
             if tuple(x.shape) != (rows, n):
                 raise ValueError(f"{name} must be [{rows}, {n}], got {list(x.shape)}")
-    ws = t.warp_specialized and out.dtype == torch.bfloat16
+    ws = t.warp_specialized and dtype == torch.bfloat16
     if gu is not None:  # (the warp-specialized epilogue loads g and u by TMA into its staging)
-        ws = ws and all(x.dtype == out.dtype and x.stride(1) == 1 for x in gu)
-    if ws and fp8_ws.supported(a.device, sched.block_rows):
+        ws = ws and all(x.dtype == dtype and x.stride(1) == 1 for x in gu)
+    ws = ws and fp8_ws.supported(a.device, sched.block_rows)
+    # (the epilogue's fp8 stores by TMA need 16-byte rows: I % 16 == 0, as fp8 layers have)
+    if ws and quantize and n % 16 == 0:
+        quant = [_rows_cols_out(rows, n, a.device) for _ in range(2)]
+        fp8_ws.launch_grouped_mm(pairs, sched, list(gu), t.stages, programs, t.group_m, gu,
+                                 t.bn, quant)  # fmt: skip
+        return quant
+    out = out if out is not None else empty(shape, dtype, a.device)
+    outs = list(out)
+    if ws:
         fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu, t.bn)
-        return outs
+        return _rows_cols_of(out) if quantize else outs
     t = triton_tiles(kind, t)
     bm, block_tiles = row_tile(t, sched.block_rows)
     hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
@@ -1184,7 +1197,26 @@ def _mm_launch(
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    return outs
+    return _rows_cols_of(out) if quantize else outs
+
+
+def _rows_cols_out(rows: int, n: int, device: torch.device) -> fp8_ws.Quantized:
+    """Unwritten buffers of ``fp8.quantize_rows_cols(x, pad_to=16)`` of an [rows, n] ``x``,
+    the 128x1 ones in packed rows (the warp-specialized epilogue's layout)."""
+    packed = empty((n, fp8.packed_width(rows + -rows % 16)), torch.int16, device)
+    return fp8.rows_cols_buffers(rows, n, device, 16, packed)[:2]
+
+
+def _rows_cols_of(both: torch.Tensor) -> list[fp8_ws.Quantized]:
+    """``fp8.quantize_rows_cols(x, pad_to=16)`` of each [m, n] half of ``both`` [2, m, n]
+    (contiguous), in one pass where no 128-row block straddles the two (m % 128 == 0: the
+    same blocks, the same bits)."""
+    _, m, n = both.shape
+    if m % BLOCK:
+        return [fp8.quantize_rows_cols(x, pad_to=16) for x in both]
+    (q, s), (q_t, s_t) = fp8.quantize_rows_cols(both.view(2 * m, n), pad_to=16)
+    b = m // BLOCK
+    return [((q[:m], s[:m]), (q_t[:, :m], s_t[:, :b])), ((q[m:], s[m:]), (q_t[:, m:], s_t[:, b:]))]
 
 
 def grouped_mm(
@@ -1231,6 +1263,39 @@ def dgrad_swiglu(
         out=out,
     )
     return dg, du
+
+
+def dgrad_swiglu_quantized(
+    dz: torch.Tensor,
+    dz_scale: torch.Tensor,
+    w_down: Fp8Weight,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    sched: RowSchedule,
+    programs: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[fp8_ws.Quantized, fp8_ws.Quantized]:
+    """:func:`dgrad_swiglu`'s d_g and d_u, each quantized as ``fp8.quantize_rows_cols(x,
+    pad_to=16)`` quantizes it in ``out_dtype`` (its bits on the used rows): ``((q, q_scale),
+    (q_t, q_t_scale))``, 1x128 for :func:`dgrad_pair` and 128x1 (q_t: x^T, [I, rows padded
+    to 16]) for the weight gradients. On the warp-specialized kernel (Hopper, bf16, I % 16 ==
+    0, as in fp8 layers) the epilogue quantizes them, never storing them; elsewhere
+    :func:`dgrad_swiglu` into one buffer and that pass (one for both where rows % 128 == 0)."""
+    return tuple(
+        _mm_launch(
+            "swiglu_bwd",
+            dz,
+            dz_scale,
+            w_down,
+            sched,
+            transposed=True,
+            names=("dz", "w_down"),
+            gu=(g, u),
+            programs=programs,
+            out_dtype=out_dtype,
+            quantize=True,
+        )
+    )
 
 
 def dgrad_pair(

@@ -30,9 +30,10 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
     registers. The weight gradient's wide tile, which also holds the step's column scales,
     keeps four 64 x 64 accumulators and one 64 x 64 partial one (``WIDE_WGRAD``).
   * gate/up's wide tile can quantize h in its epilogue instead of storing it
-    (``_store_h_quantized``, ``fp8_gemm.gate_up_quantized``): a consumer's 64 rows hold whole
+    (``_store_quantized``, ``fp8_gemm.gate_up_quantized``): a consumer's 64 rows hold whole
     1x128 blocks, and the tile's 128 rows one 128x1 block, whose column maxima the two
-    consumers exchange through shared memory.
+    consumers exchange through shared memory. The SwiGLU backward's epilogue quantizes d_g
+    and d_u the same way (``fp8_gemm.dgrad_swiglu_quantized``).
 
 Bits: per K step each element's partial product comes from four m64n128k32 wgmma instructions
 (gate/up's 64-column tiles and the wide weight gradient: m64n64k32, as gate/up's Triton
@@ -142,8 +143,10 @@ def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 12
     # (the weight gradient's ring also holds each step's fp32 column scales, one a column)
     step = (TILE_ROWS + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
     staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
-    # (gate/up: the consumers' exchange of h's column maxima, two tiles' worth, and barriers)
-    exchange = 4 * TILE_COLS.value * 4 + 16 if kind == "gate_up" else 0
+    # the consumers' exchange of column maxima (``_exchange``): gate/up's of h, the others'
+    # of d_g and d_u (allocated in every grouped-mm kernel)
+    outputs = 0 if kind.startswith("wgrad") else 1 if kind == "gate_up" else 2
+    exchange = outputs * (4 * TILE_COLS.value * 4 + 16)
     return stages * step + staging + 16 * stages + exchange
 
 
@@ -451,17 +454,19 @@ def _swiglu_backward(dh, bufs, ready, n):
 
 @gluon.jit
 def _consumer(
-    c_descs, c_bufs, ring, scales, sched, N, K, gu, HALF: gl.constexpr, TWO_PAIRS: gl.constexpr,
-    SWIGLU_BWD: gl.constexpr, COLS: gl.constexpr, BLOCK_TILES: gl.constexpr,
-    NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, HALF: gl.constexpr,
+    TWO_PAIRS: gl.constexpr, SWIGLU_BWD: gl.constexpr, COLS: gl.constexpr,
+    BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    QUANT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA, the
     first pair's K steps and then, with ``TWO_PAIRS``, the second's into one accumulator (the
     Triton kernel's order). ``scales[i]``: pair i's scale pointers, M, N and the strides.
     ``c_descs``: the output (twice for a wide tile, ``COLS`` 256: one accumulator and staging
     tile per 128 columns), or with ``SWIGLU_BWD`` (``gu``: the barriers of the saved g and u,
-    ``_swiglu_backward``'s) the accumulator is d_h and the outputs are d_g and d_u;
-    ``c_bufs``: their staging tiles."""
+    ``_swiglu_backward``'s) the accumulator is d_h and the outputs are d_g and d_u, which with
+    ``QUANT`` are stored quantized (``_store_quantized``, ``quant``: d_g's and d_u's), not in
+    bf16; ``c_bufs``: their staging tiles."""
     KIND: gl.constexpr = WIDE_MM if COLS == 2 * TILE_COLS else MM
     row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
     bufs = (c_bufs[0].index(HALF),)
@@ -489,7 +494,22 @@ def _consumer(
         if SWIGLU_BWD:
             ready, free = gu
             dg_du = _swiglu_backward(acc, bufs, ready.index(HALF), n)
-            _store_tiles(c_descs, bufs, dg_du, ([row, col], [row, col]))
+            if QUANT:
+                # each goes through its staging tile in bf16 (what is quantized), then is
+                # quantized from there (d_u's through its tile while d_g's stores run): with
+                # both or the SwiGLU backward's values in registers, the quantization spilled
+                M = scales[0][2]
+                dg, du = dg_du
+                bufs[0].store(dg.to(gl.bfloat16))
+                bufs[1].store(du.to(gl.bfloat16))
+                dg = bufs[0].load(ACC_LAYOUT).to(gl.float32)
+                _store_quantized(dg, quant[0], _fp8_staging(bufs[0], quant[0]), row, col, M, N,
+                                 n, HALF, 0, 0)  # fmt: skip
+                du = bufs[1].load(ACC_LAYOUT).to(gl.float32)
+                _store_quantized(du, quant[1], _fp8_staging(bufs[1], quant[1]), row, col, M, N,
+                                 n, HALF, 1, 2)  # fmt: skip
+            else:
+                _store_tiles(c_descs, bufs, dg_du, ([row, col], [row, col]))
             # the producer may load the next tile's g and u once the stores have read these
             tma.store_wait(pendings=0)
             mbarrier.arrive(free.index(HALF), count=1)
@@ -502,41 +522,53 @@ def _consumer(
 
 
 @gluon.jit
-def _store_h_quantized(h, h_quant, bufs, row, col, M, N, n, HALF: gl.constexpr):
-    """This consumer's [64, 128] of h quantized as ``fp8.quantize_rows_cols`` quantizes the
-    bf16 h (the same bits; h itself is not stored): 1x128 into hq (a row's 128 columns are one
-    scale block) and its scales, and 128x1 into the packed rows of h^T (the tile's 128 rows are
-    one scale block: each consumer's column maxima go through ``xch``, double-buffered by the
-    tile's parity ``n``, once both have arrived on ``xbar``). The fp8 tiles are staged in the
-    g and u staging tiles once their stores have read them. ``h_quant``: hq's and h^T's
-    descriptors, the row scales [M, N / 128] (rows contiguous), h^T's scales (``s_tk`` apart a
-    column), ``xch`` and ``xbar``."""
-    hq_desc, hqt_desc, hs_ptr, hst_ptr, s_tk, xch, xbar = h_quant
-    layout: gl.constexpr = h.type.layout
+def _store_quantized(x, quant, bufs, row, col, M, N, n, HALF: gl.constexpr, T: gl.constexpr,
+                     PENDING: gl.constexpr):  # fmt: skip
+    """This consumer's [64, 128] of an fp32 output tile ``x`` quantized as ``fp8.
+    quantize_rows_cols`` quantizes the output stored in bf16 (the same bits; the bf16 tile
+    itself is not stored): 1x128 (a row's 128 columns are one scale block) and 128x1 into the
+    packed rows of x^T (the tile's 128 rows are one scale block: each consumer's column maxima
+    go through ``xch``, double-buffered by the tile's parity ``n``, once both have arrived on
+    ``xbar``; ``T``: which of the kernel's quantized outputs, each its own slots). ``quant``:
+    the 1x128 and x^T descriptors, the row scales [M, N / 128] (rows contiguous), x^T's scales
+    (``s_tk`` apart a column), ``xch`` and ``xbar``. ``bufs``: staging tiles of the two fp8
+    tiles (8 KB each), which the stores that held at most ``PENDING`` TMA store groups ago
+    have read."""
+    q_desc, qt_desc, s_ptr, st_ptr, s_tk, xch, xbar = quant
+    layout: gl.constexpr = x.type.layout
     cols = col + gl.arange(0, TILE_COLS, layout=gl.SliceLayout(0, layout))
-    # the values the pass reads of the stored h; 0 past N (there the B boxes held the next
-    # expert's weight rows, whose products the stores clip)
-    x = gl.where((cols < N)[None, :], h.to(gl.bfloat16).to(gl.float32), 0.0)
+    # the values the pass reads of the stored bf16 output; 0 past N (there the B boxes held
+    # the next expert's weight rows, whose products the stores would clip)
+    x = gl.where((cols < N)[None, :], x.to(gl.bfloat16).to(gl.float32), 0.0)
     q, s = fp8.row_blocks(x, False)
     partial = fp8.block_amax(x, 0)
     p = n & 1
-    xch.index(2 * p + HALF).store(partial)
-    mbarrier.arrive(xbar.index(p), count=1)
-    mbarrier.wait(xbar.index(p), (n >> 1) & 1)
-    other = xch.index(2 * p + 1 - HALF).load(partial.type.layout)
+    xch.index(4 * T + 2 * p + HALF).store(partial)
+    mbarrier.arrive(xbar.index(2 * T + p), count=1)
+    mbarrier.wait(xbar.index(2 * T + p), (n >> 1) & 1)
+    other = xch.index(4 * T + 2 * p + 1 - HALF).load(partial.type.layout)
     q_t, s_t = fp8.col_blocks_of(x, gl.maximum(partial, other), False)
     rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
-    gl.store(hs_ptr + (col // BK) * M + rows, s, mask=rows < M)
+    gl.store(s_ptr + (col // BK) * M + rows, s, mask=rows < M)
     if HALF == 0:  # (both hold the block's column scales)
-        gl.store(hst_ptr + cols * s_tk + row // BK, s_t, mask=cols < N)
-    tma.store_wait(pendings=0)  # g's and u's stores have read their staging tiles
-    q_buf = bufs[0]._reinterpret(gl.float8e4nv, [HALF_ROWS, TILE_COLS], hq_desc.layout)
-    qt_buf = bufs[1]._reinterpret(gl.float8e4nv, [TILE_COLS, HALF_ROWS], hqt_desc.layout)
-    q_buf.store(q)
-    qt_buf.store(q_t)
+        gl.store(st_ptr + cols * s_tk + row // BK, s_t, mask=cols < N)
+    tma.store_wait(pendings=PENDING)
+    bufs[0].store(q)
+    bufs[1].store(q_t)
     fence_async_shared()
-    tma.async_copy_shared_to_global(hq_desc, [row, col], q_buf)
-    tma.async_copy_shared_to_global(hqt_desc, [col, row], qt_buf)
+    tma.async_copy_shared_to_global(q_desc, [row, col], bufs[0])
+    tma.async_copy_shared_to_global(qt_desc, [col, row], bufs[1])
+
+
+@gluon.jit
+def _fp8_staging(buf, quant):
+    """A 16 KB bf16 staging tile ([64, 128]) as the two 8 KB fp8 tiles of
+    ``_store_quantized`` (``quant``'s descriptors' layouts): 1x128 rows, then the x^T rows."""
+    q_desc, qt_desc = quant[0], quant[1]
+    shape: gl.constexpr = [2, HALF_ROWS, TILE_COLS]
+    shape_t: gl.constexpr = [2, TILE_COLS, HALF_ROWS]
+    q_buf = buf._reinterpret(gl.float8e4nv, shape, q_desc.layout).index(0)
+    return q_buf, buf._reinterpret(gl.float8e4nv, shape_t, qt_desc.layout).index(1)
 
 
 @gluon.jit
@@ -551,7 +583,7 @@ def _gate_up_consumer(
     epilogue. ``out_descs``: g's, u's and h's descriptors; ``c_bufs`` the staging tiles (two
     each) of all three, or of a wide tile's g and u (h goes through g's once g's store has
     read it); ``scales``: the scale pointers (A's, then gate's and up's), M, N and the
-    strides. With ``QUANT_H`` (wide tiles) h is stored quantized (``_store_h_quantized``,
+    strides. With ``QUANT_H`` (wide tiles) h is stored quantized (``_store_quantized``,
     ``h_quant``), not in bf16."""
     WIDE: gl.constexpr = COLS == TILE_COLS
     M = scales[2]
@@ -578,7 +610,9 @@ def _gate_up_consumer(
             g_u = (out_descs[0], out_descs[1])
             _store_tiles(g_u, bufs, (acc_g, acc_u), (coord, coord))
             if QUANT_H:
-                _store_h_quantized(h, h_quant, bufs, row, col, M, N, n, HALF)
+                # (in g's staging tile once g's store has read it; u's may be pending)
+                staging = _fp8_staging(bufs[0], h_quant)
+                _store_quantized(h, h_quant, staging, row, col, M, N, n, HALF, 0, 1)
             else:
                 _store_tiles((out_descs[2],), (bufs[0],), (h,), (coord,))
         else:
@@ -655,6 +689,22 @@ def _wgrad_consumer(c_descs, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.co
 
 
 @gluon.jit
+def _exchange(OUTPUTS: gl.constexpr):
+    """The shared memory through which the two consumers exchange the column maxima of each
+    of ``OUTPUTS`` quantized outputs (``_store_quantized``): [4 * OUTPUTS, 128] fp32 (by
+    output, tile parity and consumer), and their barriers [2 * OUTPUTS] (by output and tile
+    parity; two arrivals each, one per consumer)."""
+    xch = gl.allocate_shared_memory(
+        gl.float32, [4 * OUTPUTS, TILE_COLS], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
+    xbar = gl.allocate_shared_memory(gl.int64, [2 * OUTPUTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * OUTPUTS):
+        mbarrier.init(xbar.index(i), count=2)
+    fence_async_shared()
+    return xch, xbar
+
+
+@gluon.jit
 def _staging(c_desc):
     """The two consumers' staging tiles of one output."""
     return gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
@@ -683,7 +733,7 @@ def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, B_ROWS: gl.conste
 # which cannot be handed to a worker partition.
 @gluon.jit(
     do_not_specialize=[
-        "M", "N", "K", "w_rows", "w2_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"
+        "M", "N", "K", "w_rows", "w2_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk", "s_tk"
     ]
 )  # fmt: skip
 def _ws_grouped_mm_kernel(
@@ -691,14 +741,20 @@ def _ws_grouped_mm_kernel(
     a2_desc, a2_s_ptr, b2_desc, b2_s_ptr, w2_rows,  # the second (TWO_PAIRS), scales alike
     c_desc, c2_desc,  # the output; with SWIGLU_BWD d_g and d_u
     g_desc, u_desc,  # SWIGLU_BWD: the saved g and u
+    # QUANT: d_g's and d_u's quantizations (each: its 1x128 and x^T descriptors, its row
+    # scales, x^T's scales) and the x^T scales' stride along the columns
+    dg_quant, du_quant, s_tk,
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
     TWO_PAIRS: gl.constexpr, SWIGLU_BWD: gl.constexpr, STAGES: gl.constexpr,
     COLS: gl.constexpr,  # the tile's columns: 128, or 256 (wide: two 128-column blocks)
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+    QUANT: gl.constexpr,  # SWIGLU_BWD: d_g and d_u quantized in the epilogue, not stored
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES, COLS)
+    xch, xbar = _exchange(2)  # (d_g's and d_u's; allocated unused without QUANT)
+    quant = (dg_quant + (s_tk, xch, xbar), du_quant + (s_tk, xch, xbar))
     gu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     gu_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -729,10 +785,10 @@ def _ws_grouped_mm_kernel(
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
-            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, 0, TWO_PAIRS,
-                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M)),
-            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, 1, TWO_PAIRS,
-                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M)),
+            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, 0, TWO_PAIRS,
+                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT)),
+            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, 1, TWO_PAIRS,
+                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT)),
             (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS, COLS,
                          GROUP_M, SWIGLU_BWD, producer_gu)),
         ],
@@ -741,13 +797,16 @@ def _ws_grouped_mm_kernel(
     )  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk"])
+@gluon.jit(
+    do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk", "s_tk"]
+)
 def _ws_gate_up_kernel(
     a_desc, a_s_ptr,  # the rows and their 1x128 scales
     bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, w_rows,  # gate's and up's 2-D views and scales
     g_desc, u_desc, h_desc,
-    hq_desc, hqt_desc,  # QUANT_H: h's 1x128 quantization, h^T's 128x1 (packed rows' bytes)
-    h_scales,  # QUANT_H: (hq's scales, h^T's scales, the latter's stride along the columns)
+    # QUANT_H: h's quantizations (its 1x128 and h^T descriptors, its row scales, h^T's
+    # scales) and the latter's stride along the columns
+    h_quant, s_tk,
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides (gate's and up's alike)
@@ -760,15 +819,7 @@ def _ws_gate_up_kernel(
     c_bufs = (g_bufs, _staging(u_desc))
     if COLS == GATE_UP_COLS:
         c_bufs = c_bufs + (_staging(h_desc),)
-    # the consumers' column maxima of h (by tile parity and consumer) and their barriers
-    xch = gl.allocate_shared_memory(
-        gl.float32, [4, TILE_COLS], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    )
-    xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(xbar.index(i), count=2)  # one arrival per consumer
-    fence_async_shared()
-    h_quant = (hq_desc, hqt_desc) + h_scales + (xch, xbar)
+    h_quant = h_quant + (s_tk,) + _exchange(1)
     scales = (a_s_ptr, (bg_s_ptr, bu_s_ptr), M, N, s_am, s_ak, s_be, s_bn, s_bk)
     pairs = ((a_desc, (bg_desc, bu_desc), w_rows),)
     sched = (block_expert_ptr, num_blocks_ptr)
@@ -887,6 +938,34 @@ def _row_block_launch(sched, n: int, cols: int, device, stages: int, programs, g
     )
 
 
+# an output's quantizations: ((q, q_scale), (q_t, q_t_scale)) (``fp8.rows_cols_buffers``)
+Quantized = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _quant_args(rows: int, rows_q: tuple, cols_q: tuple) -> tuple:
+    """What ``_store_quantized`` takes of an output's quantizations ``rows_q`` (1x128: q and
+    its scales) and ``cols_q`` (128x1: q_t, the transposed rows, and its scales), checked:
+    their descriptors and the scales (q_t's scales' stride along the columns: ``s_tk``)."""
+    (q, s), (q_t, s_t) = rows_q, cols_q
+    if rows and (s.stride(0) != 1 or s.stride(1) != rows or s_t.stride(1) != 1):
+        raise ValueError(
+            f"the 1x128 scales must have contiguous rows and the 128x1 ones contiguous row "
+            f"blocks (fp8.rows_cols_buffers with cols_out), got strides {s.stride()} and "
+            f"{s_t.stride()}"
+        )
+    return (
+        _nvmma(q, [HALF_ROWS.value, TILE_COLS.value]),
+        _nvmma(q_t, [TILE_COLS.value, HALF_ROWS.value]),
+        s,
+        s_t,
+    )
+
+
+def _no_quant(desc: TensorDescriptor, scale: torch.Tensor) -> tuple:
+    """``_quant_args``' places filled where no output is quantized (never read)."""
+    return desc, desc, scale, scale
+
+
 def launch_gate_up(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -923,21 +1002,10 @@ def launch_gate_up(
     b_box = [cols, BLOCK]
     out_box = [HALF_ROWS.value, cols]
     if h_quant is None:
-        h_descs = (_nvmma(outs[2], out_box),) * 3  # (hq's and h^T's never read)
-        h_scales = (a_scale, a_scale, 16)
+        h_desc = _nvmma(outs[2], out_box)
+        h_args = _no_quant(h_desc, a_scale)
     else:
-        (hq, hs), (hq_t, hs_t) = h_quant
-        if rows and (hs.stride(0) != 1 or hs.stride(1) != rows or hs_t.stride(1) != 1):
-            raise ValueError(
-                f"h's scales must have contiguous rows and h^T's contiguous row blocks, got "
-                f"strides {hs.stride()} and {hs_t.stride()}"
-            )
-        h_descs = (
-            _nvmma(outs[0], out_box),  # (h is not stored)
-            _nvmma(hq, [HALF_ROWS.value, TILE_COLS.value]),
-            _nvmma(hq_t, [TILE_COLS.value, HALF_ROWS.value]),
-        )
-        h_scales = (hs, hs_t, hs_t.stride(0))
+        h_desc, h_args = _nvmma(outs[0], out_box), _quant_args(rows, *h_quant)  # (h not stored)
     _ws_gate_up_kernel[grid](
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
         a_scale,
@@ -947,8 +1015,9 @@ def launch_gate_up(
         su,
         w_rows,
         *(_nvmma(o, out_box) for o in outs[:2]),
-        *h_descs,
-        h_scales,
+        h_desc,
+        h_args,
+        0 if h_quant is None else h_quant[1][1].stride(0),
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -971,19 +1040,25 @@ def launch_grouped_mm(
     group_m: int = 1,
     gu: tuple[torch.Tensor, torch.Tensor] | None = None,
     cols: int = TILE_COLS.value,
+    quant: tuple[Quantized, Quantized] | None = None,
 ) -> None:
     """outs[0][r] = sum over the (one or two) pairs of a[r] @ W[e(r)]^T, in pair order, for
     the used row blocks of ``sched``; with ``gu`` (the saved g and u, [rows, N] bf16 with
     contiguous rows) that sum is d_h and (outs[0], outs[1]) get the SwiGLU backward's (d_g,
-    d_u). A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the weights' 2-D view (``gemm.
-    weight_2d``: expert e's N rows start at ``e * w_rows``); the second pair's scales have the
-    first's strides. ``group_m``: the row tiles walked together (``walk_group``); ``cols``: a
-    tile's columns, 128 or 256 (wide; not with ``gu``). ``fp8_gemm`` has checked the
-    arguments."""
+    d_u), or with ``quant`` (``outs`` then unused) d_g's and d_u's quantizations into
+    ``((q, q_scale), (q_t, q_t_scale))`` each, in the layouts of ``fp8.rows_cols_buffers(rows,
+    N, pad_to=16, cols_out=...)``: ``fp8.quantize_rows_cols``' bits of the bf16 d_g and d_u on
+    the used rows. A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the weights' 2-D view
+    (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``); the second pair's scales
+    have the first's strides. ``group_m``: the row tiles walked together (``walk_group``);
+    ``cols``: a tile's columns, 128 or 256 (wide; not with ``gu``). ``fp8_gemm`` has checked
+    the arguments."""
     if cols not in (TILE_COLS.value, 2 * TILE_COLS.value) or (gu is not None and cols != 128):
         raise ValueError(
             f"cols = {cols}: the tiles are 128 or 256 columns wide, 128 with the SwiGLU backward"
         )
+    if quant is not None and gu is None:
+        raise ValueError("quant: only the SwiGLU backward's outputs (gu given) are quantized")
     kind = "mm" if gu is None else "swiglu_bwd"
     _check_stages(stages, outs[0].element_size(), kind, cols)
     a, a_scale, wb, w_scale, w_rows = pairs[0]
@@ -993,6 +1068,10 @@ def launch_grouped_mm(
     g, u = gu if gu is not None else (outs[0], outs[0])
     grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
     a_box, b_box = [HALF_ROWS.value, BLOCK], [TILE_COLS.value, BLOCK]
+    if quant is None:
+        quants = (_no_quant(_nvmma(g, [HALF_ROWS.value, TILE_COLS.value]), a_scale),) * 2
+    else:
+        quants = tuple(_quant_args(rows, *x) for x in quant)
     _ws_grouped_mm_kernel[grid](
         _nvmma(a, a_box),
         a_scale,
@@ -1005,6 +1084,8 @@ def launch_grouped_mm(
         w2_scale,
         w2_rows,
         *(_nvmma(o, [HALF_ROWS.value, TILE_COLS.value]) for o in (outs[0], outs[-1], g, u)),
+        *quants,
+        0 if quant is None else quant[0][1][1].stride(0),
         sched.block_expert,
         sched.num_blocks,
         rows,
@@ -1015,6 +1096,7 @@ def launch_grouped_mm(
         TWO_PAIRS=len(pairs) == 2,
         SWIGLU_BWD=gu is not None,
         COLS=cols,
+        QUANT=quant is not None,
         **options,
     )
 

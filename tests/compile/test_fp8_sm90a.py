@@ -50,6 +50,7 @@ def step(h, i, e, tokens, top_k, block_rows):
     fp8_gemm.gate_up_quantized(*fp8.quantize_rows(meta(s.rows, h)), w_gate, w_up, s)
     fp8_gemm.grouped_mm(*fp8.quantize_rows(hh), w_down, s)
     dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(meta(s.rows, h)), w_down, g, u, s)
+    fp8_gemm.dgrad_swiglu_quantized(*fp8.quantize_rows(meta(s.rows, h)), w_down, g, u, s)
     fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
     fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(meta(s.rows, h)), s)
     fp8_gemm.wgrad(*fp8.quantize_cols(meta(s.rows, h)), *fp8.quantize_cols(hh), s,
@@ -110,7 +111,7 @@ for launch in launches:
     names = launch.fn.arg_names
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
                     if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
-                                       "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H")}
+                                       "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H", "QUANT")}
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
@@ -179,6 +180,18 @@ def test_gate_up_quantizes_h_in_its_epilogue(reports: list[dict]) -> None:
     assert {r["variant"]["QUANT_H"] for r in variants} == {False, True}
     for r in variants:
         assert r["cvt_satfinite"] == r["variant"]["QUANT_H"], _what(r)
+
+
+def test_swiglu_backward_quantizes_dg_du_in_its_epilogue(reports: list[dict]) -> None:
+    """``fp8_gemm.dgrad_swiglu_quantized`` (the layer's backward) on the warp-specialized
+    kernel compiles the variant of ``_ws_grouped_mm_kernel`` that quantizes d_g and d_u with
+    the saturating conversion; the other variants (the forward down, the dgrad of gate/up,
+    the SwiGLU backward into bf16) convert nothing to fp8."""
+    variants = [r for r in reports if r["name"] == "_ws_grouped_mm_kernel"]
+    assert {r["variant"]["QUANT"] for r in variants} == {False, True}
+    for r in variants:
+        assert r["cvt_satfinite"] == r["variant"]["QUANT"], _what(r)
+        assert r["variant"]["SWIGLU_BWD"] or not r["variant"]["QUANT"], _what(r)
 
 
 def test_the_programs_of_one_sm_fit_without_spills(reports: list[dict]) -> None:

@@ -250,6 +250,20 @@ def test_warp_specialized_gate_up_gives_the_triton_kernels_bits(
         _check_ws(out, theirs, used, row_expert, experts, ref)
 
 
+def _assert_quantized_equal(name: str, got, want, used: int) -> None:
+    """One output's 1x128 (q, scales) and 128x1 (x^T, its scales; ``fp8.rows_cols_buffers``'
+    layouts) quantizations bitwise equal on the ``used`` rows, the scales finite and > 0."""
+    (q, s), (q_t, s_t) = got
+    (wq, ws), (wq_t, ws_t) = want
+    blocks = -(-used // 128)
+    assert torch.equal(q[:used].view(torch.uint8), wq[:used].view(torch.uint8)), f"{name} 1x128"
+    assert torch.equal(s[:used], ws[:used]), f"{name}'s 1x128 scales"
+    assert torch.equal(q_t[:, :used].view(torch.uint8), wq_t[:, :used].view(torch.uint8)), name
+    assert torch.equal(s_t[:, :blocks], ws_t[:, :blocks]), f"{name}'s 128x1 scales"
+    assert s[:used].isfinite().all() and (s[:used] > 0).all(), f"{name}'s 1x128 scales"
+    assert s_t[:, :blocks].isfinite().all() and (s_t[:, :blocks] > 0).all(), name
+
+
 @pytest.mark.parametrize("h, i, experts", [*SHAPES_WS, (2048, 1008, 4), (2048, 1000, 4)])
 @pytest.mark.parametrize("programs, group_m", WALKS)
 def test_gate_up_epilogue_quantizes_h_with_the_passes_bits(
@@ -274,14 +288,9 @@ def test_gate_up_epilogue_quantizes_h_with_the_passes_bits(
     for name, a, b in zip(("g", "u"), ws[:2], ref[:2]):
         assert not a[:used].isnan().any(), f"{name}: rows the kernel did not write"
         assert torch.equal(a[:used], b[:used]), f"{name}: not the Triton kernel's bits"
-    (hq, hs), (hq_ref, hs_ref) = ws[2], ref[2]
-    assert torch.equal(hq[:used].view(torch.uint8), hq_ref[:used].view(torch.uint8)), "h 1x128"
-    assert torch.equal(hs[:used], hs_ref[:used]), "h's 1x128 scales"
-    (qt, st), (qt_ref, st_ref) = (fp8.unpack_rows(t, sched.rows + -sched.rows % 16)
-                                  for t in (ws[3], ref[3]))  # fmt: skip
-    assert torch.equal(qt[:, :used].view(torch.uint8), qt_ref[:, :used].view(torch.uint8)), "h^T"
-    assert torch.equal(st[:, : used // 128], st_ref[:, : used // 128]), "h^T's scales"
-    assert st[:, : used // 128].isfinite().all() and (st[:, : used // 128] > 0).all()
+    got, want = ((out[2], fp8.unpack_rows(out[3], sched.rows + -sched.rows % 16))
+                 for out in (ws, ref))  # fmt: skip
+    _assert_quantized_equal("h", got, want, used)
 
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
@@ -316,6 +325,48 @@ def test_warp_specialized_swiglu_backward_gives_the_triton_kernels_bits(
 
     for which, (out, theirs) in enumerate(zip(ws, triton_gu)):
         _check_ws(out, theirs, used, row_expert, experts, lambda r, e: reference(r, e, which))
+
+
+@pytest.mark.parametrize(
+    "h, i, experts", [*SHAPES_WS, (2048, 1008, 4), (2048, 1000, 4), (2048, 768, 0)]
+)
+@pytest.mark.parametrize("programs, group_m", [(None, 0), (7, 3)])
+def test_swiglu_backward_epilogue_quantizes_dg_du_with_the_passes_bits(
+    monkeypatch, h: int, i: int, experts: int, programs: int | None, group_m: int
+) -> None:
+    """``fp8_gemm.dgrad_swiglu_quantized`` on the warp-specialized kernel, whose epilogue
+    quantizes d_g and d_u (the two consumers' column maxima exchanged, each output its own
+    slots), against the Triton kernel and ``quantize_rows_cols``' pass over its bf16 d_g and
+    d_u: both quantizations of both, bitwise on the used rows (I 2880 ends in half a scale
+    block, 1008 in a partial tile; 7 CTAs of several tiles each, so both tile parities of the
+    exchange; I 1000, whose fp8 rows TMA cannot store, takes the pass on both sides: it checks
+    only that the fallback runs). Experts 0: the shared expert's layout, one expert of 1000
+    rows (a partial row tile, h^T's rows padded to 1008 with zeros)."""
+    from megamoe.kernels import fp8, fp8_gemm
+    from megamoe.kernels.schedule import uniform_schedule
+
+    if experts:
+        sched, used, _, gen = _routed_rows(experts, seed=h + i + experts + 6)
+        rows = sched.rows
+    else:
+        gen, rows = torch.Generator(device=DEV).manual_seed(6), 1000
+        sched, used, experts = uniform_schedule(rows, 128, DEV), rows, 1
+    dz_rows = (_rows(sched, h, gen) if rows == sched.rows
+               else torch.randn(rows, h, device=DEV, generator=gen).to(torch.bfloat16))  # fmt: skip
+    dz, dz_scale = fp8.quantize_rows(dz_rows)
+    g, u = (torch.randn(rows, i, device=DEV, generator=gen).to(torch.bfloat16) for _ in range(2))
+    wd = torch.randn(experts, h, i, device=DEV, generator=gen) / i**0.5
+    w_down = fp8.quantize_weight(wd.to(torch.bfloat16), transposed=True)
+    ws, ref = _warp_specialized_and_triton(
+        monkeypatch,
+        "swiglu_bwd",
+        lambda: fp8_gemm.dgrad_swiglu_quantized(dz, dz_scale, w_down, g, u, sched, programs),
+        group_m,
+    )
+    for name, got, want in zip(("d_g", "d_u"), ws, ref):
+        _assert_quantized_equal(name, got, want, used)
+        pad = got[1][0][:, used:].view(torch.uint8)  # (rows up to a multiple of 16)
+        assert not pad.any(), f"{name}: x^T's padding rows are not zero"
 
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)

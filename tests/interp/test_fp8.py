@@ -22,7 +22,7 @@ import triton.language as tl
 
 from megamoe.kernels import fp8, fp8_gemm
 from megamoe.kernels.runtime import poisoned_buffers
-from megamoe.kernels.schedule import RowSchedule, build_row_schedule
+from megamoe.kernels.schedule import RowSchedule, build_row_schedule, uniform_schedule
 
 FP8 = torch.float8_e4m3fn
 INF = float("inf")
@@ -803,6 +803,38 @@ def test_gemms_name_bad_arguments() -> None:
         with pytest.raises(ValueError, match=r"tiles\['wgrad'\].split_m = 2 must be 1 or 2"):
             fp8_gemm.wgrad(*fp8.quantize_cols(p.x[:, :128]), *fp8.quantize_cols(p.x), s128)
     assert math.isclose(fp8.E4M3_MAX, torch.finfo(FP8).max)
+
+
+@pytest.mark.parametrize("rows", [None, 200])
+def test_dgrad_swiglu_quantized_is_the_pass_over_dgrad_swiglu(rows: int | None) -> None:
+    """``fp8_gemm.dgrad_swiglu_quantized`` (the layer's backward), which off Hopper runs
+    ``dgrad_swiglu`` and one pass for both outputs where no 128-row block straddles them (the
+    routed rows, 128-row blocks) or one each (200 rows of one expert, the shared expert's
+    layout): bitwise ``quantize_rows_cols(x, pad_to=16)`` of each of d_g and d_u on the used
+    rows, on poisoned buffers. (On Hopper its epilogue quantizes them: ``tests/gpu/
+    test_fp8.py`` compares the two.)"""
+    p = make_problem(128, seed=11)
+    s, w_down, used = p.sched, p.w_down, p.used
+    gen = torch.Generator().manual_seed(5)
+    dz = p.dz
+    if rows is not None:
+        s, used = uniform_schedule(rows, 128, "cpu"), rows
+        dz = torch.randn(rows, H, generator=gen).to(torch.bfloat16)
+        w_down = fp8.Fp8Weight(*(t[:1] for t in w_down))
+    assert (dz.shape[0] % 128 == 0) == (rows is None)  # both of the pass's ways
+    dzq = fp8.quantize_rows(dz)
+    g, u = (torch.randn(dz.shape[0], I, generator=gen).to(torch.bfloat16) for _ in range(2))
+    with poisoned_buffers():
+        got = fp8_gemm.dgrad_swiglu_quantized(*dzq, w_down, g, u, s)
+        want = [fp8.quantize_rows_cols(x, pad_to=16)
+                for x in fp8_gemm.dgrad_swiglu(*dzq, w_down, g, u, s)]  # fmt: skip
+    for name, ((q, sc), (q_t, sc_t)), ((wq, ws), (wq_t, ws_t)) in zip(("dg", "du"), got, want):
+        assert torch.equal(q[:used].view(torch.uint8), wq[:used].view(torch.uint8)), name
+        assert torch.equal(sc[:used], ws[:used]), f"{name}: 1x128 scales"
+        assert torch.equal(q_t.view(torch.uint8)[:, :used], wq_t.view(torch.uint8)[:, :used])
+        blocks = triton.cdiv(used, 128)
+        assert torch.equal(sc_t[:, :blocks], ws_t[:, :blocks]), f"{name}: 128x1 scales"
+        assert sc[:used].isfinite().all() and (sc[:used] > 0).all(), name
 
 
 def test_the_warp_specialized_kernel_is_chosen_only_where_it_can_run(monkeypatch) -> None:
