@@ -754,7 +754,11 @@ def _ws_grouped_mm_kernel(
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES, COLS)
     xch, xbar = _exchange(2)  # (d_g's and d_u's; allocated unused without QUANT)
-    quant = (dg_quant + (s_tk, xch, xbar), du_quant + (s_tk, xch, xbar))
+    if QUANT:
+        quant = (dg_quant + (s_tk, xch, xbar), du_quant + (s_tk, xch, xbar))
+    else:  # (None there: placeholders, never read; a worker partition takes no None)
+        unused = (g_desc, g_desc, a_s_ptr, a_s_ptr, s_tk, xch, xbar)
+        quant = (unused, unused)
     gu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     gu_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -819,7 +823,11 @@ def _ws_gate_up_kernel(
     c_bufs = (g_bufs, _staging(u_desc))
     if COLS == GATE_UP_COLS:
         c_bufs = c_bufs + (_staging(h_desc),)
-    h_quant = h_quant + (s_tk,) + _exchange(1)
+    xch, xbar = _exchange(1)
+    if QUANT_H:
+        h_quant = h_quant + (s_tk, xch, xbar)
+    else:  # (None there: placeholders, never read; a worker partition takes no None)
+        h_quant = (h_desc, h_desc, a_s_ptr, a_s_ptr, s_tk, xch, xbar)
     scales = (a_s_ptr, (bg_s_ptr, bu_s_ptr), M, N, s_am, s_ak, s_be, s_bn, s_bk)
     pairs = ((a_desc, (bg_desc, bu_desc), w_rows),)
     sched = (block_expert_ptr, num_blocks_ptr)
@@ -961,11 +969,6 @@ def _quant_args(rows: int, rows_q: tuple, cols_q: tuple) -> tuple:
     )
 
 
-def _no_quant(desc: TensorDescriptor, scale: torch.Tensor) -> tuple:
-    """``_quant_args``' places filled where no output is quantized (never read)."""
-    return desc, desc, scale, scale
-
-
 def launch_gate_up(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -1001,11 +1004,9 @@ def launch_gate_up(
     grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
     b_box = [cols, BLOCK]
     out_box = [HALF_ROWS.value, cols]
-    if h_quant is None:
-        h_desc = _nvmma(outs[2], out_box)
-        h_args = _no_quant(h_desc, a_scale)
-    else:
-        h_desc, h_args = _nvmma(outs[0], out_box), _quant_args(rows, *h_quant)  # (h not stored)
+    # (no descriptors where nothing is quantized: each costs host time at every launch)
+    h_args = None if h_quant is None else _quant_args(rows, *h_quant)
+    h_desc = _nvmma(outs[2] if h_quant is None else outs[0], out_box)  # (h not stored: unused)
     _ws_gate_up_kernel[grid](
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
         a_scale,
@@ -1068,10 +1069,8 @@ def launch_grouped_mm(
     g, u = gu if gu is not None else (outs[0], outs[0])
     grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
     a_box, b_box = [HALF_ROWS.value, BLOCK], [TILE_COLS.value, BLOCK]
-    if quant is None:
-        quants = (_no_quant(_nvmma(g, [HALF_ROWS.value, TILE_COLS.value]), a_scale),) * 2
-    else:
-        quants = tuple(_quant_args(rows, *x) for x in quant)
+    # (no descriptors where nothing is quantized: each costs host time at every launch)
+    quants = (None, None) if quant is None else tuple(_quant_args(rows, *x) for x in quant)
     _ws_grouped_mm_kernel[grid](
         _nvmma(a, a_box),
         a_scale,
