@@ -741,9 +741,10 @@ def _ws_grouped_mm_kernel(
     a2_desc, a2_s_ptr, b2_desc, b2_s_ptr, w2_rows,  # the second (TWO_PAIRS), scales alike
     c_desc, c2_desc,  # the output; with SWIGLU_BWD d_g and d_u
     g_desc, u_desc,  # SWIGLU_BWD: the saved g and u
-    # QUANT: d_g's and d_u's quantizations (each: its 1x128 and x^T descriptors, its row
-    # scales, x^T's scales) and the x^T scales' stride along the columns
-    dg_quant, du_quant, s_tk,
+    # QUANT: d_g's and d_u's quantizations: their 1x128 and x^T descriptors (a launch takes
+    # no descriptor inside a tuple), (d_g's row scales, d_g^T's, d_u's, d_u^T's), and the
+    # x^T scales' stride along the columns
+    dgq_desc, dgqt_desc, duq_desc, duqt_desc, dgdu_scales, s_tk,
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
@@ -755,7 +756,11 @@ def _ws_grouped_mm_kernel(
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES, COLS)
     xch, xbar = _exchange(2)  # (d_g's and d_u's; allocated unused without QUANT)
     if QUANT:
-        quant = (dg_quant + (s_tk, xch, xbar), du_quant + (s_tk, xch, xbar))
+        dg_s, dg_st, du_s, du_st = dgdu_scales
+        quant = (
+            (dgq_desc, dgqt_desc, dg_s, dg_st, s_tk, xch, xbar),
+            (duq_desc, duqt_desc, du_s, du_st, s_tk, xch, xbar),
+        )
     else:  # (None there: placeholders, never read; a worker partition takes no None)
         unused = (g_desc, g_desc, a_s_ptr, a_s_ptr, s_tk, xch, xbar)
         quant = (unused, unused)
@@ -808,9 +813,9 @@ def _ws_gate_up_kernel(
     a_desc, a_s_ptr,  # the rows and their 1x128 scales
     bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, w_rows,  # gate's and up's 2-D views and scales
     g_desc, u_desc, h_desc,
-    # QUANT_H: h's quantizations (its 1x128 and h^T descriptors, its row scales, h^T's
-    # scales) and the latter's stride along the columns
-    h_quant, s_tk,
+    # QUANT_H: h's quantizations: its 1x128 and h^T descriptors, (its row scales, h^T's
+    # scales), the latter's stride along the columns
+    hq_desc, hqt_desc, h_scales, s_tk,
     block_expert_ptr, num_blocks_ptr,  # the row schedule
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides (gate's and up's alike)
@@ -825,7 +830,7 @@ def _ws_gate_up_kernel(
         c_bufs = c_bufs + (_staging(h_desc),)
     xch, xbar = _exchange(1)
     if QUANT_H:
-        h_quant = h_quant + (s_tk, xch, xbar)
+        h_quant = (hq_desc, hqt_desc) + h_scales + (s_tk, xch, xbar)
     else:  # (None there: placeholders, never read; a worker partition takes no None)
         h_quant = (h_desc, h_desc, a_s_ptr, a_s_ptr, s_tk, xch, xbar)
     scales = (a_s_ptr, (bg_s_ptr, bu_s_ptr), M, N, s_am, s_ak, s_be, s_bn, s_bk)
@@ -950,10 +955,10 @@ def _row_block_launch(sched, n: int, cols: int, device, stages: int, programs, g
 Quantized = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _quant_args(rows: int, rows_q: tuple, cols_q: tuple) -> tuple:
+def _quant_args(rows: int, rows_q: tuple, cols_q: tuple) -> tuple[tuple, tuple]:
     """What ``_store_quantized`` takes of an output's quantizations ``rows_q`` (1x128: q and
     its scales) and ``cols_q`` (128x1: q_t, the transposed rows, and its scales), checked:
-    their descriptors and the scales (q_t's scales' stride along the columns: ``s_tk``)."""
+    their descriptors, and the scales (q_t's scales' stride along the columns: ``s_tk``)."""
     (q, s), (q_t, s_t) = rows_q, cols_q
     if rows and (s.stride(0) != 1 or s.stride(1) != rows or s_t.stride(1) != 1):
         raise ValueError(
@@ -961,12 +966,11 @@ def _quant_args(rows: int, rows_q: tuple, cols_q: tuple) -> tuple:
             f"blocks (fp8.rows_cols_buffers with cols_out), got strides {s.stride()} and "
             f"{s_t.stride()}"
         )
-    return (
+    descs = (
         _nvmma(q, [HALF_ROWS.value, TILE_COLS.value]),
         _nvmma(q_t, [TILE_COLS.value, HALF_ROWS.value]),
-        s,
-        s_t,
     )
+    return descs, (s, s_t)
 
 
 def launch_gate_up(
@@ -1005,7 +1009,9 @@ def launch_gate_up(
     b_box = [cols, BLOCK]
     out_box = [HALF_ROWS.value, cols]
     # (no descriptors where nothing is quantized: each costs host time at every launch)
-    h_args = None if h_quant is None else _quant_args(rows, *h_quant)
+    h_descs, h_scales = (None, None), None
+    if h_quant is not None:
+        h_descs, h_scales = _quant_args(rows, *h_quant)
     h_desc = _nvmma(outs[2] if h_quant is None else outs[0], out_box)  # (h not stored: unused)
     _ws_gate_up_kernel[grid](
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
@@ -1017,7 +1023,8 @@ def launch_gate_up(
         w_rows,
         *(_nvmma(o, out_box) for o in outs[:2]),
         h_desc,
-        h_args,
+        *h_descs,
+        h_scales,
         0 if h_quant is None else h_quant[1][1].stride(0),
         sched.block_expert,
         sched.num_blocks,
@@ -1070,7 +1077,10 @@ def launch_grouped_mm(
     grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
     a_box, b_box = [HALF_ROWS.value, BLOCK], [TILE_COLS.value, BLOCK]
     # (no descriptors where nothing is quantized: each costs host time at every launch)
-    quants = (None, None) if quant is None else tuple(_quant_args(rows, *x) for x in quant)
+    q_descs, q_scales = (None,) * 4, None
+    if quant is not None:
+        (dg_descs, dg_scales), (du_descs, du_scales) = (_quant_args(rows, *x) for x in quant)
+        q_descs, q_scales = dg_descs + du_descs, dg_scales + du_scales
     _ws_grouped_mm_kernel[grid](
         _nvmma(a, a_box),
         a_scale,
@@ -1083,7 +1093,8 @@ def launch_grouped_mm(
         w2_scale,
         w2_rows,
         *(_nvmma(o, [HALF_ROWS.value, TILE_COLS.value]) for o in (outs[0], outs[-1], g, u)),
-        *quants,
+        *q_descs,
+        q_scales,
         0 if quant is None else quant[0][1][1].stride(0),
         sched.block_expert,
         sched.num_blocks,

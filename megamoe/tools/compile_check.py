@@ -325,6 +325,24 @@ def _ptxas(ptx: str) -> dict:
     )
 
 
+def _launcher_error(kernel) -> str:
+    """'' if the host launcher's C source of the compiled ``kernel`` can be generated, as its
+    first launch on a GPU generates it, else the error: a kernel can compile and still have no
+    launcher (Triton 3.6's takes no tensor descriptor inside a tuple argument)."""
+    from triton.backends.nvidia.driver import make_launcher
+
+    src = kernel.src
+    arg_idx = lambda x: (src.fn.arg_names.index(x),) if isinstance(x, str) else x  # noqa: E731
+    constants = {arg_idx(k): v for k, v in getattr(src, "constants", {}).items()}
+    try:
+        make_launcher(
+            constants, dict(src.signature), getattr(kernel.metadata, "tensordesc_meta", None)
+        )
+    except Exception as exc:  # (reported: the tests assert there is none)
+        return f"{type(exc).__name__} in make_launcher: {exc}".strip()
+    return ""
+
+
 def compile_launch(launch: Launch, keep_ptx: bool = False) -> dict:
     """Compile one recorded launch for sm_90a; report what the tests check."""
     options = {
@@ -347,6 +365,7 @@ def compile_launch(launch: Launch, keep_ptx: bool = False) -> dict:
         tma="cp.async.bulk.tensor" in ptx,
         target_sm90a=".target sm_90a" in ptx,
         ptx_local="ld.local" in ptx,
+        launcher_error=_launcher_error(kernel),
         **_ptxas(ptx),
     )
     if keep_ptx:

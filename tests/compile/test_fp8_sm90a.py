@@ -8,7 +8,9 @@ interpreter (the flattened candidates: ``test_flattened_sm90a.py``). Checked: sm
 shared memory <= 227 KB, fp8 wgmma (e4m3 operands) and TMA in the GEMMs, the saturating
 hardware conversion in the quantizers, the route grad's packed-rows variant (the fp8 dy) and
 the one that quantizes d_z, the programs that share an SM within its registers and shared
-memory, no spills and no local memory.
+memory, no spills and no local memory, and that the host launcher's source of each can be
+generated (a kernel can compile without one: Triton 3.6's takes no tensor descriptor inside a
+tuple argument).
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ def test_every_fp8_kernel_compiles_for_sm90a(reports: list[dict]) -> None:
         assert r["target_sm90a"], f"{_what(r)}: PTX is not for sm_90a"
         assert 0 <= r["shared"] <= SMEM_LIMIT, f"{_what(r)}: {r['shared']} B of shared memory"
         assert not r["ptx_local"], f"{_what(r)}: local memory in the PTX"
+        assert not r["launcher_error"], f"{_what(r)}: no host launcher: {r['launcher_error']}"
 
 
 def test_gemms_use_fp8_wgmma_and_tma(reports: list[dict]) -> None:

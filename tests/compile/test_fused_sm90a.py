@@ -44,6 +44,7 @@ def test_every_untraced_variant_fits_one_program_per_sm_without_spills(compiled)
         assert r["registers"] <= MAX_REGISTERS_PER_THREAD, scenario
         assert r["registers"] * threads <= REGISTERS_PER_SM, scenario
         assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, (scenario, r["spill_bytes"])
+        assert not r["launcher_error"], (scenario, r["launcher_error"])
 
 
 def test_flags_use_release_and_acquire(compiled) -> None:

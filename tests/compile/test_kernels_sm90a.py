@@ -54,6 +54,7 @@ def test_targets_sm90a_and_fits_shared_memory(compiled: list[dict]) -> None:
         assert r["target_sm90a"], f"{what}: PTX is not for sm_90a"
         assert 0 <= r["shared"] <= SMEM_LIMIT, f"{what}: {r['shared']} B of shared memory"
         assert not r["ptx_local"], f"{what}: local memory in the PTX"
+        assert not r["launcher_error"], f"{what}: no host launcher: {r['launcher_error']}"
         assert "multimem" not in r["ptx"] and "multicast" not in r["ptx"], what
 
 

@@ -302,7 +302,9 @@ def test_each_activation_and_gradient_is_quantized_by_one_pass(
     the backward. d_z, d_g and d_u each feed a data gradient and a weight gradient: the route
     grad writes d_z's two quantizations itself (``quantize=True``, d_z never in bf16), the
     backward quantizes d_g and d_u by one quantize_rows_cols pass each (together where their
-    rows are whole 128-row blocks), and nothing by quantize_rows or quantize_cols."""
+    rows are whole 128-row blocks), and nothing by quantize_rows or quantize_cols. (Here, in
+    the interpreter; on Hopper the gate/up and SwiGLU-backward epilogues quantize h, d_g and
+    d_u instead of these passes, with their bits: tests/gpu/test_fp8.py.)"""
     p = _problem()
     x, ids, tw, dy = p.single
     sched = backend.build_schedule(ids, p.config, None)
