@@ -6,7 +6,8 @@ and the model table:
     wide tiles) against gate/up writing h and the pass (h's 1x128 quantization and the packed
     rows of h^T, as the fp8 forward used to make them);
   * ``dgdu``: d_g and d_u in the SwiGLU backward's epilogue (``fp8_gemm.
-    dgrad_swiglu_quantized`` on the warp-specialized kernel) against ``dgrad_swiglu`` into one
+    dgrad_swiglu_quantized`` on the warp-specialized kernel with ``fp8_gemm.
+    EPILOGUE_QUANTIZES["dgdu"]``) against ``dgrad_swiglu`` into one
     [2, rows, I] buffer and one pass over both (as the fp8 backward used to make them).
 
     PYTHONPATH=. python benchmarks/probes/epilogue_quantization.py [--which h dgdu] [--out X]
@@ -76,7 +77,11 @@ def _dgdu_variants(e: int, rows: int, h: int, i: int):
         return [], fp8_gemm._rows_cols_of(both)  # (the pass the layer ran)
 
     def epilogue():
-        return [], list(fp8_gemm.dgrad_swiglu_quantized(*dzq, w_down, g, u, sched))
+        fp8_gemm.EPILOGUE_QUANTIZES["dgdu"] = True
+        try:
+            return [], list(fp8_gemm.dgrad_swiglu_quantized(*dzq, w_down, g, u, sched))
+        finally:
+            fp8_gemm.EPILOGUE_QUANTIZES["dgdu"] = False
 
     return sched, {"gemm + pass": with_pass, "epilogue": epilogue}
 

@@ -60,6 +60,7 @@ from .tiles import (
 __all__ = [
     "GPU_TILES",
     "INTERPRETER_TILES",
+    "EPILOGUE_QUANTIZES",
     "WARP_SPECIALIZED",
     "WIDE",
     "tiles_for",
@@ -135,6 +136,14 @@ GPU_TILES: dict[str, GemmTiles] = {
     # into fp32 (``out_dtype``): its [64, 128] fp32 epilogue tile takes a stage's shared memory
     "wgrad_fp32": dataclasses.replace(_SPLIT, stages=2),
 }
+# Which activations the warp-specialized epilogues quantize instead of storing them in bf16 for
+# ``fp8.quantize_rows_cols``' pass (the same bits either way; ``gate_up_quantized``,
+# ``dgrad_swiglu_quantized``): h in gate/up's wide tiles, 0.98-1.16x gate/up and the pass
+# (geometric mean 1.03x over the presets and the table, H100, 2026-12-06); not d_g and d_u in
+# the SwiGLU backward's, 0.45-0.62x the GEMM and the pass on every table model (two outputs
+# per 128-column tile: four times h's epilogue work a FLOP, while both consumers' tensor
+# cores wait; H100, 2026-12-06).
+EPILOGUE_QUANTIZES = {"h": True, "dgdu": False}
 # Narrow tiles keep interpreter runs (CPU tests) fast; the K step stays 128, and the split
 # tiles stay split (their halves' indexing is tested wherever the GPU runs it).
 INTERPRETER_TILES: dict[str, GemmTiles] = {
@@ -983,7 +992,8 @@ def gate_up_quantized(
     rows): 1x128 for the down GEMM, and 128x1 into ``h_t``, the packed rows of h^T ([I,
     packed_width(rows + -rows % 16)] int16) the weight gradient of down reads. On the
     warp-specialized kernel's wide tiles the epilogue quantizes h, which is never stored
-    (where I % 16 == 0, as in fp8 layers); elsewhere :func:`gate_up` and that pass."""
+    (where I % 16 == 0, as in fp8 layers, and ``EPILOGUE_QUANTIZES["h"]``); elsewhere
+    :func:`gate_up` and that pass."""
     g, u, (hq, h_t) = _gate_up(a, a_scale, w_gate, w_up, sched, programs, torch.bfloat16, True)
     return g, u, hq, h_t
 
@@ -1010,7 +1020,12 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
     if ws and fp8_ws.supported(a.device, sched.block_rows):
         # (the wide tiles' epilogue; its fp8 stores by TMA need 16-byte rows: I % 16 == 0,
         # as fp8 layers have)
-        if quantize_h and t.bn == fp8_ws.TILE_COLS.value and n % 16 == 0:
+        if (
+            quantize_h
+            and EPILOGUE_QUANTIZES["h"]
+            and t.bn == fp8_ws.TILE_COLS.value
+            and n % 16 == 0
+        ):
             hq, cols, _ = fp8.rows_cols_buffers(rows, n, a.device, 16, h_t)
             h, h_quant = None, (hq, cols)
         else:
@@ -1138,7 +1153,7 @@ def _mm_launch(
         ws = ws and all(x.dtype == dtype and x.stride(1) == 1 for x in gu)
     ws = ws and fp8_ws.supported(a.device, sched.block_rows)
     # (the epilogue's fp8 stores by TMA need 16-byte rows: I % 16 == 0, as fp8 layers have)
-    if ws and quantize and n % 16 == 0:
+    if ws and quantize and EPILOGUE_QUANTIZES["dgdu"] and n % 16 == 0:
         quant = [_rows_cols_out(rows, n, a.device) for _ in range(2)]
         fp8_ws.launch_grouped_mm(pairs, sched, list(gu), t.stages, programs, t.group_m, gu,
                                  t.bn, quant)  # fmt: skip
@@ -1278,9 +1293,10 @@ def dgrad_swiglu_quantized(
     """:func:`dgrad_swiglu`'s d_g and d_u, each quantized as ``fp8.quantize_rows_cols(x,
     pad_to=16)`` quantizes it in ``out_dtype`` (its bits on the used rows): ``((q, q_scale),
     (q_t, q_t_scale))``, 1x128 for :func:`dgrad_pair` and 128x1 (q_t: x^T, [I, rows padded
-    to 16]) for the weight gradients. On the warp-specialized kernel (Hopper, bf16, I % 16 ==
-    0, as in fp8 layers) the epilogue quantizes them, never storing them; elsewhere
-    :func:`dgrad_swiglu` into one buffer and that pass (one for both where rows % 128 == 0)."""
+    to 16]) for the weight gradients: :func:`dgrad_swiglu` into one buffer and that pass (one
+    for both where rows % 128 == 0), or with ``EPILOGUE_QUANTIZES["dgdu"]`` on the
+    warp-specialized kernel (Hopper, bf16, I % 16 == 0, as in fp8 layers) its epilogue, which
+    never stores them in bf16."""
     return tuple(
         _mm_launch(
             "swiglu_bwd",

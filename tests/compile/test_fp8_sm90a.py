@@ -52,7 +52,9 @@ def step(h, i, e, tokens, top_k, block_rows):
     fp8_gemm.gate_up_quantized(*fp8.quantize_rows(meta(s.rows, h)), w_gate, w_up, s)
     fp8_gemm.grouped_mm(*fp8.quantize_rows(hh), w_down, s)
     dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(meta(s.rows, h)), w_down, g, u, s)
+    fp8_gemm.EPILOGUE_QUANTIZES["dgdu"] = True  # (a tunable, off by default)
     fp8_gemm.dgrad_swiglu_quantized(*fp8.quantize_rows(meta(s.rows, h)), w_down, g, u, s)
+    fp8_gemm.EPILOGUE_QUANTIZES["dgdu"] = False
     fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
     fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(meta(s.rows, h)), s)
     fp8_gemm.wgrad(*fp8.quantize_cols(meta(s.rows, h)), *fp8.quantize_cols(hh), s,
