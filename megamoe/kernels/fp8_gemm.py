@@ -1264,7 +1264,13 @@ def dgrad_swiglu(
 
     ``out``: a contiguous [2, rows, I] tensor to write them into in its dtype (``out[0]``,
     ``out[1]``, which are returned), e.g. so that one quantizer pass reads both."""
-    dg, du = _mm_launch(
+    dg, du = _swiglu_bwd(dz, dz_scale, w_down, g, u, sched, programs, out_dtype, out=out)
+    return dg, du
+
+
+def _swiglu_bwd(dz, dz_scale, w_down, g, u, sched, programs, out_dtype, **how) -> list:
+    """The SwiGLU backward's launch (``how``: ``out`` or ``quantize``, :func:`_mm_launch`'s)."""
+    return _mm_launch(
         "swiglu_bwd",
         dz,
         dz_scale,
@@ -1275,9 +1281,8 @@ def dgrad_swiglu(
         gu=(g, u),
         programs=programs,
         out_dtype=out_dtype,
-        out=out,
+        **how,
     )
-    return dg, du
 
 
 def dgrad_swiglu_quantized(
@@ -1297,21 +1302,7 @@ def dgrad_swiglu_quantized(
     for both where rows % 128 == 0), or with ``EPILOGUE_QUANTIZES["dgdu"]`` on the
     warp-specialized kernel (Hopper, bf16, I % 16 == 0, as in fp8 layers) its epilogue, which
     never stores them in bf16."""
-    return tuple(
-        _mm_launch(
-            "swiglu_bwd",
-            dz,
-            dz_scale,
-            w_down,
-            sched,
-            transposed=True,
-            names=("dz", "w_down"),
-            gu=(g, u),
-            programs=programs,
-            out_dtype=out_dtype,
-            quantize=True,
-        )
-    )
+    return tuple(_swiglu_bwd(dz, dz_scale, w_down, g, u, sched, programs, out_dtype, quantize=True))
 
 
 def dgrad_pair(

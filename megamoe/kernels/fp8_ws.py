@@ -143,9 +143,9 @@ def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 12
     # (the weight gradient's ring also holds each step's fp32 column scales, one a column)
     step = (TILE_ROWS + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
     staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
-    # the consumers' exchange of column maxima (``_exchange``): gate/up's of h, the others'
-    # of d_g and d_u (allocated in every grouped-mm kernel)
-    outputs = 0 if kind.startswith("wgrad") else 1 if kind == "gate_up" else 2
+    # the consumers' exchange of column maxima (``_exchange``): gate/up's of h (allocated
+    # unused without QUANT_H), the SwiGLU backward's of d_g and d_u (with QUANT)
+    outputs = {"gate_up": 1, "swiglu_bwd": 2}.get(kind, 0)
     exchange = outputs * (4 * TILE_COLS.value * 4 + 16)
     return stages * step + staging + 16 * stages + exchange
 
@@ -754,22 +754,22 @@ def _ws_grouped_mm_kernel(
     QUANT: gl.constexpr,  # SWIGLU_BWD: d_g and d_u quantized in the epilogue, not stored
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES, COLS)
-    xch, xbar = _exchange(2)  # (d_g's and d_u's; allocated unused without QUANT)
-    if QUANT:
-        dg_s, dg_st, du_s, du_st = dgdu_scales
-        quant = (
-            (dgq_desc, dgqt_desc, dg_s, dg_st, s_tk, xch, xbar),
-            (duq_desc, duqt_desc, du_s, du_st, s_tk, xch, xbar),
-        )
-    else:  # (None there: placeholders, never read; a worker partition takes no None)
-        unused = (g_desc, g_desc, a_s_ptr, a_s_ptr, s_tk, xch, xbar)
-        quant = (unused, unused)
     gu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     gu_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(gu_ready.index(i), count=1)  # the producer's expect; TMA adds the bytes
         mbarrier.init(gu_free.index(i), count=1)  # the consumer, after its stores
     fence_async_shared()
+    if QUANT:
+        xch, xbar = _exchange(2)  # (d_g's and d_u's)
+        dg_s, dg_st, du_s, du_st = dgdu_scales
+        quant = (
+            (dgq_desc, dgqt_desc, dg_s, dg_st, s_tk, xch, xbar),
+            (duq_desc, duqt_desc, du_s, du_st, s_tk, xch, xbar),
+        )
+    else:  # (None there: placeholders, never read; a worker partition takes no None)
+        unused = (g_desc, g_desc, a_s_ptr, a_s_ptr, s_tk, gu_ready, gu_free)
+        quant = (unused, unused)
     gu = (gu_ready, gu_free)
     if SWIGLU_BWD:
         c_descs = (c_desc, c2_desc)

@@ -341,7 +341,7 @@ def test_swiglu_backward_epilogue_quantizes_dg_du_with_the_passes_bits(
     block, 1008 in a partial tile; 7 CTAs of several tiles each, so both tile parities of the
     exchange; I 1000, whose fp8 rows TMA cannot store, takes the pass on both sides: it checks
     only that the fallback runs). Experts 0: the shared expert's layout, one expert of 1000
-    rows (a partial row tile, h^T's rows padded to 1008 with zeros)."""
+    rows (a partial row tile; the 128x1 operands' rows padded to 1008 with zeros)."""
     from megamoe.kernels import fp8, fp8_gemm
     from megamoe.kernels.schedule import uniform_schedule
 
