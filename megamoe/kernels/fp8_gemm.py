@@ -1016,7 +1016,7 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
     ws = t.warp_specialized and out_dtype == torch.bfloat16
     h_t = None  # with quantize_h: the packed rows of h^T
     if quantize_h:
-        h_t = empty((n, fp8.packed_width(rows + -rows % 16)), torch.int16, a.device)
+        h_t = _packed_cols(rows, n, a.device)
     if ws and fp8_ws.supported(a.device, sched.block_rows):
         # (the wide tiles' epilogue; its fp8 stores by TMA need 16-byte rows: I % 16 == 0,
         # as fp8 layers have)
@@ -1215,11 +1215,16 @@ def _mm_launch(
     return _rows_cols_of(out) if quantize else outs
 
 
+def _packed_cols(rows: int, n: int, device: torch.device) -> torch.Tensor:
+    """Unwritten packed rows of x^T for an [rows, n] ``x``, its rows padded to 16 (the
+    ``cols_out`` of ``fp8.quantize_rows_cols(x, pad_to=16)``)."""
+    return empty((n, fp8.packed_width(rows + -rows % 16)), torch.int16, device)
+
+
 def _rows_cols_out(rows: int, n: int, device: torch.device) -> fp8_ws.Quantized:
     """Unwritten buffers of ``fp8.quantize_rows_cols(x, pad_to=16)`` of an [rows, n] ``x``,
     the 128x1 ones in packed rows (the warp-specialized epilogue's layout)."""
-    packed = empty((n, fp8.packed_width(rows + -rows % 16)), torch.int16, device)
-    return fp8.rows_cols_buffers(rows, n, device, 16, packed)[:2]
+    return fp8.rows_cols_buffers(rows, n, device, 16, _packed_cols(rows, n, device))[:2]
 
 
 def _rows_cols_of(both: torch.Tensor) -> list[fp8_ws.Quantized]:

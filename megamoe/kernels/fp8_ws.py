@@ -143,8 +143,8 @@ def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 12
     # (the weight gradient's ring also holds each step's fp32 column scales, one a column)
     step = (TILE_ROWS + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
     staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
-    # the consumers' exchange of column maxima (``_exchange``): gate/up's of h (allocated
-    # unused without QUANT_H), the SwiGLU backward's of d_g and d_u (with QUANT)
+    # the consumers' exchange of column maxima (``_exchange``, allocated only where the
+    # epilogue quantizes): gate/up's of h, the SwiGLU backward's of d_g and d_u
     outputs = {"gate_up": 1, "swiglu_bwd": 2}.get(kind, 0)
     exchange = outputs * (4 * TILE_COLS.value * 4 + 16)
     return stages * step + staging + 16 * stages + exchange
@@ -828,11 +828,10 @@ def _ws_gate_up_kernel(
     c_bufs = (g_bufs, _staging(u_desc))
     if COLS == GATE_UP_COLS:
         c_bufs = c_bufs + (_staging(h_desc),)
-    xch, xbar = _exchange(1)
     if QUANT_H:
-        h_quant = (hq_desc, hqt_desc) + h_scales + (s_tk, xch, xbar)
+        h_quant = (hq_desc, hqt_desc) + h_scales + (s_tk,) + _exchange(1)
     else:  # (None there: placeholders, never read; a worker partition takes no None)
-        h_quant = (h_desc, h_desc, a_s_ptr, a_s_ptr, s_tk, xch, xbar)
+        h_quant = (h_desc, h_desc, a_s_ptr, a_s_ptr, s_tk, ring[2], ring[3])
     scales = (a_s_ptr, (bg_s_ptr, bu_s_ptr), M, N, s_am, s_ak, s_be, s_bn, s_bk)
     pairs = ((a_desc, (bg_desc, bu_desc), w_rows),)
     sched = (block_expert_ptr, num_blocks_ptr)
