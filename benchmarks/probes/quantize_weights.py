@@ -36,8 +36,8 @@ def _call(w: torch.Tensor, transposed: bool, warps: int):
 
     def run():
         fp8._quantize_weight_kernel[(e, nb, kb)](
-            w, q, s, q_t, s_t, n, k, e * nb * kb, *w.stride(), TRANSPOSED=transposed,
-            UPCAST=False, PERSISTENT=False, num_warps=warps,
+            w, q, s, q_t, s_t, n, k, *w.stride(), TRANSPOSED=transposed, UPCAST=False,
+            num_warps=warps,
         )  # fmt: skip
         return (q.view(torch.uint8), s) + ((q_t.view(torch.uint8), s_t) if transposed else ())
 

@@ -386,49 +386,6 @@ def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _load_weight_block(w_ptr, e, nb, kb, N, K, stride_we, stride_wn, stride_wk, UPCAST):
-    """Block (e, nb, kb) of an [E, N, K] weight in fp32, zeros past N and K (and past the
-    last expert, e >= E: a row block past N)."""
-    rows = nb * 128 + tl.arange(0, 128)
-    cols = kb * 128 + tl.arange(0, 128)
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    x = tl.load(
-        w_ptr + e.to(tl.int64) * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk,
-        mask=mask,
-    )
-    return tl.where(mask, source_f32(x, UPCAST), 0.0)
-
-
-@triton.jit
-def _store_weight_block(x, e, nb, kb, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, TRANSPOSED, UPCAST):
-    """Block (e, nb, kb), ``x`` from :func:`_load_weight_block`, quantized with one scale: q,
-    scale and, with ``TRANSPOSED``, its transpose into q_t and scale_t."""
-    nbs = tl.cdiv(N, 128)
-    kbs = tl.cdiv(K, 128)
-    rows = nb * 128 + tl.arange(0, 128)
-    cols = kb * 128 + tl.arange(0, 128)
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
-    q = to_e4m3(x * inverse, UPCAST)
-    base = e.to(tl.int64) * N * K
-    tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
-    if TRANSPOSED:
-        t_mask = (cols < K)[:, None] & (rows < N)[None, :]
-        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
-        tl.store(st_ptr + (e * kbs + kb) * nbs + nb, scale)
-
-
-@triton.jit
-def _block_of(b, N, K):
-    """(expert, row block, column block) of the weight's b-th 128x128 block; past the last
-    block a row block past N (nothing loaded or stored)."""
-    kbs = tl.cdiv(K, 128)
-    nbs = tl.cdiv(N, 128)
-    return b // (kbs * nbs), (b // kbs) % nbs, b % kbs
-
-
-@triton.jit
 def _quantize_weight_kernel(
     w_ptr,
     q_ptr,
@@ -437,39 +394,35 @@ def _quantize_weight_kernel(
     st_ptr,
     N,
     K,
-    blocks,
     stride_we,
     stride_wn,
     stride_wk,
     TRANSPOSED: tl.constexpr,
     UPCAST: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
-    """The 128x128 blocks of an [E, N, K] weight, one scale each: one program per block (grid
-    (E, row blocks, column blocks)), or ``PERSISTENT``: a 1-D grid of fewer programs, each
-    walking the ``blocks`` blocks in (expert, row block, column block) order ``num_programs``
-    apart, the next block's load issued before this one is quantized (its memory latency
-    behind the work: a few programs beside a GEMM, ``quantize_weight(..., programs=)``)."""
-    if PERSISTENT:
-        b = tl.program_id(0)
-        step = tl.num_programs(0)
-        e, nb, kb = _block_of(b, N, K)
-        x = _load_weight_block(w_ptr, e, nb, kb, N, K, stride_we, stride_wn, stride_wk, UPCAST)
-        for _ in range(b, blocks, step):
-            b += step
-            e_next, nb_next, kb_next = _block_of(b, N, K)
-            if b >= blocks:
-                nb_next = tl.cdiv(N, 128)  # past the last block: nothing loaded
-            x_next = _load_weight_block(
-                w_ptr, e_next, nb_next, kb_next, N, K, stride_we, stride_wn, stride_wk, UPCAST
-            )
-            _store_weight_block(x, e, nb, kb, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, TRANSPOSED,
-                                UPCAST)  # fmt: skip
-            x, e, nb, kb = x_next, e_next, nb_next, kb_next
-    else:
-        e, nb, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        x = _load_weight_block(w_ptr, e, nb, kb, N, K, stride_we, stride_wn, stride_wk, UPCAST)
-        _store_weight_block(x, e, nb, kb, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, TRANSPOSED, UPCAST)
+    """One 128x128 block (expert e, row block nb, column block kb): one scale."""
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    nbs = tl.cdiv(N, 128)
+    kbs = tl.cdiv(K, 128)
+    rows = nb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    e64 = e.to(tl.int64)
+    x = tl.load(
+        w_ptr + e64 * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask
+    )
+    x = tl.where(mask, source_f32(x, UPCAST), 0.0)
+    scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
+    q = to_e4m3(x * inverse, UPCAST)
+    base = e64 * N * K
+    tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
+    if TRANSPOSED:
+        t_mask = (cols < K)[:, None] & (rows < N)[None, :]
+        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
+        tl.store(st_ptr + (e * kbs + kb) * nbs + nb, scale)
 
 
 def _check_source(name: str, x: torch.Tensor, dims: int) -> None:
@@ -730,27 +683,20 @@ def quantize_packed(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     return _zero_tail(packed, k)
 
 
-def quantize_weight(
-    w: torch.Tensor, *, transposed: bool = False, programs: int | None = None
-) -> Fp8Weight:
+def quantize_weight(w: torch.Tensor, *, transposed: bool = False) -> Fp8Weight:
     """128x128 blocks of each expert of ``w [E, N, K]`` (any strides, e.g. one half of a
     stacked gate/up weight): q [E, N, K] and scale [E, ceil(N/128), ceil(K/128)], contiguous;
     with ``transposed`` also q_t [E, K, N] (q's bytes transposed) and scale_t [E, ceil(K/128),
-    ceil(N/128)], written by the same pass. ``programs`` (default: one per block) runs it on
-    that many persistent programs, e.g. on a few SMs beside a GEMM; the bytes are the same."""
+    ceil(N/128)], written by the same pass."""
     _check_source("w", w, 3)
-    if programs is not None and programs < 1:
-        raise ValueError(f"programs must be a positive number of programs or None, got {programs}")
     e, n, k = w.shape
     nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
     q = empty((e, n, k), FP8, w.device)
     scale = empty((e, nb, kb), torch.float32, w.device)
     q_t = empty((e, k, n), FP8, w.device) if transposed else None
     scale_t = empty((e, kb, nb), torch.float32, w.device) if transposed else None
-    blocks = e * nb * kb
-    if blocks:
-        persistent = programs is not None and programs < blocks
-        _quantize_weight_kernel[(programs,) if persistent else (e, nb, kb)](
+    if e and n and k:
+        _quantize_weight_kernel[(e, nb, kb)](
             w,
             q,
             scale,
@@ -758,13 +704,11 @@ def quantize_weight(
             scale if scale_t is None else scale_t,
             n,
             k,
-            blocks,
             w.stride(0),
             w.stride(1),
             w.stride(2),
             TRANSPOSED=transposed,
             UPCAST=interpreting(),
-            PERSISTENT=persistent,
             num_warps=_WEIGHT_WARPS,
         )
     return Fp8Weight(q, scale, q_t, scale_t)

@@ -115,8 +115,7 @@ for launch in launches:
     names = launch.fn.arg_names
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
                     if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
-                                       "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H", "QUANT",
-                                       "PERSISTENT")}
+                                       "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H", "QUANT")}
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
