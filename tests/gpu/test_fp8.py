@@ -479,3 +479,55 @@ def test_route_grad_writes_dz_quantized_with_the_passes_bits(h: int) -> None:
     dq = fp8.dequantize_rows(*fp8.unpack_rows(packed, h))
     prods = dq[slots[real] // k].double() * z[:used][real].double()
     assert ((dw.double() - prods.sum(1)).abs() <= 1e-5 * prods.abs().sum(1)).all()
+
+
+def _same_quantized(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp8 tensors with NaN where the other has NaN and the same bytes elsewhere (the sign of
+    a NaN's byte is the conversion's)."""
+    nan = want.float().isnan()
+    return torch.equal(got.float().isnan(), nan) and torch.equal(
+        got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]
+    )
+
+
+@pytest.mark.parametrize("m, k", [(300, 7168), (1000, 2880)])
+def test_quantizers_match_torch_with_nan_and_inf(m: int, k: int) -> None:
+    """The compiled quantizers against the torch reference (tests/support/fp8_reference.py):
+    ``quantize_rows``, ``quantize_cols``, ``quantize_rows_cols``, ``quantize_packed``,
+    ``requantize_cols`` and ``quantize_weight``, on poisoned buffers, with magnitudes over 2^±40,
+    NaNs (ignored by their blocks' scales), an inf (its block NaN when dequantized), an all-NaN
+    block (scale 1) and a zero block."""
+    from megamoe.kernels import fp8
+    from support.fp8_reference import ref_quantize_rows, ref_quantize_weight
+
+    gen = torch.Generator(device=DEV).manual_seed(m)
+    mag = torch.exp2(torch.randint(-40, 40, (m, 1), device=DEV, generator=gen).float())
+    x = (torch.randn(m, k, device=DEV, generator=gen) * mag).bfloat16()
+    x[3, 5] = x[130, 200] = x[7, 1000] = float("nan")  # one NaN in a row and in a column block
+    x[9, 17] = float("inf")
+    x[256:300, 128:256] = float("nan")  # (a column block of rows 256..299 all NaN)
+    x[:128, 256:384] = float("nan")  # a 1x128 block and a 128x1 column block all NaN
+    x[128:256, 384:512] = 0.0
+    want_q, want_s = ref_quantize_rows(x.cpu())
+    want_qt, want_st = ref_quantize_rows(x.t().cpu())
+    with poisoned_buffers():
+        q, s = fp8.quantize_rows(x)
+        qt, st = fp8.quantize_cols(x)
+        (q2, s2), (qt2, st2) = fp8.quantize_rows_cols(x, pad_to=16)
+        pq, ps = fp8.unpack_rows(fp8.quantize_packed(x), k)
+        rq, rs = fp8.requantize_cols(q, s)
+    for got_q, got_s in ((q, s), (q2, s2), (pq, ps)):
+        assert _same_quantized(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
+    for got_q, got_s in ((qt, st), (qt2[:, :m], st2)):
+        assert _same_quantized(got_q.cpu(), want_qt) and torch.equal(got_s.cpu(), want_st)
+    assert not qt2[:, m:].view(torch.uint8).any(), "the zero padding rows of x'^T"
+    want_rq, want_rs = ref_quantize_rows(fp8.dequantize_rows(q, s).t().cpu())
+    assert _same_quantized(rq.cpu(), want_rq) and torch.equal(rs.cpu(), want_rs)
+
+    w = x[: m - m % 100].view(-1, 100, k)[:, :, :1000]  # [E, 100, 1000], strided
+    with poisoned_buffers():
+        qw = fp8.quantize_weight(w, transposed=True)
+    want_w, want_ws = ref_quantize_weight(w.cpu())
+    assert _same_quantized(qw.q.cpu(), want_w) and torch.equal(qw.scale.cpu(), want_ws)
+    assert _same_quantized(qw.q_t.cpu(), want_w.transpose(1, 2).contiguous())
+    assert torch.equal(qw.scale_t.cpu(), want_ws.transpose(1, 2))
