@@ -505,8 +505,8 @@ def test_quantizers_match_torch_with_nan_and_inf(m: int, k: int) -> None:
     x = (torch.randn(m, k, device=DEV, generator=gen) * mag).bfloat16()
     x[3, 5] = x[130, 200] = x[7, 1000] = float("nan")  # one NaN in a row and in a column block
     x[9, 17] = float("inf")
-    x[256:300, 128:256] = float("nan")  # (a column block of rows 256..299 all NaN)
-    x[:128, 256:384] = float("nan")  # a 1x128 block and a 128x1 column block all NaN
+    x[256:300, 128:256] = float("nan")  # (at M = 300: all of the last row block's 128x1 blocks)
+    x[:128, 256:384] = float("nan")  # 1x128 blocks and 128x1 blocks all NaN
     x[128:256, 384:512] = 0.0
     want_q, want_s = ref_quantize_rows(x.cpu())
     want_qt, want_st = ref_quantize_rows(x.t().cpu())
