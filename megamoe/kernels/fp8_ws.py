@@ -541,7 +541,7 @@ def _store_quantized(x, quant, bufs, row, col, M, N, n, HALF: gl.constexpr, T: g
     # the next expert's weight rows, whose products the stores would clip)
     x = gl.where((cols < N)[None, :], x.to(gl.bfloat16).to(gl.float32), 0.0)
     q, s = fp8.row_blocks(x, False)
-    partial = fp8.block_amax(x, 0, False)
+    partial = fp8.block_amax(x, 0)
     p = n & 1
     xch.index(4 * T + 2 * p + HALF).store(partial)
     mbarrier.arrive(xbar.index(2 * T + p), count=1)
