@@ -1379,8 +1379,9 @@ def wgrad(
     t = tiles_for(kind)
     if t.warp_specialized and fp8_ws.supported(a_t.device, sched.block_rows):
         fp8_ws.launch_wgrad(
-            a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs, t.bn
-        )
+            a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs, t.bn,
+            consumers=t.bm // fp8_ws.HALF_ROWS.value,
+        )  # fmt: skip
         return out
     t = triton_tiles(kind, t)
     hm = _sub_rows(kind, t, t.bm)

@@ -95,6 +95,11 @@ BK = gl.constexpr(BLOCK)  # the K step: one scale block, the promotion interval
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
 KERNEL_MAXNREG = 168
+# Three consumer warpgroups (the weight gradient's 192-row tiles): 3 * 128 * 160 + 128 * 32 =
+# 65536 (152 a consumer spilled); the launch asks for the 16 warps' average, 128
+THREE_CONSUMER_REGS = gl.constexpr(160)
+THREE_PRODUCER_REGS = gl.constexpr(32)
+THREE_CONSUMER_MAXNREG = 128
 # A consumer's accumulator: wgmma m64n128k32 over one warpgroup (4 warps along M), the
 # instruction fp8_gemm's 64-row tiles get
 ACC_LAYOUT = gl.constexpr(
@@ -134,15 +139,18 @@ def staging_cols(kind: str, cols: int = TILE_COLS.value) -> int:
     return 2 * TILE_COLS.value if kind == "swiglu_bwd" else cols
 
 
-def smem_bytes(stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 128) -> int:
-    """The ring (fp8 A tiles and the B tiles of a tile's ``cols`` columns: 128, 256 for a wide
-    tile; gate/up's 64 of each weight), each consumer's staging tiles of the epilogue
-    (``staging_cols(kind, cols)`` wide, 64 rows; ``out_bytes`` an element: 2 for bf16, 4 for
-    fp32), the barriers."""
+def smem_bytes(
+    stages: int, out_bytes: int = 2, kind: str = "mm", cols: int = 128, consumers: int = 2
+) -> int:
+    """The ring (fp8 A tiles, 64 rows a consumer, and the B tiles of a tile's ``cols``
+    columns: 128, 256 for a wide tile; gate/up's 64 of each weight), each consumer's staging
+    tiles of the epilogue (``staging_cols(kind, cols)`` wide, 64 rows; ``out_bytes`` an
+    element: 2 for bf16, 4 for fp32), the barriers."""
     b_rows = 2 * cols if kind == "gate_up" else cols
     # (the weight gradient's ring also holds each step's fp32 column scales, one a column)
-    step = (TILE_ROWS + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
-    staging = 2 * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
+    a_rows = consumers * HALF_ROWS.value
+    step = (a_rows + b_rows) * BLOCK + (4 * cols if kind.startswith("wgrad") else 0)
+    staging = consumers * HALF_ROWS.value * staging_cols(kind, cols) * out_bytes
     # the consumers' exchange of column maxima (``_exchange``, allocated only where the
     # epilogue quantizes): gate/up's of h, the SwiGLU backward's of d_g and d_u
     outputs = {"gate_up": 1, "swiglu_bwd": 2}.get(kind, 0)
@@ -194,9 +202,12 @@ def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it, B_STEP: gl
     128x1 scales, feature-major) also their box (k // 128, b_row) into the slot's buffer.
     Returns the next ring step."""
     a_bufs, b_bufs, ready, free, STAGES = ring
+    CONSUMERS: gl.constexpr = a_bufs.shape[0] // ready.shape[0]  # (64-row A tiles a slot)
     NB: gl.constexpr = len(b_descs)
     B_ROWS: gl.constexpr = b_descs[0].block_type.shape[0]
-    STEP_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + NB * b_descs[0].block_type.nbytes
+    STEP_BYTES: gl.constexpr = (
+        CONSUMERS * a_desc.block_type.nbytes + NB * b_descs[0].block_type.nbytes
+    )
     for kb in range(k_steps):
         slot = it % STAGES
         # The first pass over the ring waits on phase 1, which a fresh barrier has completed:
@@ -210,9 +221,9 @@ def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it, B_STEP: gl
             s_desc, s_bufs = col_scales
             mbarrier.expect(bar, STEP_BYTES + s_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(s_desc, [k // BK, b_row], bar, s_bufs.index(slot))
-        for half in gl.static_range(2):
+        for half in gl.static_range(CONSUMERS):
             tma.async_copy_global_to_shared(
-                a_desc, [a_row + half * HALF_ROWS, k], bar, a_bufs.index(2 * slot + half)
+                a_desc, [a_row + half * HALF_ROWS, k], bar, a_bufs.index(CONSUMERS * slot + half)
             )
         if NB == 1:
             tma.async_copy_global_to_shared(b_descs[0], [b_row, k], bar, b_bufs.index(slot))
@@ -326,9 +337,10 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
     second box's wgmma into ``d`` once the first one's product is promoted (two partial
     accumulators and two full ones would not fit). Returns (acc, d)."""
     a_bufs, b_bufs, ready, free, STAGES = ring
+    CONSUMERS: gl.constexpr = a_bufs.shape[0] // ready.shape[0]  # (64-row A tiles a slot)
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-    a = a_bufs.index(2 * slot + HALF)
+    a = a_bufs.index(CONSUMERS * slot + HALF)
     if KIND == GATE_UP:
         b = b_bufs.index(slot)
         bg = b.slice(0, GATE_UP_COLS).permute((1, 0))  # [64 N, 128 K] viewed K-major
@@ -362,17 +374,18 @@ def _k_step(acc, d, scale, ring, it, HALF: gl.constexpr, KIND: gl.constexpr):
         return (acc0, acc1), d
     elif KIND == WIDE_WGRAD:
         b = b_bufs.index(slot)
+        CHUNKS: gl.constexpr = b.shape[0] // GATE_UP_COLS
         sa, col_scales = scale
-        s_slot = col_scales.index(slot)  # [1, 256]
+        s_slot = col_scales.index(slot)  # [1, 64 * CHUNKS]
         accs = ()
-        for c in gl.static_range(4):
+        for c in gl.static_range(CHUNKS):
             bc = b.slice(c * GATE_UP_COLS, GATE_UP_COLS).permute((1, 0))
             d = warpgroup_mma(a, bc, d, use_acc=False, is_async=True)
             d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
             # (read after the wait: read before it, the block's column scales were live across
             # the wgmma, and ptxas spilled)
             sb = s_slot.slice(c * GATE_UP_COLS, GATE_UP_COLS, dim=1).load(GATE_UP_LAYOUT)
-            if c == 3:
+            if c == CHUNKS - 1:
                 fence_async_shared()  # (as WGRAD's)
                 mbarrier.arrive(free.index(slot), count=1)
             # (the wait ties the promotion before the next chunk's wgmma, as WIDE_MM's)
@@ -622,30 +635,31 @@ def _gate_up_consumer(
 
 
 @gluon.jit
-def _wgrad_tile(tile, row_start_ptr, M, N, COLS: gl.constexpr):
+def _wgrad_tile(tile, row_start_ptr, M, N, COLS: gl.constexpr, ROWS: gl.constexpr):
     """(expert, first row, first column, first K row, K steps) of weight-gradient tile
-    ``tile`` (``COLS`` columns): the experts' tiles in order, each expert's column-fast
+    ``tile`` (``ROWS`` x ``COLS``): the experts' tiles in order, each expert's column-fast
     (``tiles.tile_of``); its K rows are the expert's rows, 128 a step."""
     tiles_n = gl.cdiv(N, COLS)
-    tiles_per_expert = gl.cdiv(M, (2 * HALF_ROWS)) * tiles_n
+    tiles_per_expert = gl.cdiv(M, ROWS) * tiles_n
     expert = tile // tiles_per_expert
     t = tile % tiles_per_expert
     r0 = gl.load(row_start_ptr + expert)
     steps = gl.cdiv(gl.load(row_start_ptr + expert + 1) - r0, BK)
-    return expert, (t // tiles_n) * (2 * HALF_ROWS), (t % tiles_n) * COLS, r0, steps
+    return expert, (t // tiles_n) * ROWS, (t % tiles_n) * COLS, r0, steps
 
 
 @gluon.jit
 def _wgrad_producer(at_desc, bt_descs, col_scales, ring, row_start_ptr, E, M, N,
                     NUM_PROGS: gl.constexpr, COLS: gl.constexpr):  # fmt: skip
     """One warp: every K step of every weight-gradient tile of this CTA into the ring (the
-    A^T rows of the tile's two halves, the B^T rows of its columns, one 128-row box each of
-    ``bt_descs``, and their 128x1 scales (``col_scales``: descriptor, buffers), at the
+    A^T rows of the tile's consumers, 64 each, the B^T rows of its columns, one 128-row box
+    each of ``bt_descs``, and their 128x1 scales (``col_scales``: descriptor, buffers), at the
     expert's rows)."""
-    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, COLS)
+    ROWS: gl.constexpr = ring[0].shape[0] // ring[2].shape[0] * HALF_ROWS  # (consumers)
+    tiles = E * gl.cdiv(M, ROWS) * gl.cdiv(N, COLS)
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
-        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N, COLS)
+        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N, COLS, ROWS)
         it = _load_steps(at_desc, bt_descs, ring, row, col, r0, steps, it, TILE_COLS,
                          col_scales)  # fmt: skip
 
@@ -654,33 +668,38 @@ def _wgrad_producer(at_desc, bt_descs, col_scales, ring, row_start_ptr, E, M, N,
 def _wgrad_consumer(c_descs, c_bufs, ring, scales, row_start_ptr, E, HALF: gl.constexpr,
                     NUM_PROGS: gl.constexpr, COLS: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every weight-gradient tile of
-    this CTA (``COLS`` columns: 128, or 256 as four 64-column blocks, WIDE_WGRAD), the expert's
-    rows in order (``fp8_gemm.fp8_wgrad_tile``'s sums). A tile of an expert without rows
-    stores zeros. ``c_descs``: the output (once a block), ``c_bufs`` the staging tiles;
-    ``scales``: A^T's scale pointer, M, N, its stride along the rows, and the ring's
+    this CTA (``COLS`` columns: with two consumers 128 in one block, WGRAD, or 256 as four
+    64-column blocks, WIDE_WGRAD; with three 128 as two 64-column blocks), the expert's rows
+    in order (``fp8_gemm.fp8_wgrad_tile``'s sums). A tile of an expert without rows stores
+    zeros. ``c_descs``: the output (once a block), ``c_bufs`` the staging tiles (one a
+    block); ``scales``: A^T's scale pointer, M, N, its stride along the rows, and the ring's
     column-scale buffers."""
-    WIDE: gl.constexpr = COLS == 2 * TILE_COLS
+    ROWS: gl.constexpr = ring[0].shape[0] // ring[2].shape[0] * HALF_ROWS  # (consumers)
+    CHUNKS: gl.constexpr = len(c_bufs)
+    WIDE: gl.constexpr = CHUNKS > 1
     layout: gl.constexpr = GATE_UP_LAYOUT if WIDE else ACC_LAYOUT
     a_s_ptr, M, N, s_ak, col_scales = scales
-    bufs = (c_bufs[0].index(HALF),)
-    if WIDE:
-        bufs = bufs + (c_bufs[1].index(HALF), c_bufs[2].index(HALF), c_bufs[3].index(HALF))
-    tiles = E * gl.cdiv(M, (2 * HALF_ROWS)) * gl.cdiv(N, COLS)
-    zero = gl.zeros([HALF_ROWS, COLS // len(bufs)], gl.float32, layout)  # a block's columns
+    bufs = ()
+    for c in gl.static_range(CHUNKS):
+        bufs = bufs + (c_bufs[c].index(HALF),)
+    tiles = E * gl.cdiv(M, ROWS) * gl.cdiv(N, COLS)
+    zero = gl.zeros([HALF_ROWS, COLS // CHUNKS], gl.float32, layout)  # a block's columns
     d = zero
     it = 0
     for tile in range(gl.program_id(0), tiles, NUM_PROGS):
-        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N, COLS)
+        expert, row, col, r0, steps = _wgrad_tile(tile, row_start_ptr, M, N, COLS, ROWS)
         row += HALF * HALF_ROWS
         rows = row + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
         # a tile without steps reads no scale (its block index would be past the rows)
         tile_scales = (a_s_ptr, gl.where(steps > 0, M, 0), s_ak, col_scales)
         if WIDE:
-            accs, d, it = _pass((zero, zero, zero, zero), d, tile_scales, ring, it, rows,
-                                r0 // BK, steps, HALF, WIDE_WGRAD)  # fmt: skip
-            coords = ([expert, row, col], [expert, row, col + GATE_UP_COLS],
-                      [expert, row, col + 2 * GATE_UP_COLS],
-                      [expert, row, col + 3 * GATE_UP_COLS])  # fmt: skip
+            zeros = ()
+            coords = ()
+            for c in gl.static_range(CHUNKS):
+                zeros = zeros + (zero,)
+                coords = coords + ([expert, row, col + c * GATE_UP_COLS],)
+            accs, d, it = _pass(zeros, d, tile_scales, ring, it, rows, r0 // BK, steps, HALF,
+                                WIDE_WGRAD)  # fmt: skip
             _store_tiles(c_descs, bufs, accs, coords)
         else:
             acc, d, it = _pass(zero, d, tile_scales, ring, it, rows, r0 // BK, steps, HALF, WGRAD)
@@ -705,26 +724,29 @@ def _exchange(OUTPUTS: gl.constexpr):
 
 
 @gluon.jit
-def _staging(c_desc):
-    """The two consumers' staging tiles of one output."""
-    return gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+def _staging(c_desc, CONSUMERS: gl.constexpr = 2):
+    """The consumers' staging tiles of one output."""
+    shape: gl.constexpr = [CONSUMERS] + c_desc.block_type.shape
+    return gl.allocate_shared_memory(c_desc.dtype, shape, c_desc.layout)
 
 
 @gluon.jit
-def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, B_ROWS: gl.constexpr = TILE_COLS):
-    """The ring's shared memory (per slot: two 64-row A tiles, one B tile of ``B_ROWS`` rows,
-    128 (gate/up fills it with two 64-row boxes) or a wide tile's 256, a "ready" and a "free"
-    barrier), initialized, and the two consumers' staging tiles of the output ``c_desc``."""
+def _shared_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, B_ROWS: gl.constexpr = TILE_COLS,
+                 CONSUMERS: gl.constexpr = 2):  # fmt: skip
+    """The ring's shared memory (per slot: a 64-row A tile per consumer, one B tile of
+    ``B_ROWS`` rows, 128 (gate/up fills it with two 64-row boxes) or a wide tile's 256, a
+    "ready" and a "free" barrier), initialized, and the consumers' staging tiles of the output
+    ``c_desc``. The ring: (A tiles, B tiles, ready, free, STAGES)."""
     a_bufs = gl.allocate_shared_memory(
-        a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout
+        a_desc.dtype, [CONSUMERS * STAGES] + a_desc.block_type.shape, a_desc.layout
     )
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BK], b_desc.layout)
-    c_bufs = _staging(c_desc)
+    c_bufs = _staging(c_desc, CONSUMERS)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA adds the bytes
-        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(free.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     fence_async_shared()
     return (a_bufs, b_bufs, ready, free, STAGES), c_bufs
 
@@ -860,31 +882,50 @@ def _ws_wgrad_kernel(
     s_ak,  # A^T's scales' stride along the rows (its features' is 1)
     STAGES: gl.constexpr, NUM_PROGS: gl.constexpr,
     COLS: gl.constexpr,  # the tile's columns: 128, or 256 (wide)
+    CONSUMERS: gl.constexpr,  # consumer warpgroups, 64 rows each: 2, or 3 (128 columns)
 ):  # fmt: skip
-    ring, staging = _shared_ring(at_desc, bt_desc, c_desc, STAGES, COLS)
+    ring, staging = _shared_ring(at_desc, bt_desc, c_desc, STAGES, COLS, CONSUMERS)
     s_bufs = gl.allocate_shared_memory(
         bs_desc.dtype, [STAGES] + bs_desc.block_type.shape, bs_desc.layout
     )
+    # the output blocks: one 128-column block, else 64-column ones (the consumers' registers)
+    CHUNKS: gl.constexpr = 1 if COLS == TILE_COLS and CONSUMERS == 2 else COLS // GATE_UP_COLS
     c_descs = (c_desc,)
-    bt_descs = (bt_desc,)
     c_bufs = (staging,)
-    if COLS == 2 * TILE_COLS:  # the B^T boxes, and each 64-column block's staging tiles
-        c_descs = (c_desc, c_desc, c_desc, c_desc)
+    for _ in gl.static_range(CHUNKS - 1):  # each block's staging tiles
+        c_descs = c_descs + (c_desc,)
+        c_bufs = c_bufs + (_staging(c_desc, CONSUMERS),)
+    bt_descs = (bt_desc,)  # 128-row B^T boxes
+    if COLS == 2 * TILE_COLS:
         bt_descs = (bt_desc, bt_desc)
-        c_bufs = (staging, _staging(c_desc), _staging(c_desc), _staging(c_desc))
     scales = (at_s_ptr, M, N, s_ak, s_bufs)
-    gl.warp_specialize(
-        [
-            (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 0, NUM_PROGS,
-                               COLS)),
-            (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 1, NUM_PROGS,
-                               COLS)),
-            (_wgrad_producer, (at_desc, bt_descs, (bs_desc, s_bufs), ring, row_start_ptr, E, M,
-                               N, NUM_PROGS, COLS)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )  # fmt: skip
+    loads = (at_desc, bt_descs, (bs_desc, s_bufs), ring, row_start_ptr, E, M, N, NUM_PROGS, COLS)
+    if CONSUMERS == 3:
+        gl.warp_specialize(
+            [
+                (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 0,
+                                   NUM_PROGS, COLS)),
+                (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 1,
+                                   NUM_PROGS, COLS)),
+                (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 2,
+                                   NUM_PROGS, COLS)),
+                (_wgrad_producer, loads),
+            ],
+            [4, 4, 1],
+            [THREE_CONSUMER_REGS, THREE_CONSUMER_REGS, THREE_PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 0,
+                                   NUM_PROGS, COLS)),
+                (_wgrad_consumer, (c_descs, c_bufs, ring, scales, row_start_ptr, E, 1,
+                                   NUM_PROGS, COLS)),
+                (_wgrad_producer, loads),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 def supported(device: torch.device, block_rows: int) -> bool:
@@ -915,8 +956,10 @@ def _nvmma(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _nvmma_layout(tuple(block), t.dtype))
 
 
-def _check_stages(stages: int, out_bytes: int, kind: str = "mm", cols: int = 128) -> None:
-    need = smem_bytes(stages, out_bytes, kind, cols)
+def _check_stages(
+    stages: int, out_bytes: int, kind: str = "mm", cols: int = 128, consumers: int = 2
+) -> None:
+    need = smem_bytes(stages, out_bytes, kind, cols, consumers)
     if need > SMEM_BYTES:
         raise ValueError(
             f"stages = {stages} needs {need} B of shared memory with {cols}-column tiles and the "
@@ -1134,25 +1177,32 @@ def launch_wgrad(
     stages: int,
     programs: int | None = None,
     cols: int = TILE_COLS.value,
+    consumers: int = 2,
 ) -> None:
     """out[e] = a_e^T @ b_e over expert e's rows (``row_start[e]`` to ``row_start[e + 1]``,
     128-row aligned), from the transposed 128x1-quantized operands a_t [M, rows] and b_t [N,
     rows]; ``out`` an [E, M, N] bf16 or fp32 view with contiguous rows; ``cols``: a tile's
-    columns, 128 or 256 (wide). ``fp8_gemm.wgrad`` has checked the arguments."""
+    columns, 128 or 256 (wide); ``consumers``: its 64-row consumer warpgroups, 2 or 3 (128
+    columns). ``fp8_gemm.wgrad`` has checked the arguments."""
     if cols not in (TILE_COLS.value, 2 * TILE_COLS.value):
         raise ValueError(f"cols = {cols}: weight-gradient tiles are 128 or 256 columns wide")
-    _check_stages(stages, out.element_size(), "wgrad", cols)
+    if consumers not in (2, 3) or (consumers == 3 and cols != TILE_COLS.value):
+        raise ValueError(
+            f"consumers = {consumers} with cols = {cols}: weight-gradient tiles have 2 consumer "
+            f"warpgroups, or 3 with 128 columns"
+        )
+    _check_stages(stages, out.element_size(), "wgrad", cols, consumers)
     a_t_scale, b_t_scale = _features_contiguous(a_t_scale), _features_contiguous(b_t_scale)
     e, m, n = out.shape
-    work = e * triton.cdiv(m, TILE_ROWS) * triton.cdiv(n, cols)
+    work = e * triton.cdiv(m, consumers * HALF_ROWS.value) * triton.cdiv(n, cols)
     grid = launch_grid(work, a_t.device, programs)
+    blocks = GATE_UP_COLS.value if cols > TILE_COLS.value or consumers == 3 else cols
     _ws_wgrad_kernel[grid](
         _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
         a_t_scale,
         _nvmma(b_t, [TILE_COLS.value, BLOCK]),
         TensorDescriptor.from_tensor(b_t_scale.t(), [1, cols], _SCALE_ROW_LAYOUT),
-        # (a wide tile stores 64-column blocks: its accumulators' width)
-        _nvmma(out, [1, HALF_ROWS.value, GATE_UP_COLS.value if cols > TILE_COLS.value else cols]),
+        _nvmma(out, [1, HALF_ROWS.value, blocks]),  # (the consumers' accumulators' width)
         row_start,
         e,
         m,
@@ -1161,6 +1211,7 @@ def launch_wgrad(
         STAGES=stages,
         NUM_PROGS=grid[0],
         COLS=cols,
+        CONSUMERS=consumers,
         num_warps=4,
-        maxnreg=KERNEL_MAXNREG,
+        maxnreg=KERNEL_MAXNREG if consumers == 2 else THREE_CONSUMER_MAXNREG,
     )

@@ -149,12 +149,12 @@ def _gate_up_operands(h: int, i: int, experts: int, seed: int):
 
 
 def _warp_specialized_and_triton(
-    monkeypatch, kind: str, run, group_m: int = 1, bn: int | None = None
+    monkeypatch, kind: str, run, group_m: int = 1, bn: int | None = None, bm: int = 128
 ):
     """``run()`` with tiles[kind] warp-specialized (``bn`` columns wide, or its width kept;
     wide tiles, 256 columns or gate/up's 128 of each weight, with 3 stages; the row tiles in
-    groups of ``group_m``) and then on the Triton kernel (``fp8_gemm.triton_tiles``), on
-    poisoned buffers: (ws, triton)."""
+    groups of ``group_m``; the weight gradient's ``bm`` rows: 192, three consumers) and then
+    on the Triton kernel (``fp8_gemm.triton_tiles``), on poisoned buffers: (ws, triton)."""
     import dataclasses
 
     from megamoe.kernels import fp8_gemm
@@ -162,7 +162,7 @@ def _warp_specialized_and_triton(
     bn = bn or fp8_gemm.GPU_TILES[kind].bn
     wide = bn > (64 if kind == "gate_up" else 128)
     ws_tiles = dataclasses.replace(
-        fp8_gemm.WARP_SPECIALIZED, bn=bn, group_m=group_m, stages=3 if wide else 4
+        fp8_gemm.WARP_SPECIALIZED, bn=bn, bm=bm, group_m=group_m, stages=3 if wide else 4
     )
     triton_tiles = dataclasses.replace(
         fp8_gemm.triton_tiles(kind, ws_tiles), warp_specialized=False
@@ -400,9 +400,10 @@ def test_warp_specialized_dgrad_of_gate_up_gives_the_triton_kernels_bits(
 
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
 @pytest.mark.parametrize(
-    "out_dtype, programs, bn",
-    [(torch.bfloat16, None, 256), (torch.bfloat16, 7, 256), (torch.bfloat16, None, 128),
-     (torch.float32, 7, 128)],
+    "out_dtype, programs, bn, bm",
+    [(torch.bfloat16, None, 256, 128), (torch.bfloat16, 7, 256, 128),
+     (torch.bfloat16, None, 128, 128), (torch.float32, 7, 128, 128),
+     (torch.bfloat16, None, 128, 192), (torch.bfloat16, 7, 128, 192)],
 )  # fmt: skip
 def test_warp_specialized_weight_gradient_gives_the_triton_kernels_bits(
     monkeypatch,
@@ -412,12 +413,14 @@ def test_warp_specialized_weight_gradient_gives_the_triton_kernels_bits(
     out_dtype: torch.dtype,
     programs: int | None,
     bn: int,
+    bm: int,
 ) -> None:
     """The same for the weight gradient d_W[e] = A_e^T B_e over each expert's rows (the K
     loop's length per expert; expert 1 has none and gets zeros), in bf16 and in fp32
     (``wgrad_fp32``), as the down's [E, H, I] from d_z [rows, H] and h [rows, I], in wide
     tiles (256 columns: four 64-column partial accumulators a consumer; I = 2880 ends in a
-    partial one) and 128-column ones."""
+    partial one), 128-column ones, and 192 x 128 ones of three consumers (H = 7168 and 2880
+    end in a partial row tile)."""
     from megamoe.kernels import fp8, fp8_gemm
 
     sched, used, row_expert, gen = _routed_rows(experts, seed=h + i + experts + 2)
@@ -428,6 +431,7 @@ def test_warp_specialized_weight_gradient_gives_the_triton_kernels_bits(
         kind,
         lambda: fp8_gemm.wgrad(*a_t, *b_t, sched, programs, out_dtype=out_dtype),
         bn=bn,
+        bm=bm,
     )
     assert not ws.isnan().any(), "elements the kernel did not write"
     assert torch.equal(ws, triton_dw), "not the Triton kernel's bits"
