@@ -28,7 +28,10 @@ DeepGEMM splits it, so that one warpgroup's promotion overlaps another's MMAs:
     A consumer keeps two 64 x 128 accumulators and runs the slot's two blocks one after the
     other through one partial accumulator (``WIDE_MM``): two of those would not fit its
     registers. The weight gradient's wide tile, which also holds the step's column scales,
-    keeps four 64 x 64 accumulators and one 64 x 64 partial one (``WIDE_WGRAD``).
+    keeps four 64 x 64 accumulators and one 64 x 64 partial one (``WIDE_WGRAD``). The
+    weight gradient can also run three consumer warpgroups on 192 x 128 tiles (``consumers``
+    3: two 64 x 64 accumulators a consumer, 160 registers each), so that two consumers' MMAs
+    are in flight while the third promotes.
   * gate/up's wide tile can quantize h in its epilogue instead of storing it
     (``_store_quantized``, ``fp8_gemm.gate_up_quantized``): a consumer's 64 rows hold whole
     1x128 blocks, and the tile's 128 rows one 128x1 block, whose column maxima the two

@@ -81,7 +81,8 @@ class GemmTiles:
     # fp8's GEMMs on Hopper (gate/up, the one- and two-pair grouped mm, the SwiGLU backward,
     # the weight gradient): the warp-specialized Gluon kernel (``fp8_ws``: 128 x ``bn`` tiles,
     # ``bn`` 128 or 256, gate/up's 64 or 128 of each weight; one producer warp and two consumer
-    # warpgroups, ``stages`` ring slots) in place of the Triton one; the same bits. Elsewhere
+    # warpgroups, ``stages`` ring slots; the weight gradient's ``bm`` 192: three consumers,
+    # ``bn`` 128) in place of the Triton one; the same bits. Elsewhere
     # (the interpreter, other GPUs, fp32 outputs) the Triton kernel runs
     # ``fp8_gemm.triton_tiles`` of these tiles.
     warp_specialized: bool = False
