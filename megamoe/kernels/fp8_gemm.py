@@ -127,12 +127,14 @@ GPU_TILES: dict[str, GemmTiles] = {
     # on 12 of the 15 table models that fit one H100, 0.94-0.98x on GLM-4.5, DeepSeek-V2 and
     # Qwen3-235B (geometric mean 1.07x; 16384 tokens, 2026-12-06)
     "swiglu_bwd": WARP_SPECIALIZED,
-    # the weight gradient on the warp-specialized kernel's wide tiles (256 columns as four
-    # 64-column partial accumulators a consumer, 3 stages), its column scales through the
-    # ring's shared memory: 1.02-1.28x its 128-column tiles on the 14 table models that fit
-    # one H100 at 16384 tokens (geometric mean 1.10x) and 1.05-1.14x at the dsv3 and
-    # qwen3-30b presets (2026-12-06); those were 1.08-1.30x the split tiles at the presets
-    "wgrad": dataclasses.replace(WARP_SPECIALIZED, bn=256, stages=3),
+    # the weight gradient on the warp-specialized kernel, its column scales through the
+    # ring's shared memory, in wide tiles (256 columns as four 64-column partial accumulators
+    # a consumer, 3 stages) or, where those pad the output more, 192 x 128 tiles of three
+    # consumers (``bm`` 0: ``fp8_ws.wgrad_tiles`` picks; 1.00-1.15x the wide tiles on the 14
+    # table models that fit one H100 at 16384 tokens, geometric mean 1.03x, 2026-12-06). The
+    # wide tiles were 1.02-1.28x the 128-column ones there (geometric mean 1.10x) and
+    # 1.05-1.14x at the dsv3 and qwen3-30b presets; those were 1.08-1.30x the split tiles
+    "wgrad": dataclasses.replace(WARP_SPECIALIZED, bm=0, bn=256, stages=3),
     # into fp32 (``out_dtype``): its [64, 128] fp32 epilogue tile takes a stage's shared memory
     "wgrad_fp32": dataclasses.replace(_SPLIT, stages=2),
 }
@@ -1378,9 +1380,13 @@ def wgrad(
     kind = "wgrad_fp32" if out.element_size() == 4 else "wgrad"
     t = tiles_for(kind)
     if t.warp_specialized and fp8_ws.supported(a_t.device, sched.block_rows):
+        if t.bm == 0:  # automatic
+            consumers, cols, stages = fp8_ws.wgrad_tiles(m, n, (t.bn, t.stages))
+        else:
+            consumers, cols, stages = t.bm // fp8_ws.HALF_ROWS.value, t.bn, t.stages
         fp8_ws.launch_wgrad(
-            a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, t.stages, programs, t.bn,
-            consumers=t.bm // fp8_ws.HALF_ROWS.value,
+            a_t, a_t_scale, b_t, b_t_scale, sched.row_start, out, stages, programs, cols,
+            consumers=consumers,
         )  # fmt: skip
         return out
     t = triton_tiles(kind, t)

@@ -67,7 +67,8 @@ class GemmTiles:
     warps: int
     # Tile height. Row-block kernels: 0 = one tile per row block (``block_rows``), or a divisor
     # of it (each block split into block_rows // bm tiles of one expert). The weight gradient:
-    # the tile's extent along the weight's first dimension.
+    # the tile's extent along the weight's first dimension (fp8's warp-specialized one: 128,
+    # 192 with three consumers, or 0: ``fp8_ws.wgrad_tiles`` picks).
     bm: int = 0
     flatten: bool = False  # fuse the persistent tile loop with the K loop (software pipelining)
     programs_per_sm: int = 1  # persistent programs per SM (2: small tiles hide each other)

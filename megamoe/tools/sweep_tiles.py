@@ -182,7 +182,9 @@ def fits_shared_memory(tile_kind: str, t: GemmTiles, precision: str, block_rows:
     a split tile stores one sub-tile at a time).
     A compile that does not fit fails anyway; this keeps the sweep from compiling it."""
     if t.warp_specialized:  # (fp8_ws: one CTA per SM)
-        consumers = t.bm // fp8_ws.HALF_ROWS.value if tile_kind.startswith("wgrad") else 2
+        # (the weight gradient's bm 192: three consumers; 0, automatic: these tiles' two)
+        wgrad_rows = t.bm if tile_kind.startswith("wgrad") else 0
+        consumers = wgrad_rows // fp8_ws.HALF_ROWS.value or 2
         need = fp8_ws.smem_bytes(t.stages, kind=tile_kind, cols=t.bn, consumers=consumers)
         return need + _BLOCK_RESERVED_BYTES <= _SM_SHARED_BYTES
     a_bytes = 1 if precision == "fp8" else 2

@@ -73,7 +73,8 @@ def test_fp8_tiles_never_change_bits(monkeypatch, bn: int, row_bm: int, per_sm: 
         kind: dataclasses.replace(
             t,
             bn=min(t.bn, bn),
-            bm=(t.bm if row_bm == 0 else row_bm) if kind.startswith("wgrad") else row_bm,
+            # (the automatic weight gradient, bm 0, as its Triton tiles: 128 rows)
+            bm=((t.bm or 128) if row_bm == 0 else row_bm) if kind.startswith("wgrad") else row_bm,
             warps=4 if row_bm == 64 else t.warps,
             programs_per_sm=per_sm,
             split_m=t.split_m if row_bm == 0 else 1,  # (a WGMMA's sub-tile is 64 rows)
