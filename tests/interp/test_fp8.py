@@ -881,3 +881,30 @@ def test_wide_tiles_run_as_narrow_triton_tiles_and_bad_widths_are_refused() -> N
         fp8_ws.launch_wgrad(x, x, x, x, x, out, 3, cols=192)
     with pytest.raises(ValueError, match="stages = 4 needs .* with 256-column tiles and the wgrad"):
         fp8_ws.launch_wgrad(x, x, x, x, x, out, 4, cols=256)
+    with pytest.raises(ValueError, match="consumers = 3 with cols = 256: .* 3 with 128 columns"):
+        fp8_ws.launch_wgrad(x, x, x, x, x, out, 3, cols=256, consumers=3)
+    with pytest.raises(ValueError, match="consumers = 4 with cols = 128"):
+        fp8_ws.launch_wgrad(x, x, x, x, x, out, 3, cols=128, consumers=4)
+    with pytest.raises(ValueError, match="stages = 5 needs .* with 128-column tiles and the wgrad"):
+        fp8_ws.launch_wgrad(x, x, x, x, x, out, 5, cols=128, consumers=3)
+
+
+def test_the_weight_gradient_takes_the_tile_that_pads_its_output_less() -> None:
+    """``GPU_TILES["wgrad"].bm`` 0: ``fp8_ws.wgrad_tiles`` picks 192 x 128 tiles of three
+    consumers (4 stages) where they pad the [E, M, N] output no more than the wide 128 x 256
+    tiles of two (a tie included), else the wide tiles (the entry's columns and stages); both
+    fit the shared memory."""
+    from megamoe.kernels import fp8_ws
+
+    t = fp8_gemm.GPU_TILES["wgrad"]
+    assert t.bm == 0 and t.warp_specialized
+    wide, three = (2, t.bn, t.stages), (3, 128, 4)
+    for consumers, cols, stages in (wide, three):
+        assert fp8_ws.smem_bytes(stages, 2, "wgrad", cols, consumers) <= fp8_ws.SMEM_BYTES
+    pick = lambda m, n: fp8_ws.wgrad_tiles(m, n, (t.bn, t.stages))  # noqa: E731
+    assert pick(2880, 2880) == three  # GPT-OSS: N % 256 pads the wide tile, M % 192 == 0
+    assert pick(4096, 1408) == three  # 1408 columns: the wide tile pads 9%, 192 rows 3%
+    assert pick(1536, 2048) == three  # neither pads: a tie
+    assert pick(7168, 2048) == wide  # dsv3's down: only 192 rows pad
+    assert pick(2048, 2048) == wide
+    assert pick(100, 100) == three  # both pad one tile: 192 x 128 is smaller
