@@ -420,7 +420,7 @@ def test_warp_specialized_weight_gradient_gives_the_triton_kernels_bits(
     loop's length per expert; expert 1 has none and gets zeros), in bf16 and in fp32
     (``wgrad_fp32``), as the down's [E, H, I] from d_z [rows, H] and h [rows, I], in wide
     tiles (256 columns: four 64-column partial accumulators a consumer; I = 2880 ends in a
-    partial one), 128-column ones, and 192 x 128 ones of three consumers (H = 7168 and 2880
+    partial one), 128-column ones, and 192 x 128 ones of three consumers (H = 7168 and 2048
     end in a partial row tile)."""
     from megamoe.kernels import fp8, fp8_gemm
 
