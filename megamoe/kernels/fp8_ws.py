@@ -1156,14 +1156,14 @@ def launch_grouped_mm(
     )
 
 
-def wgrad_tiles(m: int, n: int, wide: tuple[int, int] = (2 * TILE_COLS.value, 3)):
+def wgrad_tiles(m: int, n: int, wide: tuple[int, int]) -> tuple[int, int, int]:
     """(consumers, columns, stages) of the weight gradient's tiles for an [E, ``m``, ``n``]
     output where the tiles ask for the automatic choice: 128 x ``wide[0]`` tiles of two
-    consumers (``wide[1]`` stages) or 192 x 128 tiles of three (4 stages), whichever pads the
-    output less (a tie: three). Three consumers hide more of each one's promotion; a wide
-    tile reads fewer operand bytes a FLOP. On the model table (H100, 16384 tokens) the three
-    ran 1.07-1.15x the wide tiles wherever the latter padded more (N % 256 != 0), 1.00-1.08x
-    where neither padded, and 0.90-1.05x where only the 192-row tiles did."""
+    consumers (``wide[1]`` stages: the tile entry's) or 192 x 128 tiles of three (4 stages),
+    whichever pads the output less (a tie: three). Three consumers hide more of each one's
+    promotion, a wide tile reads fewer operand bytes a FLOP; on the model table the three won
+    where the wide tile padded more or neither did, and lost where only they padded
+    (BENCHMARKS.md, "The weight gradient on three consumers")."""
     cols, stages = wide
 
     def padded(rows: int, width: int) -> int:
