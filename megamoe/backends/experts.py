@@ -15,6 +15,7 @@ import torch
 
 from ..config import MoEConfig
 from ..kernels import fp8, fp8_gemm, gemm
+from ..kernels.fused.forward import Pulls
 from ..kernels.rows import QuantizedRows
 from ..kernels.runtime import empty
 from ..kernels.schedule import RowSchedule, uniform_schedule
@@ -112,15 +113,21 @@ def routed_forward(
     sched: RowSchedule,
     precision: str = "bf16",
     fp8w: fp8_weights.StepWeights | None = None,
+    pulls: Pulls | None = None,
 ) -> RoutedActivations:
     """gate/up + SwiGLU and down of the routed rows ``xs`` (``precision``: the config's). In
     fp8 ``xs`` holds the rows' packed 1x128 quantization (``fp8.quantize_packed`` on the source
     rank, then gathered or pulled), which the gate/up GEMM reads in place, and the GEMMs read
-    the step's fp8 weights ``fp8w`` (default: :func:`fp8_weights.step_weights`)."""
+    the step's fp8 weights ``fp8w`` (default: :func:`fp8_weights.step_weights`). With ``pulls``
+    (fp8; ``xs`` its rows) the rows arrive while the gate/up GEMM runs, on ``pulls.programs``
+    SMs, waiting for each row block's arrival (backend "fused"'s pipelined forward)."""
     if precision == "fp8":
         xq, xq_s = fp8.unpack_rows(xs, weights.w_gate.shape[-1])
         fp8w = fp8w if fp8w is not None else fp8_weights.step_weights(weights)
-        g, u, (hq, hq_s), h_cols = fp8_gemm.gate_up_quantized(xq, xq_s, fp8w.gate, fp8w.up, sched)
+        programs, arrivals = (None, None) if pulls is None else (pulls.programs, pulls.arrivals)
+        g, u, (hq, hq_s), h_cols = fp8_gemm.gate_up_quantized(
+            xq, xq_s, fp8w.gate, fp8w.up, sched, programs, arrivals
+        )
         z = fp8_gemm.grouped_mm(hq, hq_s, fp8w.down, sched, out_dtype=KERNEL_DTYPE)
         return RoutedActivations(xs, g, u, h_cols, z)
     g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ..config import MoEConfig
 from ..ep import checks
 from ..ep.workspace import Workspace, local_workspace, publish
-from ..kernels import comm, rows
+from ..kernels import comm, fp8, fp8_gemm, rows
 from ..kernels.fused import comm_kernel_programs, comm_programs_for, fused_forward
 from ..kernels.fused.backward import (
     Macrobatch,
@@ -52,10 +52,12 @@ from ..kernels.fused.backward import (
     fused_backward_ep,
     macrobatch_outputs,
 )
+from ..kernels.fused.forward import start_pulls
+from ..kernels.fused.plan import pull_programs_for
 from ..kernels.runtime import empty, persistent_programs
 from ..kernels.schedule import row_window
 from ..types import ExpertWeights, MoEGrads, RoutedActivations
-from . import fp8_weights, state, steps
+from . import experts, fp8_weights, state, steps
 from .requirements import KERNEL_DTYPE, is_available, supports
 from .state import EmptyContext, TritonContext, TritonSchedule, save
 from .steps import build_schedule, check
@@ -73,6 +75,7 @@ __all__ = [
     "check",
     "forward_steps",
     "resolved_tunables",
+    "forward_kind",
     "uses_comm_kernel",
     "backward_kind",
     "macrobatch_rows",
@@ -84,6 +87,16 @@ __all__ = [
 MAX_WORLD_SIZE = None
 # "1": the fused backward kernel; "0" (the default): backend "triton"'s backward (backward_kind).
 FUSED_BACKWARD_ENV = "MEGAMOE_FUSED_BACKWARD"
+
+
+def forward_kind(config: MoEConfig, device: torch.device, world_size: int = 1) -> str:
+    """Which forward runs between the barriers: "pipelined" (fp8 with ``comm_kernel`` None on
+    a GPU that runs the warp-specialized fp8 GEMMs: :func:`_pipelined_experts`), else the
+    fused kernel: "comm_kernel" (:func:`uses_comm_kernel`) or "one_kernel"."""
+    if config.precision == "fp8" and config.comm_kernel is None:
+        if fp8_gemm.warp_specialized("gate_up", device, config.block_rows):
+            return "pipelined"
+    return "comm_kernel" if uses_comm_kernel(config, world_size) else "one_kernel"
 
 
 def uses_comm_kernel(config: MoEConfig, world_size: int) -> bool:
@@ -98,21 +111,25 @@ def uses_comm_kernel(config: MoEConfig, world_size: int) -> bool:
 
 def resolved_tunables(
     config: MoEConfig, device: torch.device, world_size: int
-) -> dict[str, int | None]:
-    """The tunables as the kernel uses them on ``device`` at ``world_size``: the comm kernel on
-    or off, and the derived comm programs (the comm kernel's, or the one kernel's) for None.
-    (``down_lag`` None stays None: it also depends on the ring and the schedule's rows.)"""
-    comm_kernel = uses_comm_kernel(config, world_size)
+) -> dict[str, int | str | None]:
+    """The tunables as the forward uses them on ``device`` at ``world_size``: which forward
+    (:func:`forward_kind`), the comm kernel on or off (the pipelined forward pulls with it),
+    and the derived comm programs (the comm kernel's, the one kernel's, or the pipelined
+    forward's pulls') for None. (``down_lag`` None stays None: it also depends on the ring and
+    the schedule's rows.)"""
+    kind = forward_kind(config, device, world_size)
     num_comm = config.comm_programs
     if num_comm is None:
-        num_comm = (
-            comm_kernel_programs(device)
-            if comm_kernel
-            else comm_programs_for(
-                persistent_programs(device), config.intermediate_size, world_size
-            )
-        )
-    return {"comm_programs": num_comm, "comm_kernel": comm_kernel}
+        programs = persistent_programs(device)
+        if kind == "pipelined":
+            hidden, inter = config.hidden_size, config.intermediate_size
+            row_bytes = 2 * fp8.packed_width(hidden)
+            num_comm = pull_programs_for(programs, hidden, inter, row_bytes, world_size)
+        elif kind == "comm_kernel":
+            num_comm = comm_kernel_programs(device)
+        else:
+            num_comm = comm_programs_for(programs, config.intermediate_size, world_size)
+    return {"comm_programs": num_comm, "comm_kernel": kind != "one_kernel", "forward": kind}
 
 
 def _experts_step(
@@ -124,8 +141,16 @@ def _experts_step(
     trace: torch.Tensor | None = None,
 ) -> steps.ExpertsOutput:
     """``steps.experts_unfused`` as one fused launch (in fp8 on the step's fp8 weights
-    ``fp8w`` and this rank's published packed rows)."""
+    ``fp8w`` and this rank's published packed rows), or in fp8 on Hopper the pipelined forward
+    (:func:`_pipelined_experts`)."""
     config = schedule.config
+    if forward_kind(config, ws.device, ws.world_size) == "pipelined":
+        if trace is not None:
+            raise ValueError(
+                "trace: the pipelined fp8 forward runs no fused kernel to trace; comm_kernel=False "
+                "traces the one-kernel fp8 forward"
+            )
+        return _pipelined_experts(ws, schedule, weights, x, fp8w)
     tokens = steps.published_tokens(ws, x, config)
     shared = None
     if weights.has_shared:
@@ -147,6 +172,35 @@ def _experts_step(
         fp8_weights=fp8w,
     )
     return (out.routed if out.full else None), out.shared, out.shared_out
+
+
+def _pipelined_experts(
+    ws: Workspace,
+    schedule: TritonSchedule,
+    weights: ExpertWeights,
+    x: torch.Tensor,
+    fp8w: fp8_weights.StepWeights,
+) -> steps.ExpertsOutput:
+    """The fp8 forward between the barriers on the warp-specialized GEMMs: the comm kernel
+    pulls the packed rows on SMs of its own (``kernels.fused.start_pulls``) while the shared
+    expert's GEMMs and then the routed gate/up GEMM run on the other SMs, the gate/up kernel
+    waiting for each row block's pull; then down on every SM and the push of z. The GEMMs are
+    backend "triton"'s: the same bits. (They fill an SM's registers, so no comm program fits
+    beside them as in the bf16 comm-kernel forward: the push comes after down.)"""
+    config, sched = schedule.config, schedule.routed
+    tokens = steps.published_tokens(ws, x, config)
+    pulls = start_pulls(
+        ws, sched, weights.w_gate.shape[1], config.comm_programs, config.minibatch_rows
+    )
+    try:
+        shared, shared_out = experts.shared_forward(
+            tokens, weights, config, pulls.programs, fp8w=fp8w
+        )
+        routed = experts.routed_forward(pulls.rows, weights, sched, "fp8", fp8w, pulls)
+    finally:
+        pulls.join()
+    comm.combine_push(ws, routed.z, sched, "combine", programs=config.copy_programs)
+    return routed, shared, shared_out
 
 
 def forward_steps(

@@ -2,6 +2,9 @@
 
 Device functions (``@triton.jit``, reusable by the persistent megakernel):
   wait_at_least   spin (acquire, sys) until flags reach a value; on budget expiry record a stall
+  wait_flag       the same on one flag, as scalars (Triton and Gluon kernels)
+  publish_writes, acquire_for_tma
+                  TMA (async proxy) writes before a release, TMA loads after an acquire
   barrier_arrive  advance this rank's epoch and publish it into every rank's pad (release, sys)
   barrier_wait    wait until every rank published this epoch into our pad
   copy_rows       pull scheduled rows out of the peers' token buffers into a local row buffer
@@ -43,6 +46,9 @@ __all__ = [
     "check_programs",
     "check_schedule",
     "wait_at_least",
+    "wait_flag",
+    "publish_writes",
+    "acquire_for_tma",
     "record_stall",
     "barrier_arrive",
     "barrier_wait",
@@ -149,6 +155,58 @@ def wait_at_least(
         got = tl.sum(tl.where(behind & (who == peer), seen, 0), axis=0)
         record_stall(err_ptr, stage, index, peer, rank, got, wanted, budget)
     return missing == 0
+
+
+@triton.jit
+def wait_flag(flag_ptr, wanted, budget, err_ptr, stage, index, peer, rank, SCOPE: tl.constexpr):
+    """:func:`wait_at_least` on one flag, as scalars: no block shapes, so Gluon kernels call it
+    too (the warp-specialized GEMMs' producer). ``peer``: the stall record's 'peer'."""
+    earlier = tl.load(err_ptr, volatile=True)
+    if earlier != 0:
+        budget = 0
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while ((seen - wanted) < 0) & (spins < budget):
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    if ((seen - wanted) < 0) & (earlier == 0):
+        record_stall(err_ptr, stage, index, peer, rank, seen, wanted, budget)
+    return (seen - wanted) >= 0
+
+
+@triton.jit
+def publish_writes(GPU: tl.constexpr):
+    """Make this program's TMA stores (async proxy) complete and visible before a release.
+
+    Triton waits only for the shared-memory source of a TMA store (``wait_group.read``); a
+    consumer on another SM needs the global writes done, and generic-proxy readers need the
+    proxy fence. Every thread runs it (only the issuing thread has bulk groups); the CTA barrier
+    in :func:`signal` follows. No-op under the interpreter (stores are immediate there).
+    """
+    if GPU:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
+            "=r,r",
+            [0],  # (a scalar: Gluon kernels call these too)
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def acquire_for_tma(GPU: tl.constexpr):
+    """After an acquire: order later TMA loads (async proxy) after the generic-proxy sync."""
+    if GPU:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, 0;",
+            "=r,r",
+            [0],  # (a scalar: Gluon kernels call these too)
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -165,6 +165,12 @@ def tiles_for(kind: str) -> GemmTiles:
     return (INTERPRETER_TILES if interpreting() else GPU_TILES)[kind]
 
 
+def warp_specialized(kind: str, device: torch.device, block_rows: int) -> bool:
+    """Whether ``kind``'s GEMMs run the warp-specialized kernels (``fp8_ws``) on ``device``:
+    their tiles ask for them and this GPU runs them."""
+    return tiles_for(kind).warp_specialized and fp8_ws.supported(device, block_rows)
+
+
 def triton_tiles(kind: str, t: GemmTiles) -> GemmTiles:
     """The tiles the Triton kernels run for ``tiles[kind] = t`` where ``t`` asks for the
     warp-specialized kernel and it cannot run (other GPUs, outputs other than bf16), with the
@@ -988,6 +994,7 @@ def gate_up_quantized(
     w_up: Fp8Weight,
     sched: RowSchedule,
     programs: int | None = None,
+    arrivals: fp8_ws.RowArrivals | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """(g, u, (hq, hq_scale), h_t): :func:`gate_up`'s bf16 g and u, and its h quantized as
     ``fp8.quantize_rows_cols(h, pad_to=16, cols_out=h_t)`` quantizes it (its bits on the used
@@ -995,14 +1002,17 @@ def gate_up_quantized(
     packed_width(rows + -rows % 16)] int16) the weight gradient of down reads. On the
     warp-specialized kernel's wide tiles the epilogue quantizes h, which is never stored
     (where I % 16 == 0, as in fp8 layers, and ``EPILOGUE_QUANTIZES["h"]``); elsewhere
-    :func:`gate_up` and that pass."""
-    g, u, (hq, h_t) = _gate_up(a, a_scale, w_gate, w_up, sched, programs, torch.bfloat16, True)
+    :func:`gate_up` and that pass. With ``arrivals`` the rows of ``a`` arrive while the
+    warp-specialized kernel runs (``fp8_ws.RowArrivals``; only that kernel waits for them)."""
+    g, u, (hq, h_t) = _gate_up(
+        a, a_scale, w_gate, w_up, sched, programs, torch.bfloat16, True, arrivals
+    )
     return g, u, hq, h_t
 
 
-def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
+def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h, arrivals=None):
     """:func:`gate_up`, or with ``quantize_h`` :func:`gate_up_quantized` as (g, u, ((hq,
-    hq_scale), h_t))."""
+    hq_scale), h_t)); ``arrivals``: see there."""
     rows, k = _check_rows("a", a, a_scale)
     qg, sg = _check_weight("w_gate", w_gate, sched.num_experts, k, False)
     qu, su = _check_weight("w_up", w_up, sched.num_experts, k, False)
@@ -1019,6 +1029,12 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
     h_t = None  # with quantize_h: the packed rows of h^T
     if quantize_h:
         h_t = _packed_cols(rows, n, a.device)
+    if arrivals is not None and not (ws and fp8_ws.supported(a.device, sched.block_rows)):
+        raise ValueError(
+            "arrivals: only the warp-specialized gate/up kernel waits for rows that arrive while "
+            f"it runs (a Hopper GPU, tiles['gate_up'].warp_specialized); got device "
+            f"{a.device} and tiles {t}"
+        )
     if ws and fp8_ws.supported(a.device, sched.block_rows):
         # (the wide tiles' epilogue; its fp8 stores by TMA need 16-byte rows: I % 16 == 0,
         # as fp8 layers have)
@@ -1045,6 +1061,7 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h):
             t.group_m,
             t.bn,
             h_quant,
+            arrivals,
         )
         return (g, u, (hq, h_t)) if h_quant is not None else _with_h(g, u, h, h_t)
     h = empty((rows, n), out_dtype, a.device)

@@ -57,6 +57,7 @@ tiles ask for it (``GemmTiles.warp_specialized``); the CPU tests compile it for 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -71,7 +72,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import fp8, tiles
+from ..errors import Stage
+from . import comm, fp8, tiles
 from .fp8 import BLOCK, FP8
 from .runtime import compiling_for_hopper, interpreting, launch_grid
 
@@ -82,6 +84,7 @@ __all__ = [
     "smem_bytes",
     "staging_cols",
     "supported",
+    "RowArrivals",
     "launch_gate_up",
     "launch_grouped_mm",
     "launch_wgrad",
@@ -116,6 +119,7 @@ GATE_UP_LAYOUT = gl.constexpr(
     gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
 )
 SMEM_BYTES = 227 * 1024  # what one H100/H200 CTA may use
+_STAGE_ROWS = gl.constexpr(int(Stage.ROWS_READY))  # (a stall record's stage: rows that arrive)
 # The row tiles walked together (``_tile_origin``) where ``GemmTiles.group_m`` is 0 (automatic)
 # and an expert's row tiles do not all run at once (``walk_group``)
 AUTO_GROUP_M = 8
@@ -241,12 +245,15 @@ def _load_steps(a_desc, b_descs, ring, a_row, b_row, k0, k_steps, it, B_STEP: gl
 @gluon.jit
 def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl.constexpr,
               NUM_PROGS: gl.constexpr, COLS: gl.constexpr, GROUP_M: gl.constexpr,
-              HAS_GU: gl.constexpr = False, gu=None):  # fmt: skip
+              HAS_GU: gl.constexpr = False, gu=None, WAIT_ROWS: gl.constexpr = 0,
+              arrivals=None):  # fmt: skip
     """One warp: every K step of every tile of this CTA, in the consumers' order, into the
     ring: the first pair's (``pairs[i]``: A's descriptor, the weights' (one, or gate and up),
     their rows an expert), then with ``TWO_PAIRS`` the second's. A slot is refilled once both
     consumers released it ("free"); its "ready" barrier completes when all of the step's TMA
-    bytes have landed. A wide tile (``COLS`` 256) loads its weight rows as two 128-row boxes."""
+    bytes have landed. A wide tile (``COLS`` 256) loads its weight rows as two 128-row boxes.
+    With ``WAIT_ROWS`` (rows a counter) the A rows arrive while the kernel runs: before a
+    tile's first load it waits until the counter of its rows (``_wait_rows``) is complete."""
     B_STEP: gl.constexpr = TILE_COLS if COLS == 2 * TILE_COLS else 0
     walk, num_tiles = _tile_walk(sched, N, BLOCK_TILES, COLS)
     k_steps = gl.cdiv(K, BK)
@@ -254,6 +261,8 @@ def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl
     n = 0  # tiles loaded so far
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
+        if WAIT_ROWS > 0:
+            _wait_rows(arrivals, row // WAIT_ROWS)
         a_desc, b_descs, w_rows = pairs[0]
         b_row = expert * w_rows + col
         it = _load_steps(a_desc, b_descs, ring, row, b_row, 0, k_steps, it, B_STEP)
@@ -264,6 +273,18 @@ def _producer(pairs, ring, sched, N, K, TWO_PAIRS: gl.constexpr, BLOCK_TILES: gl
         if HAS_GU:
             _load_gu(gu, row, col, n)
             n += 1
+
+
+@gluon.jit
+def _wait_rows(arrivals, m):
+    """Wait until counter ``m`` of ``arrivals`` (its pointer, the count that completes it and
+    the watchdog's (error record, rank, budget)) is complete, then order this warp's later
+    TMA loads after the acquire. A wait that gives up has recorded the stall; the loads go on
+    (the host raises ``StallError`` at its next check)."""
+    counters, wanted, watch = arrivals
+    err_ptr, rank, budget = watch
+    comm.wait_flag(counters + m, wanted, budget, err_ptr, _STAGE_ROWS, m, rank, rank, "gpu")
+    comm.acquire_for_tma(True)
 
 
 @gluon.jit
@@ -832,8 +853,11 @@ def _ws_grouped_mm_kernel(
 
 
 @gluon.jit(
-    do_not_specialize=["M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk", "s_tk"]
-)
+    do_not_specialize=[
+        "M", "N", "K", "w_rows", "s_am", "s_ak", "s_be", "s_bn", "s_bk", "s_tk",
+        "rows_wanted", "rank", "budget",
+    ]
+)  # fmt: skip
 def _ws_gate_up_kernel(
     a_desc, a_s_ptr,  # the rows and their 1x128 scales
     bg_desc, bg_s_ptr, bu_desc, bu_s_ptr, w_rows,  # gate's and up's 2-D views and scales
@@ -842,12 +866,16 @@ def _ws_gate_up_kernel(
     # scales), the latter's stride along the columns
     hq_desc, hqt_desc, h_scales, s_tk,
     block_expert_ptr, num_blocks_ptr,  # the row schedule
+    # WAIT_ROWS: the rows' arrival counters, the count that completes one, and the
+    # watchdog's error record, rank and budget (``RowArrivals``)
+    row_counters, rows_wanted, err_ptr, rank, budget,
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides (gate's and up's alike)
     STAGES: gl.constexpr,
     COLS: gl.constexpr,  # the columns of each weight a tile: 64, or 128 (wide)
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
     QUANT_H: gl.constexpr,  # h quantized in the epilogue, not stored (wide tiles)
+    WAIT_ROWS: gl.constexpr,  # rows a counter (0: the rows are all there at the launch)
 ):  # fmt: skip
     ring, g_bufs = _shared_ring(a_desc, bg_desc, g_desc, STAGES, 2 * COLS)
     c_bufs = (g_bufs, _staging(u_desc))
@@ -861,6 +889,7 @@ def _ws_gate_up_kernel(
     pairs = ((a_desc, (bg_desc, bu_desc), w_rows),)
     sched = (block_expert_ptr, num_blocks_ptr)
     outs = (g_desc, u_desc, h_desc)
+    arrivals = (row_counters, rows_wanted, (err_ptr, rank, budget))
     gl.warp_specialize(
         [
             (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, h_quant, 0, COLS,
@@ -868,7 +897,7 @@ def _ws_gate_up_kernel(
             (_gate_up_consumer, (outs, c_bufs, ring, scales, sched, N, K, h_quant, 1, COLS,
                                  BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT_H)),
             (_producer, (pairs, ring, sched, N, K, False, BLOCK_TILES, NUM_PROGS, COLS,
-                         GROUP_M)),
+                         GROUP_M, False, ring, WAIT_ROWS, arrivals)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -1018,6 +1047,39 @@ def _quant_args(rows: int, rows_q: tuple, cols_q: tuple) -> tuple[tuple, tuple]:
     return descs, (s, s_t)
 
 
+class RowArrivals(NamedTuple):
+    """Rows of A that arrive while the gate/up kernel runs (another kernel copies them in: the
+    fused forward's pulls). Counter m (``counters[m]``, int32) reaches ``wanted`` (release) once
+    rows ``[m * rows, (m + 1) * rows)`` are written; the producer waits for it (acquire) before
+    a tile's first load of them. A wait that runs out of ``budget`` polls records the stall in
+    ``errors`` (the workspace's record, as ``rank``)."""
+
+    counters: torch.Tensor
+    rows: int
+    wanted: int
+    errors: torch.Tensor
+    rank: int
+    budget: int
+
+
+def _arrival_args(arrivals: RowArrivals | None, placeholder: torch.Tensor) -> tuple[tuple, int]:
+    """The gate/up kernel's (counters, wanted, errors, rank, budget) and ``WAIT_ROWS``."""
+    if arrivals is None:
+        return (placeholder, 0, placeholder, 0, 0), 0
+    if arrivals.rows <= 0 or arrivals.rows % TILE_ROWS:
+        raise ValueError(
+            f"arrivals.rows must be a positive multiple of the tiles' {TILE_ROWS} rows, got "
+            f"{arrivals.rows}"
+        )
+    if arrivals.counters.dtype != torch.int32 or arrivals.errors.dtype != torch.int32:
+        raise ValueError(
+            f"arrivals.counters and arrivals.errors must be int32, got "
+            f"{arrivals.counters.dtype} and {arrivals.errors.dtype}"
+        )
+    a = arrivals
+    return (a.counters, a.wanted, a.errors, a.rank, a.budget), a.rows
+
+
 def launch_gate_up(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -1032,6 +1094,7 @@ def launch_gate_up(
     cols: int = GATE_UP_COLS.value,
     h_quant: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     | None = None,
+    arrivals: RowArrivals | None = None,
 ) -> None:
     """(g, u, h) = (a W_g^T, a W_u^T, silu(g) * u) of the used row blocks of ``sched`` into
     ``outs`` (each [rows, I], bf16), ``cols`` columns of each weight a tile (64, or 128:
@@ -1041,7 +1104,8 @@ def launch_gate_up(
     None) h goes into ``((hq, hq_scale), (hq_t, hq_t_scale))`` instead, in the layouts of
     ``fp8.rows_cols_buffers(rows, I, pad_to=16, cols_out=...)`` (hq_t and its scales the
     views of packed rows of h^T): ``fp8.quantize_rows_cols``' bits of the bf16 h on the used
-    rows. ``fp8_gemm.gate_up`` has checked the arguments."""
+    rows. With ``arrivals`` the rows of ``a`` arrive while the kernel runs (``RowArrivals``).
+    ``fp8_gemm.gate_up`` has checked the arguments."""
     if cols not in (GATE_UP_COLS.value, TILE_COLS.value):
         raise ValueError(f"cols = {cols}: gate/up tiles are 64 or 128 columns of each weight")
     if h_quant is not None and cols != TILE_COLS.value:
@@ -1058,6 +1122,7 @@ def launch_gate_up(
     if h_quant is not None:
         h_descs, h_scales = _quant_args(rows, *h_quant)
     h_desc = _nvmma(outs[2] if h_quant is None else outs[0], out_box)  # (h not stored: unused)
+    arrival_args, wait_rows = _arrival_args(arrivals, sched.num_blocks)
     _ws_gate_up_kernel[grid](
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
         a_scale,
@@ -1073,6 +1138,7 @@ def launch_gate_up(
         0 if h_quant is None else h_quant[1][1].stride(0),
         sched.block_expert,
         sched.num_blocks,
+        *arrival_args,
         rows,
         n,
         k,
@@ -1080,6 +1146,7 @@ def launch_gate_up(
         *sg.stride(),
         COLS=cols,
         QUANT_H=h_quant is not None,
+        WAIT_ROWS=wait_rows,
         **options,
     )
 

@@ -202,6 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape, case, config = case_of_args(args, parser, env)
     config = config.replace(precision=args.precision)
     tunables = fused.resolved_tunables(config, env.device, env.world_size)
+    if tunables["forward"] == "pipelined":
+        print(
+            "fused_trace: the pipelined fp8 forward (the default on Hopper) runs no fused kernel "
+            "to trace; --set comm_kernel=0 traces the fused kernel's fp8 tiles, and "
+            "megamoe.tools.profile shows the pipelined forward's kernels",
+            file=sys.stderr,
+        )
+        return 2
     x, ids, w = case.x.detach(), case.topk_ids, case.topk_weights.detach()
     weights = type(case.weights)(*(None if t is None else t.detach() for t in case.weights))
     schedule = fused.build_schedule(ids, config, env.group)

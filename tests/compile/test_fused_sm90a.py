@@ -23,6 +23,8 @@ from support import background
 from support.compiled import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, pick
 
 FP8 = ("fused fp8 dsv3 one kernel", "fused fp8 dsv3 comm kernel")
+# a poll of a counter at GPU scope (``comm.wait_flag``'s atomic add of 0: an acquire load)
+ACQUIRE = r"(atom|ld)\.global\.gpu\.acquire\.(add|b32)"
 UNTRACED = (
     "fused dsv3 comm kernel",
     "fused dsv3 one kernel",
@@ -51,8 +53,9 @@ def test_flags_use_release_and_acquire(compiled) -> None:
     for scenario in UNTRACED:
         ptx = _compute(compiled, scenario)["ptx"]
         assert re.search(r"atom\.global\.gpu\.release\.add", ptx), "counters must be released"
-        # set by this GPU's programs: acquire at GPU scope, nothing at system scope
-        assert re.search(r"atom\.global\.gpu\.acquire\.add", ptx), "waits must acquire"
+        # set by this GPU's programs: acquire at GPU scope (a poll, add 0, compiles to an
+        # acquire load), nothing at system scope
+        assert re.search(ACQUIRE, ptx), "waits must acquire"
         assert not re.search(r"atom\.global\.sys\.", ptx), "no system-scope atomics"
         assert re.search(r"atom\.global\.gpu\.relaxed\.add", ptx), "the task ticket"
         # TMA stores complete (not just read their source) before a release; proxy fences order
@@ -240,7 +243,7 @@ def test_backward_flags_use_release_and_acquire(backward_compiled) -> None:
     for scenario, r in backward_compiled.items():
         ptx = r["ptx"]
         assert re.search(r"atom\.global\.gpu\.release\.add", ptx), scenario
-        assert re.search(r"atom\.global\.gpu\.acquire\.add", ptx), scenario
+        assert re.search(ACQUIRE, ptx), scenario
         assert re.search(r"atom\.global\.gpu\.relaxed\.add", ptx), "the task ticket"
         assert not re.search(r"atom\.global\.sys\.", ptx), "no system-scope atomics"
         assert "cp.async.bulk.wait_group 0;" in ptx and "fence.proxy.async.global" in ptx
@@ -259,3 +262,25 @@ def test_backward_exchange_copies_rows_with_16_byte_vectors(backward_compiled) -
         ptx = backward_compiled[scenario]["ptx"]
         assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx), scenario
         assert re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx), scenario
+
+
+def test_pipelined_fp8_forward_waits_for_each_row_block(compiled) -> None:
+    """The pipelined fp8 forward (the default on Hopper): the comm kernel pulls (16-byte
+    row copies, released counters) and the warp-specialized gate/up
+    kernel's producer acquires each row block's counter, then fences the async proxy before
+    its TMA loads of those rows; both compile without spills."""
+    (comm,) = pick(compiled, "fused_comm_kernel", "fused fp8 dsv3 pipelined")
+    ptx = comm["ptx"]
+    assert re.search(r"atom\.global\.gpu\.release\.add", ptx)
+    assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)
+    gate_up = pick(compiled, "_ws_gate_up_kernel", "fused fp8 dsv3 pipelined")
+    (waiting,) = [r for r in gate_up if re.search(ACQUIRE, r["ptx"])]
+    assert "fence.proxy.async.global" in waiting["ptx"]
+    assert waiting["wgmma"] and waiting["tma"]
+    for r in (comm, waiting):
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, r["name"]
+        assert 0 < r["shared"] <= SMEM_LIMIT and not r["launcher_error"], r["name"]
+    # backend "triton"'s gate/up kernels wait for nothing; at W = 2 backend "fused"'s waits
+    for r in pick(compiled, "_ws_gate_up_kernel"):
+        waits = bool(re.search(ACQUIRE, r["ptx"]))
+        assert waits == r["scenario"].startswith("fused"), r["scenario"]

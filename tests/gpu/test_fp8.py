@@ -294,6 +294,39 @@ def test_gate_up_epilogue_quantizes_h_with_the_passes_bits(
     _assert_quantized_equal("h", got, want, used)
 
 
+def test_gate_up_waits_for_arriving_rows_and_names_a_stall() -> None:
+    """``arrivals`` (the pipelined fp8 forward's): the warp-specialized gate/up kernel loads a
+    row block only once its minibatch's counter is complete. Every counter complete: the plain
+    launch's bits (on fewer SMs). One counter never complete: that wait gives up after its
+    budget, the stall record names the rows and the minibatch, and the kernel ends."""
+    from megamoe.ep.workspace import check_errors, local_workspace
+    from megamoe.errors import StallError
+    from megamoe.kernels import fp8, fp8_gemm, fp8_ws
+
+    sched, used, _, ops = _gate_up_operands(2048, 1024, 8, 7)
+    mb, wanted = 256, 3
+    errors = local_workspace(16, 64, 1, torch.bfloat16, DEV)  # (its stall record)
+    counters = torch.full((-(-sched.rows // mb),), wanted, dtype=torch.int32, device=DEV)
+    arrivals = fp8_ws.RowArrivals(counters, mb, wanted, errors.errors, 0, 1 << 12)
+    with poisoned_buffers():
+        plain = fp8_gemm.gate_up_quantized(*ops, sched)
+        waited = fp8_gemm.gate_up_quantized(*ops, sched, 100, arrivals)
+    check_errors(errors)
+    got, want = ((g, u, hq, fp8.unpack_rows(h_t, sched.rows + -sched.rows % 16))
+                 for g, u, (hq, _), h_t in (waited, plain))  # fmt: skip
+    for name, a, b in zip(("g", "u"), got[:2], want[:2]):
+        assert not a[:used].isnan().any(), f"{name}: rows the kernel did not write"
+        assert torch.equal(a[:used], b[:used]), f"{name}: not the plain launch's bits"
+    _assert_quantized_equal("h", (waited[2], got[3]), (plain[2], want[3]), used)
+    counters[1] = wanted - 1  # minibatch 1's rows never arrive
+    fp8_gemm.gate_up_quantized(*ops, sched, 100, arrivals)
+    torch.cuda.synchronize()
+    with pytest.raises(StallError, match="pulled rows of a minibatch") as stall:
+        check_errors(errors)
+    message = str(stall.value)
+    assert "(index 1)" in message and f"flag was {wanted - 1}, wanted >= {wanted}" in message
+
+
 @pytest.mark.parametrize("h, i, experts", SHAPES_WS)
 @pytest.mark.parametrize("programs, group_m", [(None, 0), (7, 3)])
 def test_warp_specialized_swiglu_backward_gives_the_triton_kernels_bits(

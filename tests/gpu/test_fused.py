@@ -150,13 +150,16 @@ def test_single_gpu_fused_backward_gives_triton_bits(name: str, monkeypatch) -> 
 FP8_CASES = ("dsv3", "qwen3-30b", "empty_experts", "one_expert_all_rows")
 
 
-@pytest.mark.parametrize("comm_kernel", [True, False], ids=["comm-kernel", "one-kernel"])
+@pytest.mark.parametrize(
+    "comm_kernel", [None, True, False], ids=["pipelined", "comm-kernel", "one-kernel"]
+)
 @pytest.mark.parametrize("name", FP8_CASES)
-def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bool) -> None:
-    """precision "fp8": the fused forward (fp8 tiles on the pulled packed rows, h tasks) and
-    backend triton's backward give backend triton's fp8 layer bit for bit (its GEMMs on this
-    GPU the warp-specialized kernels), every buffer poisoned, and bitwise run to run (backend
-    triton's fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
+def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bool | None) -> None:
+    """precision "fp8": the fused forward (the default on Hopper: the pulls beside the
+    warp-specialized GEMMs; or the fused kernel's fp8 tiles on the pulled packed rows with
+    its h tasks) and backend triton's backward give backend triton's fp8 layer bit for bit
+    (its GEMMs on this GPU the warp-specialized kernels), every buffer poisoned, and bitwise
+    run to run (backend triton's fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
     p = make_problem(
         CASES[name],
         seed=5,
@@ -170,8 +173,27 @@ def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bo
     assert torch.isfinite(ours[0]).all() and all(
         torch.isfinite(g).all() for g in ours[1] if g is not None
     )
+    kind = fused_backend.forward_kind(p.config, DEV)
+    assert kind == {None: "pipelined", True: "comm_kernel", False: "one_kernel"}[comm_kernel]
     assert not _differences(ours, run_backend(p)), f"{name}: not bitwise backend triton's fp8"
     assert not _differences(ours, _run_fused(p)), f"{name}: not bitwise run to run"
+
+
+@pytest.mark.parametrize("num_comm", [1, 40])
+def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(num_comm: int) -> None:
+    """The pipelined fp8 forward with one pull program (the gate/up kernel waits for most row
+    blocks) and with 40 (a third of the SMs): backend triton's fp8 bits."""
+    p = make_problem(
+        CASES["qwen3-30b"],
+        seed=6,
+        device=DEV,
+        precision="fp8",
+        minibatch_rows=256,
+        ring_rows=None,
+        comm_programs=num_comm,
+    )
+    assert fused_backend.resolved_tunables(p.config, DEV, 1)["comm_programs"] == num_comm
+    assert not _differences(_run_fused(p), run_backend(p)), num_comm
 
 
 def test_single_gpu_comm_kernel_bits() -> None:

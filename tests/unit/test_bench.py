@@ -208,40 +208,62 @@ def test_tunables_and_copy_timing_only_where_they_apply():
     assert not measures_comm("torch-a2a", DistEnv(world_size=2, device=gpu))
 
 
-def test_fused_records_the_comm_programs_it_uses():
+def test_fused_records_the_comm_programs_it_uses(monkeypatch):
     pytest.importorskip("triton")
     from megamoe.backends.fused import resolved_tunables
+    from megamoe.kernels import fp8, fp8_gemm
     from megamoe.kernels.fused import comm_kernel_programs, comm_programs_for
+    from megamoe.kernels.fused.plan import pull_programs_for
     from megamoe.kernels.runtime import persistent_programs
     from megamoe.shapes import get_preset
     from megamoe.tools.bench import tunable_fields
 
     config = get_preset("dsv3").config(2)
     cpu = torch.device("cpu")
+    kernel = {"comm_kernel": True, "forward": "comm_kernel"}
     # W = 2 with a ring of every row: the comm kernel, with one program per two SMs
     assert resolved_tunables(config, cpu, 2) == {
         "comm_programs": comm_kernel_programs(cpu),
-        "comm_kernel": True,
+        **kernel,
     }
     assert resolved_tunables(config.replace(comm_programs=12), cpu, 2) == {
         "comm_programs": 12,
-        "comm_kernel": True,
+        **kernel,
     }
     # one kernel: with a bounded ring, or when asked (at W = 1 its pull rate is a local copy's)
     one = {
         "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 2),
         "comm_kernel": False,
+        "forward": "one_kernel",
     }
     assert resolved_tunables(config.replace(comm_kernel=False), cpu, 2) == one
     assert resolved_tunables(config.replace(ring_rows=4096), cpu, 2) == one
     assert resolved_tunables(config.replace(ring_rows=4096), cpu, 1) == {
+        **one,
         "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 1),
-        "comm_kernel": False,
     }
     # W = 1 with a ring of every row: the comm kernel too
     assert resolved_tunables(config, cpu, 1) == {
         "comm_programs": comm_kernel_programs(cpu),
+        **kernel,
+    }
+    # fp8: the one kernel where the warp-specialized GEMMs do not run (here: the interpreter);
+    # where they run (a Hopper GPU) the pipelined forward, its pulls on SMs of their own
+    fp8_config = config.replace(precision="fp8")
+    assert resolved_tunables(fp8_config, cpu, 1)["forward"] == "one_kernel"
+    monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
+    programs = persistent_programs(cpu)
+    pulls = pull_programs_for(programs, 7168, 2048, 2 * fp8.packed_width(7168), 2)
+    assert resolved_tunables(fp8_config, cpu, 2) == {
+        "comm_programs": pulls,
         "comm_kernel": True,
+        "forward": "pipelined",
+    }
+    assert 1 <= pulls <= pull_programs_for(programs, 7168, 768, 2 * fp8.packed_width(7168), 2)
+    assert resolved_tunables(fp8_config.replace(comm_kernel=False), cpu, 2) == one
+    assert resolved_tunables(fp8_config.replace(comm_kernel=True), cpu, 2) == {
+        "comm_programs": comm_kernel_programs(cpu),
+        **kernel,
     }
     # no GPU: the record keeps the config's None (derived) rather than a CPU-grid number
     assert tunable_fields("fused", config, 2, cpu)["comm_programs"] is None

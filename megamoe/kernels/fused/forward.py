@@ -42,6 +42,7 @@ import triton.language as tl
 from ...ep.workspace import Workspace
 from ...types import RoutedActivations, SharedActivations
 from .. import comm, fp8
+from ..fp8_ws import RowArrivals
 from ..gemm import gate_up_2d, weight_2d
 from ..runtime import descriptor, empty, interpreting, side_stream
 from ..schedule import RowSchedule
@@ -52,13 +53,21 @@ from .plan import (
     COMM_PUSH,
     FusedPlan,
     plan_launch,
+    plan_pulls,
 )
 from .residency import check_side_by_side, prefer_shared
 from .roles import comm_role, compute_role, push_minibatches
 from .sync import arrive_all, flag_layout, flag_pointers
 from .tasks import gate_up_start, gate_up_tasks, task_counts
 
-__all__ = ["FusedOutputs", "fused_forward", "fused_forward_kernel", "fused_comm_kernel"]
+__all__ = [
+    "FusedOutputs",
+    "fused_forward",
+    "fused_forward_kernel",
+    "fused_comm_kernel",
+    "Pulls",
+    "start_pulls",
+]
 
 
 @triton.jit
@@ -482,6 +491,81 @@ def fused_forward(
     else:
         _launch_with_comm_kernel(plan, compute_args, compute_options, (rows, dims, sync), dev)
     return FusedOutputs(routed, plan.full, plan.ring_rows, shared_acts, shared_out)
+
+
+@dataclass(frozen=True)
+class Pulls:
+    """The routed rows on their way in (:func:`start_pulls`): ``rows`` [schedule rows, packed
+    width] int16, row block by row block as ``arrivals`` counts them (``fp8_ws.RowArrivals``,
+    what the warp-specialized gate/up kernel waits on); ``programs``: the SMs the GEMMs may
+    take meanwhile. :meth:`join` before the rows are read any other way."""
+
+    rows: torch.Tensor
+    arrivals: RowArrivals
+    programs: int
+    stream: torch.cuda.Stream | None
+
+    def join(self) -> None:
+        """The current stream waits for the pulls."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.rows.device).wait_stream(self.stream)
+
+
+def start_pulls(
+    ws: Workspace,
+    sched: RowSchedule,
+    intermediate: int,
+    num_comm: int | None,
+    minibatch_rows: int,
+    budget: int | None = None,
+) -> Pulls:
+    """Start the comm kernel's pulls of the schedule's packed fp8 rows (the workspaces' x
+    buffers: ``workspace.publish_packed``) on a side stream, minibatch by minibatch, each
+    counted into its arrival counter once its rows are in (release). The pipelined fp8 forward
+    (backend "fused") runs its GEMMs meanwhile on ``Pulls.programs`` SMs, the gate/up kernel
+    waiting for each row block's counter; the comm programs (``num_comm``; None:
+    ``plan.pull_programs_for``) sit on SMs of their own (``plan.plan_pulls``). Call after the
+    barrier that follows every rank's publish; ``budget``: polls of each wait (None:
+    ``comm.spin_budget()``)."""
+    comm.check_schedule(ws, sched)
+    dev, h = ws.device, ws.hidden
+    row_words = fp8.packed_width(h)
+    plan = plan_pulls(
+        dev,
+        rows=sched.rows,
+        block_rows=sched.block_rows,
+        tokens=ws.num_tokens,
+        hidden=h,
+        intermediate=intermediate,
+        top_k=ws.top_k,
+        world_size=ws.world_size,
+        num_comm=num_comm,
+        minibatch_rows=minibatch_rows,
+        row_words=row_words,
+    )
+    xs = empty((sched.rows, row_words), torch.int16, dev)
+    layout = flag_layout(plan.max_minibatches, sched.max_blocks, 0)
+    flags = torch.zeros(layout.words, dtype=torch.int32, device=dev)
+    budget = comm.spin_budget(budget)
+    rows = (ws.peers.x, ws.peers.combine, xs, xs, sched.row_src, sched.block_expert)
+    rows = rows + (sched.num_blocks,)
+    # (T, H, and what the pulls read of the rest: ring rows, slots, minibatches, blocks, row
+    # words; the GEMMs' widths are never read)
+    dims = (ws.num_tokens, h, intermediate, 0, plan.max_minibatches * minibatch_rows)
+    dims = dims + (plan.max_minibatches, plan.max_minibatches, sched.max_blocks, 0, 0, row_words)
+    sync = (flags, ws.errors, ws.rank, budget, 0)  # (no start-up count: SMs of their own)
+    arrivals = RowArrivals(
+        flags[layout.ready :], minibatch_rows, plan.num_comm, ws.errors, ws.rank, budget
+    )
+    options = dict(C=plan.meta.as_constexprs(), num_warps=plan.warps)
+    if dev.type != "cuda":  # (a launch recorded for the compile check)
+        fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
+        return Pulls(xs, arrivals, plan.programs, None)
+    main, side = torch.cuda.current_stream(dev), side_stream(dev)
+    side.wait_stream(main)  # (the published rows, the zeroed counters)
+    with torch.cuda.stream(side):
+        fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
+    return Pulls(xs, arrivals, plan.programs, side)
 
 
 def _check_fp8_weights(

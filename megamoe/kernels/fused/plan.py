@@ -3,7 +3,8 @@ tunables, once, on the host (no device reads).
 
 The derivations (docs/tuning.md): :func:`comm_programs_for` (pull programs of the one-kernel
 forward), :func:`comm_kernel_programs` (programs of the comm kernel), :func:`down_lag_for` and
-:func:`routed_lag` (the task list's down lag), :func:`fused_grid`. The fused backward's:
+:func:`routed_lag` (the task list's down lag), :func:`fused_grid`; the pipelined fp8
+forward's pulls: :func:`plan_pulls` (:func:`pull_programs_for`). The fused backward's:
 :func:`plan_backward` (:class:`BackwardPlan`, :class:`BackwardMeta`) and
 :func:`backward_lag_for`.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 import triton
@@ -23,11 +24,16 @@ from .. import fp8_gemm
 from ..gemm import GemmTiles, tiles_for
 from ..runtime import interpreting, persistent_programs
 
+P = TypeVar("P")  # a plan (:func:`_once_per_launch`)
+
 __all__ = [
     "FusedMeta",
     "FusedPlan",
     "plan_launch",
     "comm_programs_for",
+    "pull_programs_for",
+    "PullPlan",
+    "plan_pulls",
     "comm_kernel_programs",
     "down_lag_for",
     "routed_lag",
@@ -76,6 +82,9 @@ ROUTE_GRAD_COLS = 512
 PULL_GBPS_PER_PROGRAM = 12.0
 LOCAL_PULL_GBPS_PER_PROGRAM = 18.0
 GEMM_TFLOPS_PER_PROGRAM = 5.0
+# ... and an SM of the warp-specialized fp8 gate/up kernel (``fp8_ws``; 1,167 TFLOP/s over an
+# H100's 132 SMs at dsv3's gate/up)
+WS_GEMM_TFLOPS_PER_PROGRAM = 8.8
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
@@ -155,15 +164,30 @@ class FusedPlan:
     comm_meta: FusedMeta | None  # the comm kernel's (None without it)
 
 
+def _pull_programs(programs: int, flops_per_byte: float, gemm_tflops: float, world_size: int):
+    """The smallest c of ``programs`` whose pulls keep up with the other programs' GEMMs:
+    c / (programs - c) >= GEMM rate / (``flops_per_byte`` * pull rate), per program. The pull
+    rate is NVLink's at W > 1 and a local copy's at W = 1."""
+    pull = PULL_GBPS_PER_PROGRAM if world_size > 1 else LOCAL_PULL_GBPS_PER_PROGRAM
+    ratio = gemm_tflops * 1e12 / (flops_per_byte * pull * 1e9)
+    return max(1, min(programs - 1, math.ceil(programs * ratio / (1 + ratio))))
+
+
 def comm_programs_for(programs: int, intermediate: int, world_size: int) -> int:
     """Pull programs for a grid of ``programs``: enough that the rows arrive as fast as the
-    others compute them. A row of H bf16 (2H bytes) brings 6·H·I FLOPs, so pulls keep up when
-    c / (programs - c) >= 2 * GEMM rate / (6 * I * pull rate) per program; the smallest such c.
-    The pull rate is NVLink's at W > 1 and a local copy's at W = 1.
-    """
-    pull = PULL_GBPS_PER_PROGRAM if world_size > 1 else LOCAL_PULL_GBPS_PER_PROGRAM
-    ratio = 2 * GEMM_TFLOPS_PER_PROGRAM * 1e12 / (6 * intermediate * pull * 1e9)
-    return max(1, min(programs - 1, math.ceil(programs * ratio / (1 + ratio))))
+    others compute them. A row of H bf16 (2H bytes) brings 6·H·I FLOPs (3·I a byte) at
+    ``GEMM_TFLOPS_PER_PROGRAM`` a program."""
+    return _pull_programs(programs, 3 * intermediate, GEMM_TFLOPS_PER_PROGRAM, world_size)
+
+
+def pull_programs_for(
+    programs: int, hidden: int, intermediate: int, row_bytes: int, world_size: int
+) -> int:
+    """Comm programs of the pipelined fp8 forward (:func:`plan_pulls`): enough that the rows
+    (``row_bytes`` each: packed fp8) arrive as fast as the warp-specialized gate/up kernel on
+    the other SMs takes them, 4·H·I FLOPs a row at ``WS_GEMM_TFLOPS_PER_PROGRAM`` an SM."""
+    flops_per_byte = 4 * hidden * intermediate / row_bytes
+    return _pull_programs(programs, flops_per_byte, WS_GEMM_TFLOPS_PER_PROGRAM, world_size)
 
 
 def comm_kernel_programs(device: torch.device) -> int:
@@ -228,18 +252,18 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _once_per_launch(plan: Callable[..., FusedPlan]) -> Callable[..., FusedPlan]:
+def _once_per_launch(plan: Callable[..., P]) -> Callable[..., P]:
     """``plan`` computed once per distinct arguments and distinct state it reads (the tiles,
     the SM count, the interpreter): a launch's plan is a pure function of them, and building
     it (sizes, grid, lags, two constexpr tuples) on every call was host time."""
 
     @functools.lru_cache(maxsize=256)
-    def cached(reads: tuple, device: torch.device, **kwargs: Any) -> FusedPlan:
+    def cached(reads: tuple, device: torch.device, **kwargs: Any) -> P:
         del reads  # (the key only)
         return plan(device, **kwargs)
 
     @functools.wraps(plan)
-    def once(device: torch.device, **kwargs: Any) -> FusedPlan:
+    def once(device: torch.device, **kwargs: Any) -> P:
         reads = (
             *(t(kind) for t in (tiles_for, fp8_gemm.tiles_for) for kind in ("gate_up", "mm")),
             persistent_programs(device),
@@ -390,6 +414,72 @@ def plan_launch(
         meta=meta,
         comm_meta=comm_meta,
     )
+
+
+class PullPlan(NamedTuple):
+    """The pipelined fp8 forward's pulls (:func:`plan_pulls`)."""
+
+    num_comm: int  # comm kernel programs, each on an SM of its own
+    programs: int  # the SMs left to the GEMMs while the pulls run
+    max_minibatches: int  # arrival counters
+    warps: int  # of a comm program
+    meta: FusedMeta  # the comm kernel's constexprs (PHASE: COMM_PULL)
+
+
+@_once_per_launch
+def plan_pulls(
+    device: torch.device,
+    *,
+    rows: int,
+    block_rows: int,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    top_k: int,
+    world_size: int,
+    num_comm: int | None,
+    minibatch_rows: int,
+    row_words: int,
+) -> PullPlan:
+    """The comm kernel that pulls the packed fp8 rows of the schedule (``rows``, a ring of every
+    row) minibatch by minibatch while the warp-specialized GEMMs run beside it. Those fill
+    their SMs' registers, so the comm programs (``num_comm``; None: :func:`pull_programs_for`)
+    take SMs of their own, with the one-kernel forward's pull tiles and warps (``FUSED_WARPS``,
+    ``comm.COPY_TILE_BYTES``); the GEMMs get the rest. A bad value is a ValueError naming it."""
+    from .. import comm
+
+    programs = persistent_programs(device)
+    if num_comm is None:
+        num_comm = pull_programs_for(programs, hidden, intermediate, 2 * row_words, world_size)
+    _check_int("num_comm", num_comm, 1)
+    if num_comm >= programs:
+        raise ValueError(
+            f"num_comm ({num_comm}) comm programs must leave SMs to the GEMMs: the GPU has "
+            f"{programs}"
+        )
+    plan = plan_launch(
+        device,
+        rows=rows,
+        block_rows=block_rows,
+        tokens=tokens,
+        hidden=hidden,
+        intermediate=intermediate,
+        shared_intermediate=0,
+        top_k=top_k,
+        itemsize=2,
+        world_size=world_size,
+        num_comm=num_comm,
+        minibatch_rows=minibatch_rows,
+        ring_rows=None,
+        down_lag=None,
+        comm_kernel=True,
+        traced=False,
+        fp8=True,
+        row_words=row_words,
+    )
+    copy_rows, copy_cols = comm.copy_tile(row_words, 2, comm.COPY_TILE_BYTES)
+    meta = plan.comm_meta._replace(ROWS=copy_rows, COLS=copy_cols, PHASE=COMM_PULL)
+    return PullPlan(num_comm, programs - num_comm, plan.max_minibatches, FUSED_WARPS, meta)
 
 
 # --------------------------------------------------------------------------------------------

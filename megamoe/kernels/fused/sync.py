@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ...errors import Stage
 from .. import comm
+from ..comm import acquire_for_tma, publish_writes
 
 __all__ = [
     "FlagLayout",
@@ -92,41 +93,6 @@ def flag_pointers(flags_ptr, max_mb, max_blocks):
 
 
 @triton.jit
-def publish_writes(GPU: tl.constexpr):
-    """Make this program's TMA stores (async proxy) complete and visible before a release.
-
-    Triton waits only for the shared-memory source of a TMA store (``wait_group.read``); a
-    consumer on another SM needs the global writes done, and generic-proxy readers need the
-    proxy fence. Every thread runs it (only the issuing thread has bulk groups); the CTA barrier
-    in :func:`signal` follows. No-op under the interpreter (stores are immediate there).
-    """
-    if GPU:
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
-            "=r,r",
-            [tl.full([1], 0, tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit
-def acquire_for_tma(GPU: tl.constexpr):
-    """After an acquire: order later TMA loads (async proxy) after the generic-proxy sync."""
-    if GPU:
-        tl.inline_asm_elementwise(
-            "fence.proxy.async.global; mov.u32 $0, 0;",
-            "=r,r",
-            [tl.full([1], 0, tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    tl.debug_barrier()
-
-
-@triton.jit
 def signal(flag_ptr):
     """Count this program into ``flag`` (release: everything it wrote before is visible)."""
     tl.debug_barrier()
@@ -137,15 +103,12 @@ def signal(flag_ptr):
 def wait_count(flag_ptr, wanted, stage, index, watch):
     """Spin (acquire) until ``flag >= wanted``; False (and a stall record) if the budget ran out.
 
-    ``comm.wait_at_least`` on one local flag (GPU scope: every counter of the kernel is set by
-    this GPU's programs); the record names this rank as the 'peer'. ``watch``: the watchdog's
-    (error record, rank, budget).
+    ``comm.wait_flag`` (GPU scope: every counter is set by this GPU's programs); the record
+    names this rank as the 'peer'. ``watch``: the watchdog's (error record, rank, budget).
+    Scalars only, so that the warp-specialized fp8 GEMMs (Gluon) wait with it too.
     """
     err_ptr, rank, budget = watch
-    one = tl.arange(0, 1)
-    return comm.wait_at_least(
-        flag_ptr + one, one == 0, one + rank, wanted, budget, err_ptr, stage, index, rank, "gpu"
-    )
+    return comm.wait_flag(flag_ptr, wanted, budget, err_ptr, stage, index, rank, rank, "gpu")
 
 
 @triton.jit
