@@ -80,8 +80,7 @@ class Stage(enum.IntEnum):
 
 _STAGE_TEXT = {
     Stage.BARRIER: "barrier",
-    Stage.ROWS_READY: "fused forward: pulled rows of a minibatch (the fused kernel's tiles, or the "
-    "pipelined fp8 forward's gate/up kernel)",
+    Stage.ROWS_READY: "fused forward: pulled rows of a minibatch",
     Stage.H_READY: "fused forward: h tiles of a row block",
     Stage.Z_READY: "fused forward (comm kernel): down tiles of a minibatch",
     Stage.RING_FREE: "fused forward: ring slot freed by the down tiles of its previous minibatch "
