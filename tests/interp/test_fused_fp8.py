@@ -6,7 +6,9 @@ packed rows of h^T the backward reads). Checked: y, every gradient and every sav
 bitwise backend "triton"'s fp8 layer (poisoned buffers), with the comm kernel and as one
 kernel, with minibatches of one and of two row blocks, an expert without rows and experts of
 several blocks, a stacked gate/up weight; W = 2, 3 and 8 (lockstep) bitwise one process; the
-errors.
+errors. The pipelined forward (Hopper's default) runs the warp-specialized GEMMs, which the
+interpreter cannot: here its pulls alone (the rows and the arrival counters), its choice and
+its errors; tests/gpu/test_fused.py runs it whole.
 """
 
 from __future__ import annotations
@@ -181,3 +183,73 @@ def test_a_missing_gate_up_tile_is_reported_by_the_h_task() -> None:
     )
     with pytest.raises(StallError, match=r"h tiles of a row block \(index 0\)"):
         check_errors(ws)
+
+
+@pytest.mark.parametrize(
+    "case,minibatch,num_comm",
+    [(CASE, 128, None), (BLOCKS_CASE, 128, 2), (BLOCKS_CASE, 256, 1)],
+    ids=["derived", "two-programs", "one-program-two-blocks"],
+)
+def test_pipelined_pulls_copy_every_row_and_complete_each_counter(
+    case: Case, minibatch: int, num_comm: int | None
+) -> None:
+    """``start_pulls``, the pipelined fp8 forward's pulls (beside the warp-specialized GEMMs
+    on Hopper; here the interpreter runs them alone): the pulled packed rows bitwise the
+    gathered ones on the used rows, each used minibatch's arrival counter at the comm programs'
+    count (what the gate/up kernel's producer waits for), the others untouched, and the GEMMs
+    left the SMs the pulls do not take."""
+    from megamoe.backends import steps
+    from megamoe.ep.workspace import packed_x_buffer
+    from megamoe.kernels import rows
+    from megamoe.kernels.fused.forward import start_pulls
+    from megamoe.kernels.runtime import persistent_programs
+
+    p = make_problem(case, seed=7, minibatch_rows=minibatch, **FP8)
+    x, ids, _, _ = p.single
+    sched = backend.build_schedule(ids, p.config, None).routed
+    run = steps.single_rank(backend.build_schedule(ids, p.config, None), ids)
+    ws = run.ep.workspace
+    packed = fp8.quantize_packed(x)
+    packed_x_buffer(ws, fp8.packed_width(case.hidden)).copy_(packed)  # (as publish_packed)
+    with poisoned_buffers():
+        pulls = start_pulls(ws, run.routed, case.intermediate, num_comm, minibatch)
+    pulls.join()
+    used = used_rows(sched)
+    assert torch.equal(pulls.rows[:used], rows.gather(packed, sched)[:used])
+    arrivals, n_mb = pulls.arrivals, -(-used // minibatch)
+    assert arrivals.rows == minibatch and arrivals.wanted == (num_comm or arrivals.wanted) >= 1
+    counters = arrivals.counters[: -(-run.routed.rows // minibatch)]
+    assert (counters[:n_mb] == arrivals.wanted).all() and (counters[n_mb:] == 0).all()
+    assert pulls.programs == persistent_programs(x.device) - arrivals.wanted >= 1
+
+
+def test_pipelined_forward_choice_and_errors(monkeypatch) -> None:
+    """Where it runs (fp8, ``comm_kernel`` None, the warp-specialized gate/up GEMM: Hopper;
+    here forced), the pipelined forward refuses a trace by name; the Triton gate/up kernel
+    refuses rows that arrive while it runs; bad arrival counters are named."""
+    from megamoe.backends import fp8_weights
+    from megamoe.kernels import fp8_gemm, fp8_ws
+    from megamoe.kernels.fused import new_trace
+
+    p = make_problem(CASE, seed=1, minibatch_rows=128, **FP8)
+    x, ids, tw, _ = p.single
+    cpu = torch.device("cpu")
+    assert fused.forward_kind(p.config, cpu) == "one_kernel"  # (no Hopper GPU here)
+    assert fused.forward_kind(p.config.replace(comm_kernel=True), cpu) == "comm_kernel"
+    sched = backend.build_schedule(ids, p.config, None)
+    w8 = fp8_weights.step_weights(p.weights)
+    xq, xs = fp8.quantize_rows(torch.zeros(sched.routed.rows, CASE.hidden, dtype=torch.bfloat16))
+    counters = torch.zeros(8, dtype=torch.int32)
+    arrivals = fp8_ws.RowArrivals(counters, 128, 1, counters, 0, 16)
+    with pytest.raises(ValueError, match="arrivals: only the warp-specialized gate/up kernel"):
+        fp8_gemm.gate_up_quantized(xq, xs, w8.gate, w8.up, sched.routed, None, arrivals)
+    with pytest.raises(ValueError, match="arrivals.rows must be a positive multiple of the"):
+        fp8_ws._arrival_args(arrivals._replace(rows=64), counters)
+    with pytest.raises(ValueError, match="arrivals.counters and arrivals.errors must be int32"):
+        fp8_ws._arrival_args(arrivals._replace(counters=counters.long()), counters)
+    assert fp8_ws._arrival_args(arrivals, counters) == ((counters, 1, counters, 0, 16), 128)
+    monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
+    assert fused.forward_kind(p.config, cpu) == "pipelined"
+    assert fused.forward_kind(p.config.replace(comm_kernel=False), cpu) == "one_kernel"
+    with pytest.raises(ValueError, match="the pipelined fp8 forward runs no fused kernel"):
+        fused.forward(x, ids, tw, p.weights, p.config, None, sched, trace=new_trace(cpu, 8))
