@@ -76,10 +76,12 @@ __all__ = [
     "forward_steps",
     "resolved_tunables",
     "forward_kind",
+    "pipelined_fp8",
     "uses_comm_kernel",
     "backward_kind",
     "macrobatch_rows",
     "FUSED_BACKWARD_ENV",
+    "PIPELINED_FP8_ENV",
     "MAX_WORLD_SIZE",
 ]
 
@@ -87,13 +89,25 @@ __all__ = [
 MAX_WORLD_SIZE = None
 # "1": the fused backward kernel; "0" (the default): backend "triton"'s backward (backward_kind).
 FUSED_BACKWARD_ENV = "MEGAMOE_FUSED_BACKWARD"
+# "1": the pipelined fp8 forward on Hopper; "0" (the default): the fused kernel (forward_kind).
+PIPELINED_FP8_ENV = "MEGAMOE_PIPELINED_FP8"
+
+
+def pipelined_fp8() -> bool:
+    """Whether ``MEGAMOE_PIPELINED_FP8`` (default "0") asks for the pipelined fp8 forward
+    (:func:`forward_kind`): opt-in until it has run on a GPU (docs/fused.md, "fp8")."""
+    value = os.environ.get(PIPELINED_FP8_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PIPELINED_FP8_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def forward_kind(config: MoEConfig, device: torch.device, world_size: int = 1) -> str:
-    """Which forward runs between the barriers: "pipelined" (fp8 with ``comm_kernel`` None on
-    a GPU that runs the warp-specialized fp8 GEMMs: :func:`_pipelined_experts`), else the
-    fused kernel: "comm_kernel" (:func:`uses_comm_kernel`) or "one_kernel"."""
-    if config.precision == "fp8" and config.comm_kernel is None:
+    """Which forward runs between the barriers: "pipelined" (fp8 with ``comm_kernel`` None and
+    :func:`pipelined_fp8` on a GPU that runs the warp-specialized fp8 GEMMs:
+    :func:`_pipelined_experts`), else the fused kernel: "comm_kernel"
+    (:func:`uses_comm_kernel`) or "one_kernel"."""
+    if config.precision == "fp8" and config.comm_kernel is None and pipelined_fp8():
         if fp8_gemm.warp_specialized("gate_up", device, config.block_rows):
             return "pipelined"
     return "comm_kernel" if uses_comm_kernel(config, world_size) else "one_kernel"

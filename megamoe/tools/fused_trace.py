@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tunables = fused.resolved_tunables(config, env.device, env.world_size)
     if tunables["forward"] == "pipelined":
         print(
-            "fused_trace: the pipelined fp8 forward (the default on Hopper) runs no fused kernel "
+            "fused_trace: the pipelined fp8 forward (MEGAMOE_PIPELINED_FP8=1) runs no fused kernel "
             "to trace; --set comm_kernel=0 traces the fused kernel's fp8 tiles, and "
             "megamoe.tools.profile shows the pipelined forward's kernels",
             file=sys.stderr,

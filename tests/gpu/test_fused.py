@@ -154,12 +154,15 @@ FP8_CASES = ("dsv3", "qwen3-30b", "empty_experts", "one_expert_all_rows")
     "comm_kernel", [None, True, False], ids=["pipelined", "comm-kernel", "one-kernel"]
 )
 @pytest.mark.parametrize("name", FP8_CASES)
-def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bool | None) -> None:
+def test_single_gpu_fp8_forward_gives_triton_fp8_bits(
+    name: str, comm_kernel: bool | None, monkeypatch
+) -> None:
     """precision "fp8": the fused forward (the default on Hopper: the pulls beside the
     warp-specialized GEMMs; or the fused kernel's fp8 tiles on the pulled packed rows with
     its h tasks) and backend triton's backward give backend triton's fp8 layer bit for bit
     (its GEMMs on this GPU the warp-specialized kernels), every buffer poisoned, and bitwise
     run to run (backend triton's fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
+    monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")
     p = make_problem(
         CASES[name],
         seed=5,
@@ -180,9 +183,12 @@ def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bo
 
 
 @pytest.mark.parametrize("num_comm", [1, 40])
-def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(num_comm: int) -> None:
+def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(
+    num_comm: int, monkeypatch
+) -> None:
     """The pipelined fp8 forward with one pull program (the gate/up kernel waits for most row
     blocks) and with 40 (a third of the SMs): backend triton's fp8 bits."""
+    monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")
     p = make_problem(
         CASES["qwen3-30b"],
         seed=6,

@@ -224,8 +224,9 @@ def test_pipelined_pulls_copy_every_row_and_complete_each_counter(
 
 
 def test_pipelined_forward_choice_and_errors(monkeypatch) -> None:
-    """Where it runs (fp8, ``comm_kernel`` None, the warp-specialized gate/up GEMM: Hopper;
-    here forced), the pipelined forward refuses a trace by name; the Triton gate/up kernel
+    """Where it runs (fp8, ``comm_kernel`` None, ``MEGAMOE_PIPELINED_FP8=1``, the
+    warp-specialized gate/up GEMM: Hopper; here forced), the pipelined forward refuses a trace
+    by name; the Triton gate/up kernel
     refuses rows that arrive while it runs; bad arrival counters are named."""
     from megamoe.backends import fp8_weights
     from megamoe.kernels import fp8_gemm, fp8_ws
@@ -249,6 +250,11 @@ def test_pipelined_forward_choice_and_errors(monkeypatch) -> None:
         fp8_ws._arrival_args(arrivals._replace(counters=counters.long()), counters)
     assert fp8_ws._arrival_args(arrivals, counters) == ((counters, 1, counters, 0, 16), 128)
     monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
+    assert fused.forward_kind(p.config, cpu) == "one_kernel"  # (opt-in)
+    monkeypatch.setenv(fused.PIPELINED_FP8_ENV, "2")
+    with pytest.raises(ValueError, match="MEGAMOE_PIPELINED_FP8 must be 0 or 1, got '2'"):
+        fused.forward_kind(p.config, cpu)
+    monkeypatch.setenv(fused.PIPELINED_FP8_ENV, "1")
     assert fused.forward_kind(p.config, cpu) == "pipelined"
     assert fused.forward_kind(p.config.replace(comm_kernel=False), cpu) == "one_kernel"
     with pytest.raises(ValueError, match="the pipelined fp8 forward runs no fused kernel"):

@@ -248,10 +248,13 @@ def test_fused_records_the_comm_programs_it_uses(monkeypatch):
         **kernel,
     }
     # fp8: the one kernel where the warp-specialized GEMMs do not run (here: the interpreter);
-    # where they run (a Hopper GPU) the pipelined forward, its pulls on SMs of their own
+    # where they run (a Hopper GPU) and MEGAMOE_PIPELINED_FP8=1 the pipelined forward, its
+    # pulls on SMs of their own
     fp8_config = config.replace(precision="fp8")
     assert resolved_tunables(fp8_config, cpu, 1)["forward"] == "one_kernel"
     monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
+    assert resolved_tunables(fp8_config, cpu, 2)["forward"] == "one_kernel"  # (opt-in)
+    monkeypatch.setenv("MEGAMOE_PIPELINED_FP8", "1")
     programs = persistent_programs(cpu)
     pulls = pull_programs_for(programs, 7168, 2048, 2 * fp8.packed_width(7168), 2)
     assert resolved_tunables(fp8_config, cpu, 2) == {
