@@ -175,37 +175,30 @@ def wait_flag(flag_ptr, wanted, budget, err_ptr, stage, index, peer, rank, SCOPE
 
 
 @triton.jit
+def _fence(PTX: tl.constexpr):
+    """Inline PTX with no result (an int32 dummy; a scalar operand, so Gluon kernels call it
+    too)."""
+    tl.inline_asm_elementwise(PTX, "=r,r", [0], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def publish_writes(GPU: tl.constexpr):
     """Make this program's TMA stores (async proxy) complete and visible before a release.
 
     Triton waits only for the shared-memory source of a TMA store (``wait_group.read``); a
     consumer on another SM needs the global writes done, and generic-proxy readers need the
     proxy fence. Every thread runs it (only the issuing thread has bulk groups); the CTA barrier
-    in :func:`signal` follows. No-op under the interpreter (stores are immediate there).
+    in ``fused.sync.signal`` follows. No-op under the interpreter (stores are immediate there).
     """
     if GPU:
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
-            "=r,r",
-            [0],  # (a scalar: Gluon kernels call these too)
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        _fence("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;")
 
 
 @triton.jit
 def acquire_for_tma(GPU: tl.constexpr):
     """After an acquire: order later TMA loads (async proxy) after the generic-proxy sync."""
     if GPU:
-        tl.inline_asm_elementwise(
-            "fence.proxy.async.global; mov.u32 $0, 0;",
-            "=r,r",
-            [0],  # (a scalar: Gluon kernels call these too)
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        _fence("fence.proxy.async.global; mov.u32 $0, 0;")
     tl.debug_barrier()
 
 
