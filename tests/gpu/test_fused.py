@@ -157,9 +157,9 @@ FP8_CASES = ("dsv3", "qwen3-30b", "empty_experts", "one_expert_all_rows")
 def test_single_gpu_fp8_forward_gives_triton_fp8_bits(
     name: str, comm_kernel: bool | None, monkeypatch
 ) -> None:
-    """precision "fp8": the fused forward (the default on Hopper: the pulls beside the
-    warp-specialized GEMMs; or the fused kernel's fp8 tiles on the pulled packed rows with
-    its h tasks) and backend triton's backward give backend triton's fp8 layer bit for bit
+    """precision "fp8": the fused forward (``comm_kernel`` None with MEGAMOE_PIPELINED_FP8=1:
+    the pulls beside the warp-specialized GEMMs; True / False: the fused kernel's fp8 tiles on
+    the pulled packed rows with its h tasks) and backend triton's backward give backend triton's fp8 layer bit for bit
     (its GEMMs on this GPU the warp-specialized kernels), every buffer poisoned, and bitwise
     run to run (backend triton's fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
     monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")

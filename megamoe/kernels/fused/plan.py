@@ -164,7 +164,9 @@ class FusedPlan:
     comm_meta: FusedMeta | None  # the comm kernel's (None without it)
 
 
-def _pull_programs(programs: int, flops_per_byte: float, gemm_tflops: float, world_size: int):
+def _pull_programs(
+    programs: int, flops_per_byte: float, gemm_tflops: float, world_size: int
+) -> int:
     """The smallest c of ``programs`` whose pulls keep up with the other programs' GEMMs:
     c / (programs - c) >= GEMM rate / (``flops_per_byte`` * pull rate), per program. The pull
     rate is NVLink's at W > 1 and a local copy's at W = 1."""
