@@ -159,9 +159,10 @@ def test_single_gpu_fp8_forward_gives_triton_fp8_bits(
 ) -> None:
     """precision "fp8": the fused forward (``comm_kernel`` None with MEGAMOE_PIPELINED_FP8=1:
     the pulls beside the warp-specialized GEMMs; True / False: the fused kernel's fp8 tiles on
-    the pulled packed rows with its h tasks) and backend triton's backward give backend triton's fp8 layer bit for bit
-    (its GEMMs on this GPU the warp-specialized kernels), every buffer poisoned, and bitwise
-    run to run (backend triton's fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
+    the pulled packed rows with its h tasks) and backend triton's backward give backend
+    triton's fp8 layer bit for bit (its GEMMs on this GPU the warp-specialized kernels), every
+    buffer poisoned, and bitwise run to run (backend triton's fp8 layer against the recipe's
+    bars: tests/gpu/test_fp8.py)."""
     monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")
     p = make_problem(
         CASES[name],

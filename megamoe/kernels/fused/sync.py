@@ -105,7 +105,8 @@ def wait_count(flag_ptr, wanted, stage, index, watch):
 
     ``comm.wait_flag`` (GPU scope: every counter is set by this GPU's programs); the record
     names this rank as the 'peer'. ``watch``: the watchdog's (error record, rank, budget).
-    Scalars only, so that the warp-specialized fp8 GEMMs (Gluon) wait with it too.
+    Scalars only: the warp-specialized fp8 GEMMs' producer (Gluon) calls ``comm.wait_flag``
+    too.
     """
     err_ptr, rank, budget = watch
     return comm.wait_flag(flag_ptr, wanted, budget, err_ptr, stage, index, rank, rank, "gpu")
