@@ -1,5 +1,6 @@
 """The fused forward's launch plan (``kernels.fused.plan.plan_launch``): computed once per
-distinct launch, and again when what it reads changes."""
+distinct launch, and again when what it reads changes; the pipelined fp8 forward's pulls
+(``plan_pulls``)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,38 @@ def test_bad_values_still_raise_each_time() -> None:
     for _ in range(2):
         with pytest.raises(ValueError, match="minibatch_rows"):
             plan_launch(torch.device("cpu"), **{**SIZES, "minibatch_rows": 200})
+
+
+def test_pull_programs_keep_pace_with_the_warp_specialized_gate_up() -> None:
+    """The pipelined fp8 forward's pull programs on 132 SMs (docs/tuning.md): a narrower
+    expert (fewer gate/up FLOPs a pulled byte) and NVLink's slower pulls (W > 1) need more;
+    never the whole grid. ``plan_pulls`` leaves the other SMs to the GEMMs, pulls with the
+    comm kernel's pull phase only, and names a count that leaves them none."""
+    from megamoe.kernels import fp8
+    from megamoe.kernels.fused.plan import COMM_PULL, plan_pulls, pull_programs_for
+    from megamoe.kernels.runtime import persistent_programs
+
+    def pulls(h: int, i: int, w: int, programs: int = 132) -> int:
+        return pull_programs_for(programs, h, i, 2 * fp8.packed_width(h), w)
+
+    assert [pulls(7168, 2048, 1), pulls(2048, 768, 1)] == [8, 19]  # dsv3, qwen3-30b
+    assert [pulls(7168, 2048, 2), pulls(2048, 768, 2)] == [12, 27]
+    assert pulls(2048, 16, 2, programs=4) == 3 and pulls(7168, 4096, 1, programs=2) == 1
+    cpu = torch.device("cpu")
+    sizes = dict(
+        rows=1024,
+        block_rows=128,
+        tokens=256,
+        hidden=512,
+        intermediate=256,
+        top_k=2,
+        world_size=1,
+        minibatch_rows=256,
+        row_words=fp8.packed_width(512),
+    )
+    plan = plan_pulls(cpu, num_comm=None, **sizes)
+    assert plan.programs + plan.num_comm == persistent_programs(cpu) and plan.programs >= 1
+    assert plan.meta.PHASE == COMM_PULL and plan.meta.NUM_COMM == plan.num_comm
+    assert plan.max_minibatches == 4 and plan_pulls(cpu, num_comm=None, **sizes) is plan
+    with pytest.raises(ValueError, match=r"num_comm \(\d+\) comm programs must leave SMs"):
+        plan_pulls(cpu, num_comm=persistent_programs(cpu), **sizes)
