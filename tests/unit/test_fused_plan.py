@@ -75,17 +75,9 @@ def test_pull_programs_keep_pace_with_the_warp_specialized_gate_up() -> None:
     assert [pulls(7168, 2048, 2), pulls(2048, 768, 2)] == [12, 27]
     assert pulls(2048, 16, 2, programs=4) == 3 and pulls(7168, 4096, 1, programs=2) == 1
     cpu = torch.device("cpu")
-    sizes = dict(
-        rows=1024,
-        block_rows=128,
-        tokens=256,
-        hidden=512,
-        intermediate=256,
-        top_k=2,
-        world_size=1,
-        minibatch_rows=256,
-        row_words=fp8.packed_width(512),
-    )
+    pulled = ("rows", "block_rows", "tokens", "hidden", "intermediate", "top_k", "world_size")
+    sizes = {name: SIZES[name] for name in (*pulled, "minibatch_rows")}
+    sizes["row_words"] = fp8.packed_width(SIZES["hidden"])
     plan = plan_pulls(cpu, num_comm=None, **sizes)
     assert plan.programs + plan.num_comm == persistent_programs(cpu) and plan.programs >= 1
     assert plan.meta.PHASE == COMM_PULL and plan.meta.NUM_COMM == plan.num_comm
