@@ -28,7 +28,8 @@ is bounded by the ring too; backend "triton"'s backward the whole routed forward
 shared expert's activations are always saved (T rows).
 
 With one GPU the forward runs on a private one-rank workspace (``steps.single_rank``), so W = 1
-runs the very same kernel and protocol; the fused backward's waits record stalls there too.
+runs the very same kernel and protocol (the pipelined fp8 forward combines straight from z
+there, with nothing to push); the fused backward's waits record stalls there too.
 """
 
 from __future__ import annotations
@@ -159,12 +160,10 @@ def _experts_step(
     (:func:`_pipelined_experts`)."""
     config = schedule.config
     if forward_kind(config, ws.device, ws.world_size) == "pipelined":
-        if trace is not None:
-            raise ValueError(
-                "trace: the pipelined fp8 forward runs no fused kernel to trace; comm_kernel=False "
-                "traces the one-kernel fp8 forward"
-            )
-        return _pipelined_experts(ws, schedule, weights, x, fp8w)
+        _refuse_trace(trace)
+        routed, shared, shared_out = _pipelined_experts(ws, schedule, weights, x, fp8w)
+        comm.combine_push(ws, routed.z, schedule.routed, "combine", programs=config.copy_programs)
+        return routed, shared, shared_out
     tokens = steps.published_tokens(ws, x, config)
     shared = None
     if weights.has_shared:
@@ -195,12 +194,12 @@ def _pipelined_experts(
     x: torch.Tensor,
     fp8w: fp8_weights.StepWeights,
 ) -> steps.ExpertsOutput:
-    """The fp8 forward between the barriers on the warp-specialized GEMMs: the comm kernel
-    pulls the packed rows on SMs of its own (``kernels.fused.start_pulls``) while the shared
-    expert's GEMMs and then the routed gate/up GEMM run on the other SMs, the gate/up kernel
-    waiting for each row block's pull; then down on every SM and the push of z. The GEMMs are
-    backend "triton"'s: the same bits. (They fill an SM's registers, so no comm program fits
-    beside them as in the bf16 comm-kernel forward: the push comes after down.)"""
+    """The fp8 forward's experts on the warp-specialized GEMMs: the comm kernel pulls the
+    packed rows on SMs of its own (``kernels.fused.start_pulls``) while the shared expert's
+    GEMMs and then the routed gate/up GEMM run on the other SMs, the gate/up kernel waiting for
+    each row block's pull; then down on every SM. The GEMMs are backend "triton"'s: the same
+    bits. (They fill an SM's registers, so no comm program fits beside them as in the bf16
+    comm-kernel forward: the push of z, where there is one, comes after down.)"""
     config, sched = schedule.config, schedule.routed
     tokens = steps.published_tokens(ws, x, config)
     pulls = start_pulls(
@@ -213,8 +212,34 @@ def _pipelined_experts(
         routed = experts.routed_forward(pulls.rows, weights, sched, "fp8", fp8w, pulls)
     finally:
         pulls.join()
-    comm.combine_push(ws, routed.z, sched, "combine", programs=config.copy_programs)
     return routed, shared, shared_out
+
+
+def _one_process_pipelined(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    schedule: TritonSchedule,
+    run: TritonSchedule,
+) -> tuple[torch.Tensor, TritonContext]:
+    """The pipelined fp8 forward with one process (``run``: ``schedule`` on its private
+    one-rank workspace): the pulls from the own published rows beside the GEMMs, and the
+    k-order combine straight from z, as backend "triton"'s one-process forward combines (the
+    same bits as the push into the own slots and their combine, without that pass over z)."""
+    ws, config = run.ep.workspace, schedule.config
+    fp8w = fp8_weights.step_weights(weights)
+    steps.publish_tokens(ws, x, config)
+    routed, shared, shared_out = _pipelined_experts(ws, run, weights, x, fp8w)
+    y = rows.combine(routed.z, schedule.routed, topk_weights, shared_out, x.dtype, schedule.invalid)
+    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared, fp8w)
+
+
+def _refuse_trace(trace: torch.Tensor | None) -> None:
+    if trace is not None:
+        raise ValueError(
+            "trace: the pipelined fp8 forward runs no fused kernel to trace; comm_kernel=False "
+            "traces the one-kernel fp8 forward"
+        )
 
 
 def forward_steps(
@@ -259,7 +284,11 @@ def forward(
     ws = run.ep.workspace
     if schedule.ep is None:  # the private workspace's stall record (the ids: build_schedule)
         checks.lagged_check(ws)
-    y, ctx = steps.run_steps(forward_steps(x, topk_weights, weights, run, trace), ws)
+    if schedule.ep is None and forward_kind(config, x.device, 1) == "pipelined":
+        _refuse_trace(trace)
+        y, ctx = _one_process_pipelined(x, topk_weights, weights, schedule, run)
+    else:
+        y, ctx = steps.run_steps(forward_steps(x, topk_weights, weights, run, trace), ws)
     checks.eager_check(ws)
     if schedule.ep is None:  # the backward runs the one-process path: weights in token order
         checks.eager_check(checks.device_records(x.device))

@@ -30,7 +30,9 @@ import torch.distributed as dist  # noqa: E402
 
 from megamoe import MoEConfig  # noqa: E402
 from megamoe.backends import fused as fused_backend  # noqa: E402
+from megamoe.backends import steps  # noqa: E402
 from megamoe.backends import triton as triton_backend  # noqa: E402
+from megamoe.ep import checks  # noqa: E402
 from megamoe.ep.workspace import check_errors, local_workspace  # noqa: E402
 from megamoe.errors import StallError  # noqa: E402
 from megamoe.kernels import fused as ff  # noqa: E402
@@ -201,6 +203,31 @@ def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(
     )
     assert fused_backend.resolved_tunables(p.config, DEV, 1)["comm_programs"] == num_comm
     assert not _differences(_run_fused(p), run_backend(p)), num_comm
+
+
+def test_single_gpu_pipelined_fp8_push_gives_the_one_process_bits(monkeypatch) -> None:
+    """The pipelined fp8 forward's expert-parallel protocol (the push of z into the slots and
+    the slots' combine: what W > 1 runs) on a one-rank workspace gives y of the one-process
+    forward (the combine straight from z) bit for bit."""
+    monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")
+    p = make_problem(
+        CASES["dsv3"], seed=7, device=DEV, precision="fp8", minibatch_rows=256, ring_rows=None
+    )
+    assert fused_backend.forward_kind(p.config, DEV, 2) == "pipelined"
+    sched = fused_backend.build_schedule(p.topk_ids, p.config, None)
+    with poisoned_buffers():
+        y_one, _ = fused_backend.forward(
+            p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None, sched
+        )
+        x, w, weights, sched = steps.prepare(
+            p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None, sched
+        )
+        run = steps.single_rank(sched, p.topk_ids)
+        ws = run.ep.workspace
+        y_ep, _ = steps.run_steps(fused_backend.forward_steps(x, w, weights, run), ws)
+    checks.eager_check(ws)
+    assert torch.isfinite(y_one).all()
+    assert _bits_equal(y_one, y_ep)
 
 
 def test_single_gpu_comm_kernel_bits() -> None:
