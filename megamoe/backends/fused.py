@@ -28,8 +28,9 @@ is bounded by the ring too; backend "triton"'s backward the whole routed forward
 shared expert's activations are always saved (T rows).
 
 With one GPU the forward runs on a private one-rank workspace (``steps.single_rank``), so W = 1
-runs the very same kernel and protocol (the pipelined fp8 forward combines straight from z
-there, with nothing to push); the fused backward's waits record stalls there too.
+runs the very same kernel and protocol; the fused backward's waits record stalls there too.
+In fp8 on Hopper (:func:`forward_kind`) the forward is the pipelined one at W > 1 and backend
+"triton"'s with one process, whose rows are local: no pulls to hide.
 """
 
 from __future__ import annotations
@@ -90,27 +91,40 @@ __all__ = [
 MAX_WORLD_SIZE = None
 # "1": the fused backward kernel; "0" (the default): backend "triton"'s backward (backward_kind).
 FUSED_BACKWARD_ENV = "MEGAMOE_FUSED_BACKWARD"
-# "1": the pipelined fp8 forward on Hopper; "0" (the default): the fused kernel (forward_kind).
+# "1" (the default): the pipelined fp8 forward on Hopper; "0": the fused kernel (forward_kind).
 PIPELINED_FP8_ENV = "MEGAMOE_PIPELINED_FP8"
 
 
 def pipelined_fp8() -> bool:
-    """Whether ``MEGAMOE_PIPELINED_FP8`` (default "0") asks for the pipelined fp8 forward
-    (:func:`forward_kind`): opt-in until it has run on a GPU (docs/fused.md, "fp8")."""
-    value = os.environ.get(PIPELINED_FP8_ENV, "0")
+    """Whether ``MEGAMOE_PIPELINED_FP8`` (default "1") lets the fp8 forward pipeline its pulls
+    (:func:`forward_kind`); "0" runs the fused kernel's fp8 tiles instead."""
+    value = os.environ.get(PIPELINED_FP8_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{PIPELINED_FP8_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
 
 
+def _pipelines(config: MoEConfig, device: torch.device) -> bool:
+    """fp8 with ``comm_kernel`` None and :func:`pipelined_fp8`, on a GPU that runs the
+    warp-specialized fp8 GEMMs, with the ring holding every row (the pulled rows are all
+    kept; a bounded ring keeps the fused kernel, which bounds them)."""
+    return (
+        config.precision == "fp8"
+        and config.comm_kernel is None
+        and config.ring_rows is None
+        and pipelined_fp8()
+        and fp8_gemm.warp_specialized("gate_up", device, config.block_rows)
+    )
+
+
 def forward_kind(config: MoEConfig, device: torch.device, world_size: int = 1) -> str:
-    """Which forward runs between the barriers: "pipelined" (fp8 with ``comm_kernel`` None and
-    :func:`pipelined_fp8` on a GPU that runs the warp-specialized fp8 GEMMs:
-    :func:`_pipelined_experts`), else the fused kernel: "comm_kernel"
-    (:func:`uses_comm_kernel`) or "one_kernel"."""
-    if config.precision == "fp8" and config.comm_kernel is None and pipelined_fp8():
-        if fp8_gemm.warp_specialized("gate_up", device, config.block_rows):
-            return "pipelined"
+    """Which forward runs: where the fp8 forward pipelines (:func:`_pipelines`), "pipelined"
+    at W > 1 (:func:`_pipelined_experts` between the barriers) and "unfused" with one process
+    (backend "triton"'s one-process forward: its rows are local, a gather on every SM, so
+    there are no pulls to hide and pull programs would only take SMs from the GEMMs); else
+    the fused kernel: "comm_kernel" (:func:`uses_comm_kernel`) or "one_kernel"."""
+    if _pipelines(config, device):
+        return "pipelined" if world_size > 1 else "unfused"
     return "comm_kernel" if uses_comm_kernel(config, world_size) else "one_kernel"
 
 
@@ -130,9 +144,11 @@ def resolved_tunables(
     """The tunables as the forward uses them on ``device`` at ``world_size``: which forward
     (:func:`forward_kind`), the comm kernel on or off (the pipelined forward pulls with it),
     and the derived comm programs (the comm kernel's, the one kernel's, or the pipelined
-    forward's pulls') for None. (``down_lag`` None stays None: it also depends on the ring and
-    the schedule's rows.)"""
+    forward's pulls') for None; the "unfused" forward has neither. (``down_lag`` None stays
+    None: it also depends on the ring and the schedule's rows.)"""
     kind = forward_kind(config, device, world_size)
+    if kind == "unfused":
+        return {"comm_programs": None, "comm_kernel": False, "forward": kind}
     num_comm = config.comm_programs
     if num_comm is None:
         programs = persistent_programs(device)
@@ -157,10 +173,10 @@ def _experts_step(
 ) -> steps.ExpertsOutput:
     """``steps.experts_unfused`` as one fused launch (in fp8 on the step's fp8 weights
     ``fp8w`` and this rank's published packed rows), or in fp8 on Hopper the pipelined forward
-    (:func:`_pipelined_experts`)."""
+    (:func:`_pipelined_experts`, also on a one-rank workspace) and the push of z."""
     config = schedule.config
-    if forward_kind(config, ws.device, ws.world_size) == "pipelined":
-        _refuse_trace(trace)
+    if _pipelines(config, ws.device):
+        _refuse_trace(trace, "pipelined")
         routed, shared, shared_out = _pipelined_experts(ws, schedule, weights, x, fp8w)
         comm.combine_push(ws, routed.z, schedule.routed, "combine", programs=config.copy_programs)
         return routed, shared, shared_out
@@ -215,29 +231,10 @@ def _pipelined_experts(
     return routed, shared, shared_out
 
 
-def _one_process_pipelined(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    weights: ExpertWeights,
-    schedule: TritonSchedule,
-    run: TritonSchedule,
-) -> tuple[torch.Tensor, TritonContext]:
-    """The pipelined fp8 forward with one process (``run``: ``schedule`` on its private
-    one-rank workspace): the pulls from the own published rows beside the GEMMs, and the
-    k-order combine straight from z, as backend "triton"'s one-process forward combines (the
-    same bits as the push into the own slots and their combine, without that pass over z)."""
-    ws, config = run.ep.workspace, schedule.config
-    fp8w = fp8_weights.step_weights(weights)
-    steps.publish_tokens(ws, x, config)
-    routed, shared, shared_out = _pipelined_experts(ws, run, weights, x, fp8w)
-    y = rows.combine(routed.z, schedule.routed, topk_weights, shared_out, x.dtype, schedule.invalid)
-    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared, fp8w)
-
-
-def _refuse_trace(trace: torch.Tensor | None) -> None:
+def _refuse_trace(trace: torch.Tensor | None, kind: str) -> None:
     if trace is not None:
         raise ValueError(
-            "trace: the pipelined fp8 forward runs no fused kernel to trace; comm_kernel=False "
+            f"trace: the {kind} fp8 forward runs no fused kernel to trace; comm_kernel=False "
             "traces the one-kernel fp8 forward"
         )
 
@@ -280,15 +277,16 @@ def forward(
     x, topk_weights, weights, schedule = steps.prepare(
         x, topk_ids, topk_weights, weights, config, group, schedule
     )
+    if schedule.ep is None and forward_kind(config, x.device) == "unfused":
+        _refuse_trace(trace, "one-process")
+        y, ctx = steps.local_forward(x, topk_weights, weights, schedule)
+        checks.eager_check(checks.device_records(x.device))
+        return y, ctx
     run = schedule if schedule.ep is not None else steps.single_rank(schedule, topk_ids)
     ws = run.ep.workspace
     if schedule.ep is None:  # the private workspace's stall record (the ids: build_schedule)
         checks.lagged_check(ws)
-    if schedule.ep is None and forward_kind(config, x.device, 1) == "pipelined":
-        _refuse_trace(trace)
-        y, ctx = _one_process_pipelined(x, topk_weights, weights, schedule, run)
-    else:
-        y, ctx = steps.run_steps(forward_steps(x, topk_weights, weights, run, trace), ws)
+    y, ctx = steps.run_steps(forward_steps(x, topk_weights, weights, run, trace), ws)
     checks.eager_check(ws)
     if schedule.ep is None:  # the backward runs the one-process path: weights in token order
         checks.eager_check(checks.device_records(x.device))

@@ -229,7 +229,7 @@ def _fp8_step_with(cfg, tokens: int, warp_specialized: bool) -> None:
 def scenarios() -> list[tuple[str, Callable[[], None]]]:
     """(label, run) of every scenario recorded: dsv3's layer (and an odd row width) through
     each backend and the tunables that change the fused kernel's code."""
-    from ..backends import fused
+    from ..backends import fused, steps
     from ..backends import triton as unfused
     from ..shapes import get_preset
 
@@ -240,14 +240,14 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
     ep = dsv3.config(8).replace(capacity_factor=2.0)
     ep2 = dsv3.config(2)
 
-    def fused_step(config, trace: bool = False, pipelined: bool = False) -> Callable[[], None]:
+    def fused_step(config, trace: bool = False) -> Callable[[], None]:
         def run() -> None:
             x, ids, w, weights = _problem(config, tokens)
             sched = fused.build_schedule(ids, config, None)
             kernel_trace = (
                 torch.empty((H200_SMS, 64, 3), dtype=torch.int64, device="meta") if trace else None
             )
-            with _environ(fused.PIPELINED_FP8_ENV, "1" if pipelined else "0"):
+            with _environ(fused.PIPELINED_FP8_ENV, "0"):  # (fp8: the fused kernel's tiles)
                 _, ctx = fused.forward(x, ids, w, weights, config, None, sched, trace=kernel_trace)
             # the fused backward (opt-in: MEGAMOE_FUSED_BACKWARD=1; bf16 only), dy of x's shape
             with _environ(fused.FUSED_BACKWARD_ENV, "1" if config.precision == "bf16" else "0"):
@@ -255,9 +255,22 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
 
         return run
 
-    def pipelined_ep_step() -> None:
+    def fused_ep_step(pipelined: bool) -> Callable[[], None]:
+        def run() -> None:
+            with _environ(fused.PIPELINED_FP8_ENV, "1" if pipelined else "0"):
+                _ep_step(ep2.replace(precision="fp8"), tokens, 2, fused)
+
+        return run
+
+    def pipelined_one_rank() -> None:
+        # (one process runs backend triton's forward: the protocol on a one-rank workspace)
+        config = cfg.replace(precision="fp8")
+        x, ids, w, weights = _problem(config, tokens)
         with _environ(fused.PIPELINED_FP8_ENV, "1"):
-            _ep_step(ep2.replace(precision="fp8"), tokens, 2, fused)
+            sched = fused.build_schedule(ids, config, None)
+            x, w, weights, sched = steps.prepare(x, ids, w, weights, config, None, sched)
+            run = steps.single_rank(sched, ids)
+            steps.run_steps(fused.forward_steps(x, w, weights, run), run.ep.workspace)
 
     one_kernel = cfg.replace(comm_kernel=False, ring_rows=None)
     return [
@@ -288,15 +301,12 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
             "fused dsv3 one kernel, ring of 4 minibatches",
             fused_step(cfg.replace(ring_rows=4 * cfg.minibatch_rows)),
         ),
-        ("fused fp8 dsv3 one kernel", fused_step(cfg.replace(precision="fp8"))),  # (default)
+        ("fused fp8 dsv3 one kernel", fused_step(cfg.replace(precision="fp8"))),
         ("fused fp8 dsv3 comm kernel", fused_step(cfg.replace(precision="fp8", comm_kernel=True))),
-        (
-            "fused fp8 dsv3 W=2 (rank 0)",
-            lambda: _ep_step(ep2.replace(precision="fp8"), tokens, 2, fused),
-        ),
-        # (MEGAMOE_PIPELINED_FP8=1: the pulls beside the warp-specialized GEMMs)
-        ("fused fp8 dsv3 pipelined", fused_step(cfg.replace(precision="fp8"), pipelined=True)),
-        ("fused fp8 dsv3 pipelined W=2 (rank 0)", pipelined_ep_step),
+        ("fused fp8 dsv3 W=2 (rank 0)", fused_ep_step(pipelined=False)),
+        # (the default on Hopper: the pulls beside the warp-specialized GEMMs)
+        ("fused fp8 dsv3 pipelined, one-rank workspace", pipelined_one_rank),
+        ("fused fp8 dsv3 pipelined W=2 (rank 0)", fused_ep_step(pipelined=True)),
     ]
 
 

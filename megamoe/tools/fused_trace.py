@@ -202,11 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape, case, config = case_of_args(args, parser, env)
     config = config.replace(precision=args.precision)
     tunables = fused.resolved_tunables(config, env.device, env.world_size)
-    if tunables["forward"] == "pipelined":
+    if tunables["forward"] in ("pipelined", "unfused"):
         print(
-            "fused_trace: the pipelined fp8 forward (MEGAMOE_PIPELINED_FP8=1) runs no fused kernel "
-            "to trace; --set comm_kernel=0 traces the fused kernel's fp8 tiles, and "
-            "megamoe.tools.profile shows the pipelined forward's kernels",
+            f"fused_trace: the {tunables['forward']} fp8 forward runs no fused kernel to trace; "
+            "--set comm_kernel=0 traces the fused kernel's fp8 tiles, and "
+            "megamoe.tools.profile shows the forward's kernels",
             file=sys.stderr,
         )
         return 2

@@ -265,12 +265,16 @@ def test_backward_exchange_copies_rows_with_16_byte_vectors(backward_compiled) -
 
 
 def test_pipelined_fp8_forward_waits_for_each_row_block(compiled) -> None:
-    """The pipelined fp8 forward (``MEGAMOE_PIPELINED_FP8=1``, W = 1 and 2): the comm kernel
+    """The pipelined fp8 forward (on a one-rank workspace and at W = 2): the comm kernel
     pulls (16-byte row copies, released counters) and the warp-specialized gate/up kernel's
     producer acquires each row block's counter, then fences the async proxy before its TMA
     loads of those rows; both compile without spills. The other gate/up kernels (backend
     "triton", the shared expert) wait for nothing."""
-    for scenario in ("fused fp8 dsv3 pipelined", "fused fp8 dsv3 pipelined W=2 (rank 0)"):
+    scenarios = (
+        "fused fp8 dsv3 pipelined, one-rank workspace",
+        "fused fp8 dsv3 pipelined W=2 (rank 0)",
+    )
+    for scenario in scenarios:
         comm = [r for r in pick(compiled, "fused_comm_kernel") if r["scenario"] == scenario]
         gate_up = [r for r in pick(compiled, "_ws_gate_up_kernel") if r["scenario"] == scenario]
         assert len(comm) == 1 and len(gate_up) == 1, scenario

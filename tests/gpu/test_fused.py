@@ -152,20 +152,36 @@ def test_single_gpu_fused_backward_gives_triton_bits(name: str, monkeypatch) -> 
 FP8_CASES = ("dsv3", "qwen3-30b", "empty_experts", "one_expert_all_rows")
 
 
+def _run_pipelined(p):
+    """The pipelined fp8 forward's protocol (what W > 1 runs: the pulls beside the
+    warp-specialized GEMMs, the push of z, the slots' combine) on a one-rank workspace (one
+    process runs backend triton's forward), then the backward on its context, as
+    ``fused.forward`` hands it over."""
+    sched = fused_backend.build_schedule(p.topk_ids, p.config, None)
+    with poisoned_buffers():
+        x, w, weights, sched = steps.prepare(
+            p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None, sched
+        )
+        run = steps.single_rank(sched, p.topk_ids)
+        ws = run.ep.workspace
+        y, ctx = steps.run_steps(fused_backend.forward_steps(x, w, weights, run), ws)
+        checks.eager_check(ws)
+        ctx = dataclasses.replace(ctx, schedule=sched, slot_weights=w.view(-1))
+        grads = fused_backend.backward(ctx, p.grad_y)
+    return y, grads
+
+
 @pytest.mark.parametrize(
     "comm_kernel", [None, True, False], ids=["pipelined", "comm-kernel", "one-kernel"]
 )
 @pytest.mark.parametrize("name", FP8_CASES)
-def test_single_gpu_fp8_forward_gives_triton_fp8_bits(
-    name: str, comm_kernel: bool | None, monkeypatch
-) -> None:
-    """precision "fp8": the fused forward (``comm_kernel`` None with MEGAMOE_PIPELINED_FP8=1:
-    the pulls beside the warp-specialized GEMMs; True / False: the fused kernel's fp8 tiles on
-    the pulled packed rows with its h tasks) and backend triton's backward give backend
-    triton's fp8 layer bit for bit (its GEMMs on this GPU the warp-specialized kernels), every
-    buffer poisoned, and bitwise run to run (backend triton's fp8 layer against the recipe's
-    bars: tests/gpu/test_fp8.py)."""
-    monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")
+def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bool | None) -> None:
+    """precision "fp8": the fused forward (``comm_kernel`` None, the default: the pipelined
+    protocol on a one-rank workspace, and with one process backend triton's forward; True /
+    False: the fused kernel's fp8 tiles on the pulled packed rows with its h tasks) and backend
+    triton's backward give backend triton's fp8 layer bit for bit (its GEMMs on this GPU the
+    warp-specialized kernels), every buffer poisoned, and bitwise run to run (backend triton's
+    fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
     p = make_problem(
         CASES[name],
         seed=5,
@@ -175,23 +191,27 @@ def test_single_gpu_fp8_forward_gives_triton_fp8_bits(
         ring_rows=None,
         comm_kernel=comm_kernel,
     )
-    ours = _run_fused(p)
-    assert torch.isfinite(ours[0]).all() and all(
-        torch.isfinite(g).all() for g in ours[1] if g is not None
-    )
-    kind = fused_backend.forward_kind(p.config, DEV)
-    assert kind == {None: "pipelined", True: "comm_kernel", False: "one_kernel"}[comm_kernel]
-    assert not _differences(ours, run_backend(p)), f"{name}: not bitwise backend triton's fp8"
-    assert not _differences(ours, _run_fused(p)), f"{name}: not bitwise run to run"
+    kinds = [fused_backend.forward_kind(p.config, DEV, w) for w in (1, 2)]
+    runs = [_run_fused]
+    if comm_kernel is None:
+        assert kinds == ["unfused", "pipelined"]
+        runs.append(_run_pipelined)
+    else:
+        assert kinds == [{True: "comm_kernel", False: "one_kernel"}[comm_kernel]] * 2
+    triton_bits = run_backend(p)
+    for run in runs:
+        ours = run(p)
+        assert torch.isfinite(ours[0]).all() and all(
+            torch.isfinite(g).all() for g in ours[1] if g is not None
+        )
+        assert not _differences(ours, triton_bits), f"{name} {run.__name__}: not triton's fp8"
+        assert not _differences(ours, run(p)), f"{name} {run.__name__}: not bitwise run to run"
 
 
 @pytest.mark.parametrize("num_comm", [1, 40])
-def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(
-    num_comm: int, monkeypatch
-) -> None:
+def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(num_comm: int) -> None:
     """The pipelined fp8 forward with one pull program (the gate/up kernel waits for most row
     blocks) and with 40 (a third of the SMs): backend triton's fp8 bits."""
-    monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")
     p = make_problem(
         CASES["qwen3-30b"],
         seed=6,
@@ -201,33 +221,8 @@ def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(
         ring_rows=None,
         comm_programs=num_comm,
     )
-    assert fused_backend.resolved_tunables(p.config, DEV, 1)["comm_programs"] == num_comm
-    assert not _differences(_run_fused(p), run_backend(p)), num_comm
-
-
-def test_single_gpu_pipelined_fp8_push_gives_the_one_process_bits(monkeypatch) -> None:
-    """The pipelined fp8 forward's expert-parallel protocol (the push of z into the slots and
-    the slots' combine: what W > 1 runs) on a one-rank workspace gives y of the one-process
-    forward (the combine straight from z) bit for bit."""
-    monkeypatch.setenv(fused_backend.PIPELINED_FP8_ENV, "1")
-    p = make_problem(
-        CASES["dsv3"], seed=7, device=DEV, precision="fp8", minibatch_rows=256, ring_rows=None
-    )
-    assert fused_backend.forward_kind(p.config, DEV, 2) == "pipelined"
-    sched = fused_backend.build_schedule(p.topk_ids, p.config, None)
-    with poisoned_buffers():
-        y_one, _ = fused_backend.forward(
-            p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None, sched
-        )
-        x, w, weights, sched = steps.prepare(
-            p.x, p.topk_ids, p.topk_weights, p.weights, p.config, None, sched
-        )
-        run = steps.single_rank(sched, p.topk_ids)
-        ws = run.ep.workspace
-        y_ep, _ = steps.run_steps(fused_backend.forward_steps(x, w, weights, run), ws)
-    checks.eager_check(ws)
-    assert torch.isfinite(y_one).all()
-    assert _bits_equal(y_one, y_ep)
+    assert fused_backend.resolved_tunables(p.config, DEV, 2)["comm_programs"] == num_comm
+    assert not _differences(_run_pipelined(p), run_backend(p)), num_comm
 
 
 def test_single_gpu_comm_kernel_bits() -> None:

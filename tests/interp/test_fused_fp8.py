@@ -224,11 +224,12 @@ def test_pipelined_pulls_copy_every_row_and_complete_each_counter(
 
 
 def test_pipelined_forward_choice_and_errors(monkeypatch) -> None:
-    """Where it runs (fp8, ``comm_kernel`` None, ``MEGAMOE_PIPELINED_FP8=1``, the
-    warp-specialized gate/up GEMM: Hopper; here forced), the pipelined forward refuses a trace
-    by name; the Triton gate/up kernel
-    refuses rows that arrive while it runs; bad arrival counters are named."""
-    from megamoe.backends import fp8_weights
+    """Where it runs (fp8, ``comm_kernel`` None, a ring of every row, ``MEGAMOE_PIPELINED_FP8``
+    not "0", the warp-specialized gate/up GEMM: Hopper; here forced): the pipelined forward at
+    W > 1 and on a one-rank workspace, backend triton's forward with one process; both refuse
+    a trace by name. The Triton gate/up kernel refuses rows that arrive while it runs; bad
+    arrival counters are named."""
+    from megamoe.backends import fp8_weights, steps
     from megamoe.kernels import fp8_gemm, fp8_ws
     from megamoe.kernels.fused import new_trace
 
@@ -250,12 +251,20 @@ def test_pipelined_forward_choice_and_errors(monkeypatch) -> None:
         fp8_ws._arrival_args(arrivals._replace(counters=counters.long()), counters)
     assert fp8_ws._arrival_args(arrivals, counters) == ((counters, 1, counters, 0, 16), 128)
     monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
-    assert fused.forward_kind(p.config, cpu) == "one_kernel"  # (opt-in)
+    monkeypatch.delenv(fused.PIPELINED_FP8_ENV, raising=False)
+    assert fused.forward_kind(p.config, cpu) == "unfused"
+    assert fused.forward_kind(p.config, cpu, 2) == "pipelined"
+    assert fused.forward_kind(p.config.replace(comm_kernel=False), cpu, 2) == "one_kernel"
+    assert fused.forward_kind(p.config.replace(ring_rows=128), cpu, 2) == "one_kernel"
+    monkeypatch.setenv(fused.PIPELINED_FP8_ENV, "0")
+    assert fused.forward_kind(p.config, cpu, 2) == "one_kernel"
     monkeypatch.setenv(fused.PIPELINED_FP8_ENV, "2")
     with pytest.raises(ValueError, match="MEGAMOE_PIPELINED_FP8 must be 0 or 1, got '2'"):
         fused.forward_kind(p.config, cpu)
     monkeypatch.setenv(fused.PIPELINED_FP8_ENV, "1")
-    assert fused.forward_kind(p.config, cpu) == "pipelined"
-    assert fused.forward_kind(p.config.replace(comm_kernel=False), cpu) == "one_kernel"
+    trace = new_trace(cpu, 8)
+    with pytest.raises(ValueError, match="the one-process fp8 forward runs no fused kernel"):
+        fused.forward(x, ids, tw, p.weights, p.config, None, sched, trace=trace)
+    run = steps.single_rank(sched, ids)
     with pytest.raises(ValueError, match="the pipelined fp8 forward runs no fused kernel"):
-        fused.forward(x, ids, tw, p.weights, p.config, None, sched, trace=new_trace(cpu, 8))
+        steps.run_steps(fused.forward_steps(x, tw, p.weights, run, trace), run.ep.workspace)

@@ -248,13 +248,21 @@ def test_fused_records_the_comm_programs_it_uses(monkeypatch):
         **kernel,
     }
     # fp8: the one kernel where the warp-specialized GEMMs do not run (here: the interpreter);
-    # where they run (a Hopper GPU) and MEGAMOE_PIPELINED_FP8=1 the pipelined forward, its
-    # pulls on SMs of their own
+    # where they run (a Hopper GPU) the pipelined forward at W > 1, its pulls on SMs of their
+    # own, and with one process backend triton's forward (no pulls, no comm kernel);
+    # MEGAMOE_PIPELINED_FP8=0 or a bounded ring: the one kernel
     fp8_config = config.replace(precision="fp8")
     assert resolved_tunables(fp8_config, cpu, 1)["forward"] == "one_kernel"
     monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
-    assert resolved_tunables(fp8_config, cpu, 2)["forward"] == "one_kernel"  # (opt-in)
-    monkeypatch.setenv("MEGAMOE_PIPELINED_FP8", "1")
+    assert resolved_tunables(fp8_config, cpu, 1) == {
+        "comm_programs": None,
+        "comm_kernel": False,
+        "forward": "unfused",
+    }
+    assert resolved_tunables(fp8_config.replace(ring_rows=4096), cpu, 2) == one
+    monkeypatch.setenv("MEGAMOE_PIPELINED_FP8", "0")
+    assert resolved_tunables(fp8_config, cpu, 2) == one
+    monkeypatch.delenv("MEGAMOE_PIPELINED_FP8")
     programs = persistent_programs(cpu)
     pulls = pull_programs_for(programs, 7168, 2048, 2 * fp8.packed_width(7168), 2)
     assert resolved_tunables(fp8_config, cpu, 2) == {
