@@ -175,13 +175,16 @@ def _run_pipelined(p):
     "comm_kernel", [None, True, False], ids=["pipelined", "comm-kernel", "one-kernel"]
 )
 @pytest.mark.parametrize("name", FP8_CASES)
-def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bool | None) -> None:
+def test_single_gpu_fp8_forward_gives_triton_fp8_bits(
+    name: str, comm_kernel: bool | None, monkeypatch
+) -> None:
     """precision "fp8": the fused forward (``comm_kernel`` None, the default: the pipelined
     protocol on a one-rank workspace, and with one process backend triton's forward; True /
     False: the fused kernel's fp8 tiles on the pulled packed rows with its h tasks) and backend
     triton's backward give backend triton's fp8 layer bit for bit (its GEMMs on this GPU the
     warp-specialized kernels), every buffer poisoned, and bitwise run to run (backend triton's
     fp8 layer against the recipe's bars: tests/gpu/test_fp8.py)."""
+    monkeypatch.delenv(fused_backend.PIPELINED_FP8_ENV, raising=False)  # (the default)
     p = make_problem(
         CASES[name],
         seed=5,
@@ -209,9 +212,12 @@ def test_single_gpu_fp8_forward_gives_triton_fp8_bits(name: str, comm_kernel: bo
 
 
 @pytest.mark.parametrize("num_comm", [1, 40])
-def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(num_comm: int) -> None:
+def test_single_gpu_pipelined_fp8_bits_do_not_depend_on_the_pull_programs(
+    num_comm: int, monkeypatch
+) -> None:
     """The pipelined fp8 forward with one pull program (the gate/up kernel waits for most row
     blocks) and with 40 (a third of the SMs): backend triton's fp8 bits."""
+    monkeypatch.delenv(fused_backend.PIPELINED_FP8_ENV, raising=False)  # (the default)
     p = make_problem(
         CASES["qwen3-30b"],
         seed=6,
