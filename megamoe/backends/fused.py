@@ -173,13 +173,11 @@ def _experts_step(
 ) -> steps.ExpertsOutput:
     """``steps.experts_unfused`` as one fused launch (in fp8 on the step's fp8 weights
     ``fp8w`` and this rank's published packed rows), or in fp8 on Hopper the pipelined forward
-    (:func:`_pipelined_experts`, also on a one-rank workspace) and the push of z."""
+    (:func:`_pipelined_experts`, also on a one-rank workspace)."""
     config = schedule.config
     if _pipelines(config, ws.device):
         _refuse_trace(trace, "pipelined")
-        routed, shared, shared_out = _pipelined_experts(ws, schedule, weights, x, fp8w)
-        comm.combine_push(ws, routed.z, schedule.routed, "combine", programs=config.copy_programs)
-        return routed, shared, shared_out
+        return _pipelined_experts(ws, schedule, weights, x, fp8w)
     tokens = steps.published_tokens(ws, x, config)
     shared = None
     if weights.has_shared:
@@ -212,10 +210,11 @@ def _pipelined_experts(
 ) -> steps.ExpertsOutput:
     """The fp8 forward's experts on the warp-specialized GEMMs: the comm kernel pulls the
     packed rows on SMs of its own (``kernels.fused.start_pulls``) while the shared expert's
-    GEMMs and then the routed gate/up GEMM run on the other SMs, the gate/up kernel waiting for
-    each row block's pull; then down on every SM. The GEMMs are backend "triton"'s: the same
-    bits. (They fill an SM's registers, so no comm program fits beside them as in the bf16
-    comm-kernel forward: the push of z, where there is one, comes after down.)"""
+    GEMMs and then the routed gate/up and down GEMMs run on the other SMs, the gate/up kernel
+    waiting for each row block's pull; then the comm programs push z into the source ranks'
+    combine slots, each minibatch once down has stored its tiles (``Pulls.push``). The GEMMs
+    are backend "triton"'s: the same bits. (They fill an SM's registers, so the comm programs
+    take SMs of their own, not a place beside them as in the bf16 comm-kernel forward.)"""
     config, sched = schedule.config, schedule.routed
     tokens = steps.published_tokens(ws, x, config)
     pulls = start_pulls(
@@ -226,6 +225,7 @@ def _pipelined_experts(
             tokens, weights, config, pulls.programs, fp8w=fp8w
         )
         routed = experts.routed_forward(pulls.rows, weights, sched, "fp8", fp8w, pulls)
+        pulls.push(routed.z, fp8_gemm.stored_signals(sched.block_rows, config.hidden_size))
     finally:
         pulls.join()
     return routed, shared, shared_out

@@ -5,6 +5,7 @@ Device functions (``@triton.jit``, reusable by the persistent megakernel):
   wait_flag       the same on one flag, as scalars (Triton and Gluon kernels)
   publish_writes, acquire_for_tma
                   TMA (async proxy) writes before a release, TMA loads after an acquire
+  signal          count this program into a flag (release, GPU scope)
   barrier_arrive  advance this rank's epoch and publish it into every rank's pad (release, sys)
   barrier_wait    wait until every rank published this epoch into our pad
   copy_rows       pull scheduled rows out of the peers' token buffers into a local row buffer
@@ -49,6 +50,7 @@ __all__ = [
     "wait_flag",
     "publish_writes",
     "acquire_for_tma",
+    "signal",
     "record_stall",
     "barrier_arrive",
     "barrier_wait",
@@ -200,6 +202,14 @@ def acquire_for_tma(GPU: tl.constexpr):
     if GPU:
         _fence("fence.proxy.async.global; mov.u32 $0, 0;")
     tl.debug_barrier()
+
+
+@triton.jit
+def signal(flag_ptr):
+    """Count this program into ``flag`` (release: everything it wrote before is visible; after
+    TMA stores, :func:`publish_writes` first). Scalars only: Gluon kernels call it too."""
+    tl.debug_barrier()
+    tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit

@@ -1136,9 +1136,10 @@ def _mm_launch(
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
     quantize: bool = False,
+    stored: fp8_ws.StoredTiles | None = None,
 ) -> list:
     """The grouped GEMM launches: the outputs in a list, or with ``quantize`` (with ``gu``)
-    :func:`dgrad_swiglu_quantized`'s."""
+    :func:`dgrad_swiglu_quantized`'s. ``stored``: :func:`grouped_mm`'s."""
     rows, k = _check_rows(names[0], a, a_scale)
     q, s = _check_weight(names[1], w, sched.num_experts, k, transposed)
     n = q.shape[1]
@@ -1180,8 +1181,13 @@ def _mm_launch(
     out = out if out is not None else empty(shape, dtype, a.device)
     outs = list(out)
     if ws:
-        fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu, t.bn)
+        fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu, t.bn,
+                                 stored=stored)  # fmt: skip
         return _rows_cols_of(out) if quantize else outs
+    if stored is not None:
+        raise ValueError(
+            "stored: only the warp-specialized kernel (Hopper, bf16 output) counts its stored tiles"
+        )
     t = triton_tiles(kind, t)
     bm, block_tiles = row_tile(t, sched.block_rows)
     hm = _sub_rows(kind, t, bm)  # the rows of the A and output blocks
@@ -1265,11 +1271,23 @@ def grouped_mm(
     sched: RowSchedule,
     programs: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    stored: fp8_ws.StoredTiles | None = None,
 ) -> torch.Tensor:
-    """C[r] = a[r] @ w[e(r)]^T for ``w`` [E, N, K] (``nn.Linear`` layout; forward down)."""
-    return _mm_launch(
-        "mm", a, a_scale, w, sched, transposed=False, programs=programs, out_dtype=out_dtype
-    )[0]
+    """C[r] = a[r] @ w[e(r)]^T for ``w`` [E, N, K] (``nn.Linear`` layout; forward down), into
+    ``out`` (a contiguous [rows, N] tensor; else a new one in ``out_dtype``). ``stored``: count
+    the tiles as they are stored (:class:`fp8_ws.StoredTiles`, :func:`stored_signals` a row
+    block), for a kernel that reads the rows meanwhile; the warp-specialized kernel only."""
+    how = dict(programs=programs, out_dtype=out_dtype, stored=stored)
+    if out is not None:
+        how["out"] = out[None]  # (the launcher's [outputs, rows, N])
+    return _mm_launch("mm", a, a_scale, w, sched, transposed=False, **how)[0]
+
+
+def stored_signals(block_rows: int, n: int) -> int:
+    """What a row block adds to a :class:`fp8_ws.StoredTiles` counter in :func:`grouped_mm`
+    over ``n`` output columns (its tiles: ``GPU_TILES["mm"]``)."""
+    return fp8_ws.stored_signals(block_rows, n, tiles_for("mm").bn)
 
 
 def dgrad_swiglu(

@@ -85,6 +85,8 @@ __all__ = [
     "staging_cols",
     "supported",
     "RowArrivals",
+    "StoredTiles",
+    "stored_signals",
     "launch_gate_up",
     "launch_grouped_mm",
     "launch_wgrad",
@@ -491,10 +493,10 @@ def _swiglu_backward(dh, bufs, ready, n):
 
 @gluon.jit
 def _consumer(
-    c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, HALF: gl.constexpr,
+    c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, stored, HALF: gl.constexpr,
     TWO_PAIRS: gl.constexpr, SWIGLU_BWD: gl.constexpr, COLS: gl.constexpr,
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
-    QUANT: gl.constexpr,
+    QUANT: gl.constexpr, STORED_ROWS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of this CTA, the
     first pair's K steps and then, with ``TWO_PAIRS``, the second's into one accumulator (the
@@ -503,7 +505,9 @@ def _consumer(
     tile per 128 columns), or with ``SWIGLU_BWD`` (``gu``: the barriers of the saved g and u,
     ``_swiglu_backward``'s) the accumulator is d_h and the outputs are d_g and d_u, which with
     ``QUANT`` are stored quantized (``_store_quantized``, ``quant``: d_g's and d_u's), not in
-    bf16; ``c_bufs``: their staging tiles."""
+    bf16; ``c_bufs``: their staging tiles. With ``STORED_ROWS`` (not with ``SWIGLU_BWD``) each
+    tile's stores are counted once done (``_count_stored``; ``stored``: the counters), at the
+    next tile's epilogue (a tile's K loop later: no wait) and after the last tile."""
     KIND: gl.constexpr = WIDE_MM if COLS == 2 * TILE_COLS else MM
     row_layout: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
     bufs = (c_bufs[0].index(HALF),)
@@ -515,6 +519,7 @@ def _consumer(
     d = zero
     it = 0  # ring steps consumed so far (the producer counts the same)
     n = 0  # tiles done so far
+    stored_row = 0  # the row of the tile whose stores are not counted yet (STORED_ROWS)
     for tile in range(gl.program_id(0), num_tiles, NUM_PROGS):
         expert, row, col = _tile_origin(tile, walk, BLOCK_TILES, COLS, GROUP_M)
         row += HALF * HALF_ROWS
@@ -550,12 +555,27 @@ def _consumer(
             # the producer may load the next tile's g and u once the stores have read these
             tma.store_wait(pendings=0)
             mbarrier.arrive(free.index(HALF), count=1)
-        elif KIND == WIDE_MM:
-            _store_tiles(c_descs, bufs, acc, ([row, col], [row, col + TILE_COLS]))
         else:
-            _store_tiles(c_descs, bufs, (acc,), ([row, col],))
+            if STORED_ROWS > 0 and n > 0:
+                _count_stored(stored, stored_row, STORED_ROWS)
+            if KIND == WIDE_MM:
+                _store_tiles(c_descs, bufs, acc, ([row, col], [row, col + TILE_COLS]))
+            else:
+                _store_tiles(c_descs, bufs, (acc,), ([row, col],))
+            stored_row = row
         n += 1
     tma.store_wait(pendings=0)
+    if STORED_ROWS > 0 and n > 0:
+        _count_stored(stored, stored_row, STORED_ROWS)
+
+
+@gluon.jit
+def _count_stored(counters, row, ROWS: gl.constexpr):
+    """Count this warpgroup's last tile (at ``row``) into ``counters[row // ROWS]`` once its
+    TMA stores are done and visible (``comm.publish_writes``, then a release): another kernel
+    reads the rows meanwhile (``StoredTiles``)."""
+    comm.publish_writes(True)
+    comm.signal(counters + row // ROWS)
 
 
 @gluon.jit
@@ -792,12 +812,14 @@ def _ws_grouped_mm_kernel(
     # x^T scales' stride along the columns
     dgq_desc, dgqt_desc, duq_desc, duqt_desc, dgdu_scales, s_tk,
     block_expert_ptr, num_blocks_ptr,  # the row schedule
+    stored_ptr,  # STORED_ROWS: the counters of stored tiles (StoredTiles)
     M, N, K,
     s_am, s_ak, s_be, s_bn, s_bk,  # the scales' strides
     TWO_PAIRS: gl.constexpr, SWIGLU_BWD: gl.constexpr, STAGES: gl.constexpr,
     COLS: gl.constexpr,  # the tile's columns: 128, or 256 (wide: two 128-column blocks)
     BLOCK_TILES: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
     QUANT: gl.constexpr,  # SWIGLU_BWD: d_g and d_u quantized in the epilogue, not stored
+    STORED_ROWS: gl.constexpr,  # rows a counter of stored tiles; 0: none counted
 ):  # fmt: skip
     ring, c_bufs = _shared_ring(a_desc, b_desc, c_desc, STAGES, COLS)
     gu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -840,10 +862,12 @@ def _ws_grouped_mm_kernel(
     sched = (block_expert_ptr, num_blocks_ptr)
     gl.warp_specialize(
         [
-            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, 0, TWO_PAIRS,
-                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT)),
-            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, 1, TWO_PAIRS,
-                         SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT)),
+            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, stored_ptr, 0,
+                         TWO_PAIRS, SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT,
+                         STORED_ROWS)),
+            (_consumer, (c_descs, c_bufs, ring, scales, sched, N, K, gu, quant, stored_ptr, 1,
+                         TWO_PAIRS, SWIGLU_BWD, COLS, BLOCK_TILES, NUM_PROGS, GROUP_M, QUANT,
+                         STORED_ROWS)),
             (_producer, (pairs, ring, sched, N, K, TWO_PAIRS, BLOCK_TILES, NUM_PROGS, COLS,
                          GROUP_M, SWIGLU_BWD, producer_gu)),
         ],
@@ -1062,6 +1086,42 @@ class RowArrivals(NamedTuple):
     budget: int
 
 
+class StoredTiles(NamedTuple):
+    """Output tiles counted as they are stored, for a kernel that reads their rows meanwhile
+    (the pipelined fp8 forward's push of z beside its down GEMM). Each consumer warpgroup of a
+    tile adds 1 (release) to ``counters[m]``, m = the tile's row // ``rows``, once its stores
+    are done: rows ``[m * rows, (m + 1) * rows)`` are all written when the counter reaches its
+    row blocks times :func:`stored_signals`."""
+
+    counters: torch.Tensor
+    rows: int
+
+
+def stored_signals(block_rows: int, n: int, cols: int) -> int:
+    """What a row block of ``block_rows`` adds to its :class:`StoredTiles` counter: two
+    consumers a tile of ``cols`` columns, every tile of its row tiles and ``n`` columns."""
+    return 2 * (block_rows // TILE_ROWS) * triton.cdiv(n, cols)
+
+
+def _stored_args(stored: StoredTiles | None, sched, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The grouped-GEMM kernel's (counters, ``STORED_ROWS``), checked (0 rows: not counted)."""
+    if stored is None:
+        return out, 0
+    if stored.rows <= 0 or stored.rows % sched.block_rows:
+        raise ValueError(
+            f"stored.rows must be a positive multiple of the schedule's {sched.block_rows}-row "
+            f"blocks, got {stored.rows}"
+        )
+    counters = stored.counters
+    wanted = triton.cdiv(sched.rows, stored.rows)
+    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.numel() < wanted:
+        raise ValueError(
+            f"stored.counters must be int32 with >= {wanted} counters (one per {stored.rows} "
+            f"rows), got {counters.dtype} {list(counters.shape)}"
+        )
+    return counters, stored.rows
+
+
 def _arrival_args(arrivals: RowArrivals | None, placeholder: torch.Tensor) -> tuple[tuple, int]:
     """The gate/up kernel's (counters, wanted, errors, rank, budget) and ``WAIT_ROWS``."""
     if arrivals is None:
@@ -1161,6 +1221,7 @@ def launch_grouped_mm(
     gu: tuple[torch.Tensor, torch.Tensor] | None = None,
     cols: int = TILE_COLS.value,
     quant: tuple[Quantized, Quantized] | None = None,
+    stored: StoredTiles | None = None,
 ) -> None:
     """outs[0][r] = sum over the (one or two) pairs of a[r] @ W[e(r)]^T, in pair order, for
     the used row blocks of ``sched``; with ``gu`` (the saved g and u, [rows, N] bf16 with
@@ -1171,14 +1232,18 @@ def launch_grouped_mm(
     the used rows. A pair is (a, a_scale, wb, w_scale, w_rows): ``wb`` the weights' 2-D view
     (``gemm.weight_2d``: expert e's N rows start at ``e * w_rows``); the second pair's scales
     have the first's strides. ``group_m``: the row tiles walked together (``walk_group``);
-    ``cols``: a tile's columns, 128 or 256 (wide; not with ``gu``). ``fp8_gemm`` has checked
-    the arguments."""
+    ``cols``: a tile's columns, 128 or 256 (wide; not with ``gu``); ``stored``: count the
+    stored tiles (:class:`StoredTiles`; not with ``gu``). ``fp8_gemm`` has checked the
+    arguments."""
     if cols not in (TILE_COLS.value, 2 * TILE_COLS.value) or (gu is not None and cols != 128):
         raise ValueError(
             f"cols = {cols}: the tiles are 128 or 256 columns wide, 128 with the SwiGLU backward"
         )
     if quant is not None and gu is None:
         raise ValueError("quant: only the SwiGLU backward's outputs (gu given) are quantized")
+    stored_ptr, stored_rows = _stored_args(stored, sched, outs[0])
+    if stored is not None and gu is not None:
+        raise ValueError("stored: the SwiGLU backward's tiles are not counted")
     kind = "mm" if gu is None else "swiglu_bwd"
     _check_stages(stages, outs[0].element_size(), kind, cols)
     a, a_scale, wb, w_scale, w_rows = pairs[0]
@@ -1210,6 +1275,7 @@ def launch_grouped_mm(
         0 if quant is None else quant[0][1][1].stride(0),
         sched.block_expert,
         sched.num_blocks,
+        stored_ptr,
         rows,
         n,
         k,
@@ -1219,6 +1285,7 @@ def launch_grouped_mm(
         SWIGLU_BWD=gu is not None,
         COLS=cols,
         QUANT=quant is not None,
+        STORED_ROWS=stored_rows,
         **options,
     )
 

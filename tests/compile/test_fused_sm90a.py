@@ -264,28 +264,44 @@ def test_backward_exchange_copies_rows_with_16_byte_vectors(backward_compiled) -
         assert re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx), scenario
 
 
+RELEASE = r"atom\.global\.gpu\.release\.add"
+V4_LOAD, V4_STORE = (rf"{op}\.global(\.[a-z0-9]+)*\.v4\.b32" for op in ("ld", "st"))
+
+
 def test_pipelined_fp8_forward_waits_for_each_row_block(compiled) -> None:
-    """The pipelined fp8 forward (on a one-rank workspace and at W = 2): the comm kernel
+    """The pipelined fp8 forward (on a one-rank workspace and at W = 2): the comm kernel's
     pulls (16-byte row copies, released counters) and the warp-specialized gate/up kernel's
-    producer acquires each row block's counter, then fences the async proxy before its TMA
-    loads of those rows; both compile without spills. The other gate/up kernels (backend
-    "triton", the shared expert) wait for nothing."""
+    producer, which acquires each row block's counter, then fences the async proxy before its
+    TMA loads of those rows; the down kernel, whose consumers wait for their TMA stores to be
+    done, fence them and release a counter, and the comm kernel's pushes, which acquire those
+    counters and copy the rows with 16-byte stores. All compile without spills. The other
+    gate/up and grouped-GEMM kernels (backend "triton", the shared expert, the backward) wait
+    for nothing and count nothing."""
     scenarios = (
         "fused fp8 dsv3 pipelined, one-rank workspace",
         "fused fp8 dsv3 pipelined W=2 (rank 0)",
     )
     for scenario in scenarios:
         comm = [r for r in pick(compiled, "fused_comm_kernel") if r["scenario"] == scenario]
+        pulls = [r for r in comm if re.search(RELEASE, r["ptx"])]  # (the pushes count nothing)
+        pushes = [r for r in comm if not re.search(RELEASE, r["ptx"])]
         gate_up = [r for r in pick(compiled, "_ws_gate_up_kernel") if r["scenario"] == scenario]
-        assert len(comm) == 1 and len(gate_up) == 1, scenario
-        assert re.search(r"atom\.global\.gpu\.release\.add", comm[0]["ptx"])
-        assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", comm[0]["ptx"])
+        mms = [r for r in pick(compiled, "_ws_grouped_mm_kernel") if r["scenario"] == scenario]
+        down = [r for r in mms if re.search(RELEASE, r["ptx"])]
+        assert len(pulls) == len(pushes) == len(gate_up) == len(down) == 1, scenario
+        assert re.search(V4_LOAD, pulls[0]["ptx"]), scenario
+        assert re.search(ACQUIRE, pushes[0]["ptx"]) and re.search(V4_STORE, pushes[0]["ptx"])
         assert re.search(ACQUIRE, gate_up[0]["ptx"]), scenario
         assert "fence.proxy.async.global" in gate_up[0]["ptx"]
-        assert gate_up[0]["wgmma"] and gate_up[0]["tma"]
-        for r in (*comm, *gate_up):
+        assert re.search(r"cp\.async\.bulk\.wait_group 0;", down[0]["ptx"]), scenario
+        assert "fence.proxy.async.global" in down[0]["ptx"]
+        for r in (*comm, *gate_up, *down):
             assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, (scenario, r["name"])
             assert 0 < r["shared"] <= SMEM_LIMIT and not r["launcher_error"], r["name"]
+            assert not (r in gate_up or r in down) or (r["wgmma"] and r["tma"]), r["name"]
     for r in pick(compiled, "_ws_gate_up_kernel"):
         waits = bool(re.search(ACQUIRE, r["ptx"]))
         assert waits == ("pipelined" in r["scenario"]), r["scenario"]
+    counting = {r["scenario"] for r in pick(compiled, "_ws_grouped_mm_kernel")
+                if re.search(RELEASE, r["ptx"])}  # fmt: skip
+    assert counting == set(scenarios)

@@ -223,6 +223,55 @@ def test_pipelined_pulls_copy_every_row_and_complete_each_counter(
     assert pulls.programs == persistent_programs(x.device) - arrivals.wanted >= 1
 
 
+@pytest.mark.parametrize("minibatch", [128, 256], ids=["one-block", "two-blocks"])
+def test_pipelined_push_fills_the_slots_once_down_counted_its_tiles(minibatch: int) -> None:
+    """``Pulls.push``, the pipelined fp8 forward's push of z (on Hopper beside the down GEMM,
+    which counts its stored tiles into ``Pulls.stored``; here the interpreter runs it after
+    the counters are complete, as down leaves them): the combine slots bitwise what
+    ``comm.combine_push`` puts there. A minibatch one signal short stalls its push: a
+    StallError names the down tiles and the minibatch, the other slots are still pushed, and
+    bad z is refused by name."""
+    from megamoe.backends import steps
+    from megamoe.ep.workspace import check_errors
+    from megamoe.errors import StallError
+    from megamoe.kernels import comm, fp8_ws
+    from megamoe.kernels.fused.forward import start_pulls
+
+    case = BLOCKS_CASE
+    p = make_problem(case, seed=8, minibatch_rows=minibatch, **FP8)
+    x, ids, _, _ = p.single
+    run = steps.single_rank(backend.build_schedule(ids, p.config, None), ids)
+    ws, sched = run.ep.workspace, run.routed
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(sched.rows, case.hidden, generator=gen).bfloat16()
+    comm.combine_push(ws, z, sched, "combine")
+    expected = ws.combine_buffer.clone()
+    signals = fp8_ws.stored_signals(sched.block_rows, case.hidden, 256)
+    blocks = int(sched.num_blocks)
+    per_mb = minibatch // sched.block_rows
+    n_mb = -(-blocks // per_mb)
+    for short in (None, n_mb - 1):
+        ws.combine_buffer.fill_(float("nan"))
+        pulls = start_pulls(ws, sched, case.intermediate, 1, minibatch, budget=64)
+        assert pulls.stored.rows == minibatch
+        for m in range(n_mb):
+            pulls.stored.counters[m] = min(per_mb, blocks - m * per_mb) * signals
+        if short is not None:
+            pulls.stored.counters[short] -= 1
+        with pytest.raises(ValueError, match=r"z must be bf16 \["):
+            pulls.push(z.float(), signals)
+        pulls.push(z, signals)
+        pulls.join()
+        if short is None:
+            assert torch.equal(ws.combine_buffer, expected)
+            continue
+        with pytest.raises(StallError, match=f"down tiles.*{short}"):
+            check_errors(ws)
+        slots = sched.row_src[: short * minibatch].long()  # (the minibatches before it)
+        slots = slots[slots >= 0]
+        assert slots.numel() and torch.equal(ws.combine_buffer[slots], expected[slots])
+
+
 def test_pipelined_forward_choice_and_errors(monkeypatch) -> None:
     """Where it runs (fp8, ``comm_kernel`` None, a ring of every row, ``MEGAMOE_PIPELINED_FP8``
     not "0", the warp-specialized gate/up GEMM: Hopper; here forced): the pipelined forward at

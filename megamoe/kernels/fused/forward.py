@@ -42,7 +42,7 @@ import triton.language as tl
 from ...ep.workspace import Workspace
 from ...types import RoutedActivations, SharedActivations
 from .. import comm, fp8
-from ..fp8_ws import RowArrivals
+from ..fp8_ws import RowArrivals, StoredTiles
 from ..gemm import gate_up_2d, weight_2d
 from ..runtime import descriptor, empty, interpreting, side_stream
 from ..schedule import RowSchedule
@@ -498,15 +498,45 @@ class Pulls:
     """The routed rows on their way in (:func:`start_pulls`): ``rows`` [schedule rows, packed
     width] int16, row block by row block as ``arrivals`` counts them (``fp8_ws.RowArrivals``,
     what the warp-specialized gate/up kernel waits on); ``programs``: the SMs the GEMMs may
-    take meanwhile. :meth:`join` before the rows are read any other way."""
+    take meanwhile. ``stored``: the counters of the down GEMM's stored tiles that
+    :meth:`push` waits for (``fp8_ws.StoredTiles``). :meth:`join` before the rows are read any
+    other way."""
 
     rows: torch.Tensor
     arrivals: RowArrivals
     programs: int
     stream: torch.cuda.Stream | None
+    stored: StoredTiles
+    launch: tuple  # the comm kernel's (rows, dims, sync, meta, programs, warps)
+
+    def push(self, z: torch.Tensor, signals: int) -> None:
+        """Push the rows of z [schedule rows, H] bf16 into the source ranks' combine slots
+        (where ``comm.combine_push`` puts them), minibatch by minibatch as :attr:`stored`
+        counts the down tiles that write them (``signals`` a row block:
+        ``fp8_gemm.stored_signals``), on the comm programs' SMs, after the pulls. Call it once
+        the down GEMM is launched (it does not wait for that launch: the counters order it);
+        :meth:`join` waits for it too."""
+        rows, dims, sync, meta, programs, warps = self.launch
+        h = dims[1]
+        if z.dtype != torch.bfloat16 or tuple(z.shape) != (self.rows.shape[0], h):
+            raise ValueError(
+                f"z must be bf16 [{self.rows.shape[0]}, {h}], got {z.dtype} {list(z.shape)}"
+            )
+        if not z.is_contiguous():
+            raise ValueError(f"z must be contiguous, got strides {z.stride()}")
+        copy_rows, copy_cols = comm.copy_tile(h, 2, comm.COPY_TILE_BYTES)
+        meta = meta._replace(ROWS=copy_rows, COLS=copy_cols, PHASE=COMM_PUSH, Z_SIGNALS=signals)
+        rows = rows[:3] + (z,) + rows[4:]
+        options = dict(C=meta.as_constexprs(), num_warps=warps)
+        if self.stream is None:
+            fused_comm_kernel[(programs,)](rows, dims, sync, **options)
+            return
+        z.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):  # (after the pulls; down's counters order it)
+            fused_comm_kernel[(programs,)](rows, dims, sync, **options)
 
     def join(self) -> None:
-        """The current stream waits for the pulls."""
+        """The current stream waits for the pulls (and the push)."""
         if self.stream is not None:
             torch.cuda.current_stream(self.rows.device).wait_stream(self.stream)
 
@@ -557,15 +587,17 @@ def start_pulls(
     arrivals = RowArrivals(
         flags[layout.ready :], minibatch_rows, plan.num_comm, ws.errors, ws.rank, budget
     )
+    stored = StoredTiles(flags[layout.z_done : layout.h_done], minibatch_rows)
+    launch = (rows, dims, sync, plan.meta, plan.num_comm, plan.warps)
     options = dict(C=plan.meta.as_constexprs(), num_warps=plan.warps)
     if dev.type != "cuda":  # (a launch recorded for the compile check)
         fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
-        return Pulls(xs, arrivals, plan.programs, None)
+        return Pulls(xs, arrivals, plan.programs, None, stored, launch)
     main, side = torch.cuda.current_stream(dev), side_stream(dev)
     side.wait_stream(main)  # (the published rows, the zeroed counters)
     with torch.cuda.stream(side):
         fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
-    return Pulls(xs, arrivals, plan.programs, side)
+    return Pulls(xs, arrivals, plan.programs, side, stored, launch)
 
 
 def _check_fp8_weights(

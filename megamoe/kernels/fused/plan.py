@@ -134,6 +134,10 @@ class FusedMeta(NamedTuple):
     FP8: bool = False
     SPLIT_M: int = 1  # the fp8 tiles' row halves: 1, 128 rows on two warpgroups (FP8_FUSED_WARPS)
     STRICT: bool = False  # their ``strict_order``
+    # the comm kernel's pushes: signals into z_done a row block once all its down tiles are
+    # stored; 0: cdiv(H, BN_DOWN), one a tile (the pipelined fp8 forward's warp-specialized
+    # down: ``fp8_gemm.stored_signals``)
+    Z_SIGNALS: int = 0
 
     @functools.lru_cache(maxsize=256)  # (a launch's host time: built once per plan)
     def as_constexprs(self) -> "FusedMeta":

@@ -141,13 +141,17 @@ def comm_role(
 @triton.jit
 def push_minibatches(role, num_blocks, env, C: tl.constexpr):
     """Comm-kernel role ``role``: push each minibatch's z rows into the source ranks' combine
-    slots once all of its down tiles are stored (``z_done``)."""
+    slots once all of its down tiles are stored (``z_done``: ``C.Z_SIGNALS`` a row block, or
+    one a tile)."""
     rows, dims, counters, watch, trace = env
     combine_table, z_ptr, row_src_ptr = rows[1], rows[3], rows[4]
     T, H = dims[0], dims[1]
     z_done_ptr = counters[1]
     used_rows = num_blocks * C.BM
-    tiles_down = tl.cdiv(H, C.BN_DOWN)
+    if C.Z_SIGNALS > 0:
+        tiles_down = C.Z_SIGNALS
+    else:
+        tiles_down = tl.cdiv(H, C.BN_DOWN)
     alive = True
     m = 0
     while (m < tl.cdiv(used_rows, C.MB)) & alive:

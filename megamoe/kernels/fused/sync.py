@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ...errors import Stage
 from .. import comm
-from ..comm import acquire_for_tma, publish_writes
+from ..comm import acquire_for_tma, publish_writes, signal
 
 __all__ = [
     "FlagLayout",
@@ -90,13 +90,6 @@ def flag_pointers(flags_ptr, max_mb, max_blocks):
     z_done_ptr = ready_ptr + max_mb
     h_done_ptr = z_done_ptr + max_mb
     return flags_ptr, ready_ptr, z_done_ptr, h_done_ptr, h_done_ptr + max_blocks
-
-
-@triton.jit
-def signal(flag_ptr):
-    """Count this program into ``flag`` (release: everything it wrote before is visible)."""
-    tl.debug_barrier()
-    tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
