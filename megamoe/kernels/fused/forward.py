@@ -531,8 +531,9 @@ class Pulls:
         if self.stream is None:
             fused_comm_kernel[(programs,)](rows, dims, sync, **options)
             return
-        z.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):  # (after the pulls; down's counters order it)
+        # (after the pulls; down's counters order it. z outlives the push: the forward keeps
+        # it, and the current stream joins this one before anything else reads z)
+        with torch.cuda.stream(self.stream):
             fused_comm_kernel[(programs,)](rows, dims, sync, **options)
 
     def join(self) -> None:
