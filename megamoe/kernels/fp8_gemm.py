@@ -1271,16 +1271,13 @@ def grouped_mm(
     sched: RowSchedule,
     programs: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    out: torch.Tensor | None = None,
     stored: fp8_ws.StoredTiles | None = None,
 ) -> torch.Tensor:
-    """C[r] = a[r] @ w[e(r)]^T for ``w`` [E, N, K] (``nn.Linear`` layout; forward down), into
-    ``out`` (a contiguous [rows, N] tensor; else a new one in ``out_dtype``). ``stored``: count
-    the tiles as they are stored (:class:`fp8_ws.StoredTiles`, :func:`stored_signals` a row
-    block), for a kernel that reads the rows meanwhile; the warp-specialized kernel only."""
+    """C[r] = a[r] @ w[e(r)]^T for ``w`` [E, N, K] (``nn.Linear`` layout; forward down).
+    ``stored``: count the tiles as they are stored (:class:`fp8_ws.StoredTiles`,
+    :func:`stored_signals` a row block), for a kernel that reads the rows meanwhile; the
+    warp-specialized kernel only."""
     how = dict(programs=programs, out_dtype=out_dtype, stored=stored)
-    if out is not None:
-        how["out"] = out[None]  # (the launcher's [outputs, rows, N])
     return _mm_launch("mm", a, a_scale, w, sched, transposed=False, **how)[0]
 
 

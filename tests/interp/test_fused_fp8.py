@@ -299,6 +299,15 @@ def test_pipelined_forward_choice_and_errors(monkeypatch) -> None:
     with pytest.raises(ValueError, match="arrivals.counters and arrivals.errors must be int32"):
         fp8_ws._arrival_args(arrivals._replace(counters=counters.long()), counters)
     assert fp8_ws._arrival_args(arrivals, counters) == ((counters, 1, counters, 0, 16), 128)
+    stored = fp8_ws.StoredTiles(counters, 64)  # (the down GEMM's counters of stored tiles)
+    with pytest.raises(ValueError, match="stored.rows must be a positive multiple of the"):
+        fp8_ws._stored_args(stored, sched.routed, counters)
+    with pytest.raises(ValueError, match=r"stored.counters must be int32 with >= \d+ counters"):
+        fp8_ws._stored_args(stored._replace(rows=128, counters=counters[:0]), sched.routed, xq)
+    assert fp8_ws._stored_args(stored._replace(rows=128), sched.routed, xq) == (counters, 128)
+    hq, hs = fp8.quantize_rows(torch.zeros(sched.routed.rows, CASE.intermediate).bfloat16())
+    with pytest.raises(ValueError, match="stored: only the warp-specialized kernel"):
+        fp8_gemm.grouped_mm(hq, hs, w8.down, sched.routed, stored=stored._replace(rows=128))
     monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
     monkeypatch.delenv(fused.PIPELINED_FP8_ENV, raising=False)
     assert fused.forward_kind(p.config, cpu) == "unfused"
