@@ -230,7 +230,7 @@ def test_pipelined_push_fills_the_slots_once_down_counted_its_tiles(minibatch: i
     the counters are complete, as down leaves them): the combine slots bitwise what
     ``comm.combine_push`` puts there. A minibatch one signal short stalls its push: a
     StallError names the down tiles and the minibatch, the other slots are still pushed, and
-    bad z is refused by name."""
+    a bad z or signal count is refused by name."""
     from megamoe.backends import steps
     from megamoe.ep.workspace import check_errors
     from megamoe.errors import StallError
@@ -260,6 +260,8 @@ def test_pipelined_push_fills_the_slots_once_down_counted_its_tiles(minibatch: i
             pulls.stored.counters[short] -= 1
         with pytest.raises(ValueError, match=r"z must be bf16 \["):
             pulls.push(z.float(), signals)
+        with pytest.raises(ValueError, match="signals must be an int >= 1"):
+            pulls.push(z, 0)
         pulls.push(z, signals)
         pulls.join()
         if short is None:

@@ -524,6 +524,10 @@ class Pulls:
             )
         if not z.is_contiguous():
             raise ValueError(f"z must be contiguous, got strides {z.stride()}")
+        if isinstance(signals, bool) or not isinstance(signals, int) or signals < 1:
+            raise ValueError(
+                f"signals must be an int >= 1 (fp8_gemm.stored_signals), got {signals!r}"
+            )
         copy_rows, copy_cols = comm.copy_tile(h, 2, comm.COPY_TILE_BYTES)
         meta = meta._replace(ROWS=copy_rows, COLS=copy_cols, PHASE=COMM_PUSH, Z_SIGNALS=signals)
         rows = rows[:3] + (z,) + rows[4:]
