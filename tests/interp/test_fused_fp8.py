@@ -229,8 +229,8 @@ def test_pipelined_push_fills_the_slots_once_down_counted_its_tiles(minibatch: i
     which counts its stored tiles into ``Pulls.stored``; here the interpreter runs it after
     the counters are complete, as down leaves them): the combine slots bitwise what
     ``comm.combine_push`` puts there. A minibatch one signal short stalls its push: a
-    StallError names the down tiles and the minibatch, the other slots are still pushed, and
-    a bad z or signal count is refused by name."""
+    StallError names the down tiles and the minibatch, the minibatches before it are still
+    pushed, and a bad z or signal count is refused by name."""
     from megamoe.backends import steps
     from megamoe.ep.workspace import check_errors
     from megamoe.errors import StallError
