@@ -18,6 +18,7 @@ __all__ = ["MoEConfig", "TUNABLES", "PRECISIONS", "FP8_BLOCK", "FP8_SIZE_MULTIPL
 # carry them and `megamoe bench --tune` sweeps them.
 TUNABLES: tuple[str, ...] = (
     "comm_programs",
+    "push_programs",
     "minibatch_rows",
     "ring_rows",
     "down_lag",
@@ -83,6 +84,8 @@ class MoEConfig:
                       down tiles; None: derived
       comm_kernel     backend "fused": pulls and pushes in a second kernel beside the compute
                       kernel; None: on when the ring holds every row
+      push_programs   backend "fused"'s pipelined fp8 forward: comm programs that push z beside
+                      the down GEMM, each on an SM of its own; None: derived
       copy_programs   programs of the standalone NVLink copies (backend "triton"'s dispatch
                       pull, combine push and their backward; backend "fused"'s backward)
       overlap_shared  W > 1: the shared expert's GEMMs on a second stream beside those copies
@@ -112,6 +115,7 @@ class MoEConfig:
     down_lag: int | None = None
     overlap_shared: bool = True
     comm_kernel: bool | None = None
+    push_programs: int | None = None
     # number format of the expert GEMMs (changes results)
     precision: str = "bf16"
 
@@ -126,6 +130,8 @@ class MoEConfig:
         if self.comm_programs is not None:
             require_int("comm_programs", self.comm_programs, 1)
         require_int("copy_programs", self.copy_programs, 1)
+        if self.push_programs is not None:
+            require_int("push_programs", self.push_programs, 1)
         require_int("block_rows", self.block_rows, 16)
         if self.block_rows & (self.block_rows - 1):
             raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")

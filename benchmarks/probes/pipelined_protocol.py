@@ -3,15 +3,17 @@ kernel's pulls beside the warp-specialized GEMMs, down counting its stored tiles
 comm programs push z, the barriers, the slots' combine) on a one-rank workspace, against the
 same with the push after down on every SM (``comm.combine_push``: the forward before the
 push moved beside down) and backend "triton"'s fp8 forward (what one process runs),
-interleaved, with the same bits.
+interleaved, with the same bits; the push beside down with each of ``--push-programs``
+(``auto``: ``plan.push_programs_for``).
 
     PYTHONPATH=. python benchmarks/probes/pipelined_protocol.py [--models dsv3 qwen3-30b]
-        [--tokens 4096] [--rounds 5] [--iters 5] [--out probe.json]
+        [--push-programs auto 8 16 32] [--tokens 4096] [--rounds 5] [--iters 5]
+        [--out probe.json]
 
 Per model (``megamoe.tools.harness.make_case`` at W = 1, uniform routing, fp8 weights
 quantized once before timing): the median ms of each forward, the ratios triton / protocol
-and push-after / push-beside, the pull programs, and whether y is bitwise the same (every
-round).
+and push-after / push-beside for each push program count, the pull programs, and whether y
+is bitwise the same (every round).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from megamoe.backends import triton as triton_backend
 from megamoe.ep import checks
 from megamoe.kernels import comm, fp8, fp8_gemm
 from megamoe.kernels.fused.forward import start_pulls
-from megamoe.kernels.fused.plan import pull_programs_for
+from megamoe.kernels.fused.plan import pull_programs_for, push_programs_for
 from megamoe.kernels.runtime import persistent_programs
+from megamoe.tools.bench import git_commit
 from megamoe.tools.bench_kernels import event_times_ms
 from megamoe.tools.harness import init_distributed, make_case
 from megamoe.types import RoutedActivations
@@ -59,9 +62,10 @@ def _measure(name: str, args, env) -> dict:
     x, ids, w = case.x.detach(), case.topk_ids, case.topk_weights.detach()
     weights = case.weights
 
-    def protocol() -> torch.Tensor:
-        sched = fused.build_schedule(ids, config, None)
-        xp, wp, wts, sched = steps.prepare(x, ids, w, weights, config, None, sched)
+    def protocol(push_programs: int | None) -> torch.Tensor:
+        cfg = config.replace(push_programs=push_programs)
+        sched = fused.build_schedule(ids, cfg, None)
+        xp, wp, wts, sched = steps.prepare(x, ids, w, weights, cfg, None, sched)
         run = steps.single_rank(sched, ids)
         y, _ = steps.run_steps(fused.forward_steps(xp, wp, wts, run), run.ep.workspace)
         return y
@@ -73,11 +77,15 @@ def _measure(name: str, args, env) -> dict:
     def push_after() -> torch.Tensor:
         beside, fused._pipelined_experts = fused._pipelined_experts, _push_after_down
         try:
-            return protocol()
+            return protocol(None)
         finally:
             fused._pipelined_experts = beside
 
-    ways = {"triton": unfused, "protocol": protocol, "push_after": push_after}
+    programs = persistent_programs(x.device)
+    h, i = config.hidden_size, config.intermediate_size
+    counts = [push_programs_for(programs, i) if p == "auto" else int(p) for p in args.push_programs]
+    ways = {"triton": unfused, "push_after": push_after}
+    ways.update({f"beside_{c}": (lambda c=c: protocol(c)) for c in dict.fromkeys(counts)})
     times: dict[str, list[float]] = {way: [] for way in ways}
     same = True
     with torch.no_grad():
@@ -88,19 +96,20 @@ def _measure(name: str, args, env) -> dict:
                 times[way] += event_times_ms(fn, args.iters)
         checks.eager_check(checks.device_records(x.device))
     ms = {way: statistics.median(t) for way, t in times.items()}
-    h, i = config.hidden_size, config.intermediate_size
-    pulls = pull_programs_for(persistent_programs(x.device), h, i, 2 * fp8.packed_width(h), 1)
+    derived = push_programs_for(programs, i)
     return dict(
-        shape=name, tokens=args.tokens, ms_triton=ms["triton"], ms_protocol=ms["protocol"],
-        ms_push_after=ms["push_after"], protocol_over_triton=ms["triton"] / ms["protocol"],
-        beside_over_after=ms["push_after"] / ms["protocol"],
-        pull_programs=pulls, same_bits=bool(same), checked_runs=args.rounds,
+        shape=name, tokens=args.tokens, ms=ms,
+        protocol_over_triton=ms["triton"] / ms[f"beside_{counts[0]}"],
+        beside_over_after={c: ms["push_after"] / ms[f"beside_{c}"] for c in dict.fromkeys(counts)},
+        pull_programs=pull_programs_for(programs, h, i, 2 * fp8.packed_width(h), 1),
+        derived_push_programs=derived, same_bits=bool(same), checked_runs=args.rounds,
     )  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["dsv3", "qwen3-30b"])
+    p.add_argument("--push-programs", nargs="+", default=["auto"], help="counts or auto")
     p.add_argument("--tokens", type=int, default=None, help="per model's default if unset")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5)
@@ -110,17 +119,19 @@ def main() -> None:
     records = []
     for name in args.models:
         r = _measure(name, args, env)
+        ms = r["ms"]
+        beside = "  ".join(f"beside[{c}] {ms[f'beside_{c}']:.3f}" for c in r["beside_over_after"])
         print(
-            f"{name:22s} triton {r['ms_triton']:7.3f}  protocol {r['ms_protocol']:7.3f}  "
-            f"push after down {r['ms_push_after']:7.3f} ms  protocol/triton "
-            f"{r['protocol_over_triton']:.3f}  beside/after {r['beside_over_after']:.3f}  "
-            f"pulls {r['pull_programs']}  same bits {r['same_bits']}",
+            f"{name:12s} triton {r['ms']['triton']:.3f}  push after down "
+            f"{r['ms']['push_after']:.3f}  {beside} ms  (derived {r['derived_push_programs']}, "
+            f"pulls {r['pull_programs']})  same bits {r['same_bits']}",
             flush=True,
         )
         records.append(r)
     if args.out:
+        meta = dict(gpu=torch.cuda.get_device_name(), commit=git_commit(), args=vars(args))
         with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump({**meta, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -119,21 +119,22 @@ def routed_forward(
     fp8 ``xs`` holds the rows' packed 1x128 quantization (``fp8.quantize_packed`` on the source
     rank, then gathered or pulled), which the gate/up GEMM reads in place, and the GEMMs read
     the step's fp8 weights ``fp8w`` (default: :func:`fp8_weights.step_weights`). With ``pulls``
-    (fp8; ``xs`` its rows) the rows arrive while the gate/up GEMM runs, and both GEMMs run on
-    ``pulls.programs`` SMs, gate/up waiting for each row block's arrival and down counting its
-    stored tiles into ``pulls.stored`` (backend "fused"'s pipelined forward, whose comm
-    programs push z meanwhile: ``Pulls.push``)."""
+    (fp8; ``xs`` its rows) the rows arrive while the gate/up GEMM runs on ``pulls.programs``
+    SMs, waiting for each row block's arrival, and down runs on ``pulls.down_programs`` SMs
+    counting its stored tiles into ``pulls.stored`` (backend "fused"'s pipelined forward, whose
+    comm programs push z meanwhile: ``Pulls.push``)."""
     if precision == "fp8":
         xq, xq_s = fp8.unpack_rows(xs, weights.w_gate.shape[-1])
         fp8w = fp8w if fp8w is not None else fp8_weights.step_weights(weights)
-        programs, arrivals, stored = (None,) * 3
+        programs, arrivals, down_programs, stored = (None,) * 4
         if pulls is not None:
-            programs, arrivals, stored = pulls.programs, pulls.arrivals, pulls.stored
+            programs, arrivals = pulls.programs, pulls.arrivals
+            down_programs, stored = pulls.down_programs, pulls.stored
         g, u, (hq, hq_s), h_cols = fp8_gemm.gate_up_quantized(
             xq, xq_s, fp8w.gate, fp8w.up, sched, programs, arrivals
         )
         z = fp8_gemm.grouped_mm(
-            hq, hq_s, fp8w.down, sched, programs, out_dtype=KERNEL_DTYPE, stored=stored
+            hq, hq_s, fp8w.down, sched, down_programs, out_dtype=KERNEL_DTYPE, stored=stored
         )
         return RoutedActivations(xs, g, u, h_cols, z)
     g, u, h = gemm.gate_up(xs, weights.w_gate, weights.w_up, sched)

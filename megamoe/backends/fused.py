@@ -55,7 +55,7 @@ from ..kernels.fused.backward import (
     macrobatch_outputs,
 )
 from ..kernels.fused.forward import start_pulls
-from ..kernels.fused.plan import pull_programs_for
+from ..kernels.fused.plan import pull_programs_for, push_programs_for
 from ..kernels.runtime import empty, persistent_programs
 from ..kernels.schedule import row_window
 from ..types import ExpertWeights, MoEGrads, RoutedActivations
@@ -143,24 +143,34 @@ def resolved_tunables(
 ) -> dict[str, int | str | None]:
     """The tunables as the forward uses them on ``device`` at ``world_size``: which forward
     (:func:`forward_kind`), the comm kernel on or off (the pipelined forward pulls with it),
-    and the derived comm programs (the comm kernel's, the one kernel's, or the pipelined
-    forward's pulls') for None; the "unfused" forward has neither. (``down_lag`` None stays
-    None: it also depends on the ring and the schedule's rows.)"""
+    the derived comm programs (the comm kernel's, the one kernel's, or the pipelined forward's
+    pulls') for None, and the pipelined forward's push programs (None for the others); the
+    "unfused" forward has neither. (``down_lag`` None stays None: it also depends on the ring
+    and the schedule's rows.)"""
     kind = forward_kind(config, device, world_size)
     if kind == "unfused":
-        return {"comm_programs": None, "comm_kernel": False, "forward": kind}
-    num_comm = config.comm_programs
+        return {"comm_programs": None, "push_programs": None, "comm_kernel": False, "forward": kind}
+    num_comm, pushes = config.comm_programs, None
+    programs = persistent_programs(device)
+    hidden, inter = config.hidden_size, config.intermediate_size
     if num_comm is None:
-        programs = persistent_programs(device)
         if kind == "pipelined":
-            hidden, inter = config.hidden_size, config.intermediate_size
             row_bytes = 2 * fp8.packed_width(hidden)
             num_comm = pull_programs_for(programs, hidden, inter, row_bytes, world_size)
         elif kind == "comm_kernel":
             num_comm = comm_kernel_programs(device)
         else:
-            num_comm = comm_programs_for(programs, config.intermediate_size, world_size)
-    return {"comm_programs": num_comm, "comm_kernel": kind != "one_kernel", "forward": kind}
+            num_comm = comm_programs_for(programs, inter, world_size)
+    if kind == "pipelined":
+        pushes = config.push_programs
+        if pushes is None:
+            pushes = push_programs_for(programs, inter)
+    return {
+        "comm_programs": num_comm,
+        "push_programs": pushes,
+        "comm_kernel": kind != "one_kernel",
+        "forward": kind,
+    }
 
 
 def _experts_step(
@@ -218,7 +228,12 @@ def _pipelined_experts(
     config, sched = schedule.config, schedule.routed
     tokens = steps.published_tokens(ws, x, config)
     pulls = start_pulls(
-        ws, sched, weights.w_gate.shape[1], config.comm_programs, config.minibatch_rows
+        ws,
+        sched,
+        weights.w_gate.shape[1],
+        config.comm_programs,
+        config.minibatch_rows,
+        push_programs=config.push_programs,
     )
     try:
         shared, shared_out = experts.shared_forward(

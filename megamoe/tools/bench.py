@@ -125,6 +125,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "dispatch_bwd_gbps",
     "combine_bwd_gbps",
     "comm_programs",
+    "push_programs",
     "minibatch_rows",
     "ring_rows",
     "down_lag",
@@ -142,13 +143,15 @@ GEMM_PEAK_WARMUP, GEMM_PEAK_ITERS = 3, 10
 FWDBWD_FLOP_FACTOR = 3
 # Config tunables each backend reads, recorded with its results (DESIGN.md: "where they apply")
 # and swept by ``--tune``. The unfused "triton" backend moves rows with copy_programs programs
-# at W > 1 (nothing moves at W = 1); the fused kernel reads its five at any W (MoEConfig), and
-# copy_programs for the pull of its backward replay (a ring smaller than the rows). Both run
+# at W > 1 (nothing moves at W = 1); the fused kernel reads its five at any W (MoEConfig), its
+# pipelined fp8 forward push_programs at W > 1, and copy_programs for the pull of its backward
+# replay (a ring smaller than the rows). Both run
 # the shared expert beside the copies (overlap_shared), "fused" in its (unfused) backward.
 BACKEND_TUNABLES: dict[str, tuple[str, ...]] = {
     "triton": ("copy_programs", "overlap_shared"),
     "fused": (
         "comm_programs",
+        "push_programs",
         "minibatch_rows",
         "ring_rows",
         "down_lag",

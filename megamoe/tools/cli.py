@@ -224,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tune",
         action="append",
         metavar="NAME=V1,V2,...",
-        help="sweep a config tunable (comm_programs, minibatch_rows, ring_rows, down_lag "
-        "(or auto), copy_programs, overlap_shared, comm_kernel (0 or 1)) for "
+        help="sweep a config tunable (comm_programs, push_programs, minibatch_rows, ring_rows, "
+        "down_lag (or auto), copy_programs, overlap_shared, comm_kernel (0 or 1)) for "
         "the backends that read it; repeat for a grid (default: config values)",
     )
     p.add_argument(

@@ -133,6 +133,7 @@ _COMM_COLUMNS: tuple[tuple[str, str], ...] = (
     ("dy pull GB/s", "dispatch_bwd_gbps"),
     ("dx push GB/s", "combine_bwd_gbps"),
     ("comm programs", "comm_programs"),
+    ("push programs", "push_programs"),
     ("copy programs", "copy_programs"),
     ("minibatch rows", "minibatch_rows"),
     ("ring rows", "ring_rows"),

@@ -276,11 +276,14 @@ def test_pipelined_fp8_forward_waits_for_each_row_block(compiled) -> None:
     done, fence them and release a counter, and the comm kernel's pushes, which acquire those
     counters and copy the rows with 16-byte stores. All compile without spills. The other
     gate/up and grouped-GEMM kernels (backend "triton", the shared expert, the backward) wait
-    for nothing and count nothing."""
+    for nothing and count nothing. (A launch compiles once: the push programs, and so the
+    down GEMM's SMs, do not depend on W, so at W = 2 the push and down may be the one-rank
+    ones.)"""
     scenarios = (
         "fused fp8 dsv3 pipelined, one-rank workspace",
         "fused fp8 dsv3 pipelined W=2 (rank 0)",
     )
+    all_pushes, all_down = [], []
     for scenario in scenarios:
         comm = [r for r in pick(compiled, "fused_comm_kernel") if r["scenario"] == scenario]
         pulls = [r for r in comm if re.search(RELEASE, r["ptx"])]  # (the pushes count nothing)
@@ -288,13 +291,17 @@ def test_pipelined_fp8_forward_waits_for_each_row_block(compiled) -> None:
         gate_up = [r for r in pick(compiled, "_ws_gate_up_kernel") if r["scenario"] == scenario]
         mms = [r for r in pick(compiled, "_ws_grouped_mm_kernel") if r["scenario"] == scenario]
         down = [r for r in mms if re.search(RELEASE, r["ptx"])]
-        assert len(pulls) == len(pushes) == len(gate_up) == len(down) == 1, scenario
+        all_pushes += pushes
+        all_down += down
+        assert len(pulls) == len(gate_up) == 1 and len(pushes) <= 1 and len(down) <= 1, scenario
         assert re.search(V4_LOAD, pulls[0]["ptx"]), scenario
-        assert re.search(ACQUIRE, pushes[0]["ptx"]) and re.search(V4_STORE, pushes[0]["ptx"])
+        for push in pushes:
+            assert re.search(ACQUIRE, push["ptx"]) and re.search(V4_STORE, push["ptx"])
         assert re.search(ACQUIRE, gate_up[0]["ptx"]), scenario
         assert "fence.proxy.async.global" in gate_up[0]["ptx"]
-        assert re.search(r"cp\.async\.bulk\.wait_group 0;", down[0]["ptx"]), scenario
-        assert "fence.proxy.async.global" in down[0]["ptx"]
+        for d in down:
+            assert re.search(r"cp\.async\.bulk\.wait_group 0;", d["ptx"]), scenario
+            assert "fence.proxy.async.global" in d["ptx"]
         for r in (*comm, *gate_up, *down):
             assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, (scenario, r["name"])
             assert 0 < r["shared"] <= SMEM_LIMIT and not r["launcher_error"], r["name"]
@@ -304,4 +311,5 @@ def test_pipelined_fp8_forward_waits_for_each_row_block(compiled) -> None:
         assert waits == ("pipelined" in r["scenario"]), r["scenario"]
     counting = {r["scenario"] for r in pick(compiled, "_ws_grouped_mm_kernel")
                 if re.search(RELEASE, r["ptx"])}  # fmt: skip
-    assert counting == set(scenarios)
+    assert counting and counting <= set(scenarios)
+    assert all_pushes and all_down, "no push of z or counting down GEMM compiled"

@@ -223,19 +223,28 @@ def test_pipelined_pulls_copy_every_row_and_complete_each_counter(
     assert pulls.programs == persistent_programs(x.device) - arrivals.wanted >= 1
 
 
-@pytest.mark.parametrize("minibatch", [128, 256], ids=["one-block", "two-blocks"])
-def test_pipelined_push_fills_the_slots_once_down_counted_its_tiles(minibatch: int) -> None:
+@pytest.mark.parametrize(
+    "minibatch, push_programs",
+    [(128, None), (256, 1), (256, 2)],
+    ids=["one-block-derived", "two-blocks-one-program", "two-blocks-two-programs"],
+)
+def test_pipelined_push_fills_the_slots_once_down_counted_its_tiles(
+    minibatch: int, push_programs: int | None
+) -> None:
     """``Pulls.push``, the pipelined fp8 forward's push of z (on Hopper beside the down GEMM,
     which counts its stored tiles into ``Pulls.stored``; here the interpreter runs it after
-    the counters are complete, as down leaves them): the combine slots bitwise what
-    ``comm.combine_push`` puts there. A minibatch one signal short stalls its push: a
-    StallError names the down tiles and the minibatch, the minibatches before it are still
-    pushed, and a bad z or signal count is refused by name."""
+    the counters are complete, as down leaves them) on ``push_programs`` programs, down left
+    the other SMs: the combine slots bitwise what ``comm.combine_push`` puts there. A
+    minibatch one signal short stalls its push: a StallError names the down tiles and the
+    minibatch, the minibatches before it are still pushed, and a bad z, signal count or push
+    program count is refused by name."""
     from megamoe.backends import steps
     from megamoe.ep.workspace import check_errors
     from megamoe.errors import StallError
     from megamoe.kernels import comm, fp8_ws
     from megamoe.kernels.fused.forward import start_pulls
+    from megamoe.kernels.fused.plan import push_programs_for
+    from megamoe.kernels.runtime import persistent_programs
 
     case = BLOCKS_CASE
     p = make_problem(case, seed=8, minibatch_rows=minibatch, **FP8)
@@ -250,10 +259,17 @@ def test_pipelined_push_fills_the_slots_once_down_counted_its_tiles(minibatch: i
     blocks = int(sched.num_blocks)
     per_mb = minibatch // sched.block_rows
     n_mb = -(-blocks // per_mb)
+    programs = persistent_programs(x.device)
+    with pytest.raises(ValueError, match=rf"push_programs \({programs}\) comm programs must"):
+        start_pulls(ws, sched, case.intermediate, 1, minibatch, push_programs=programs)
     for short in (None, n_mb - 1):
         ws.combine_buffer.fill_(float("nan"))
-        pulls = start_pulls(ws, sched, case.intermediate, 1, minibatch, budget=64)
+        pulls = start_pulls(
+            ws, sched, case.intermediate, 1, minibatch, budget=64, push_programs=push_programs
+        )
         assert pulls.stored.rows == minibatch
+        pushes = push_programs or push_programs_for(programs, case.intermediate)
+        assert pulls.push_programs == pushes and pulls.down_programs == programs - pushes >= 1
         for m in range(n_mb):
             pulls.stored.counters[m] = min(per_mb, blocks - m * per_mb) * signals
         if short is not None:

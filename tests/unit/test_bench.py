@@ -213,14 +213,15 @@ def test_fused_records_the_comm_programs_it_uses(monkeypatch):
     from megamoe.backends.fused import resolved_tunables
     from megamoe.kernels import fp8, fp8_gemm
     from megamoe.kernels.fused import comm_kernel_programs, comm_programs_for
-    from megamoe.kernels.fused.plan import pull_programs_for
+    from megamoe.kernels.fused.plan import pull_programs_for, push_programs_for
     from megamoe.kernels.runtime import persistent_programs
     from megamoe.shapes import get_preset
     from megamoe.tools.bench import tunable_fields
 
     config = get_preset("dsv3").config(2)
     cpu = torch.device("cpu")
-    kernel = {"comm_kernel": True, "forward": "comm_kernel"}
+    # (push programs: only the pipelined fp8 forward's)
+    kernel = {"push_programs": None, "comm_kernel": True, "forward": "comm_kernel"}
     # W = 2 with a ring of every row: the comm kernel, with one program per two SMs
     assert resolved_tunables(config, cpu, 2) == {
         "comm_programs": comm_kernel_programs(cpu),
@@ -233,6 +234,7 @@ def test_fused_records_the_comm_programs_it_uses(monkeypatch):
     # one kernel: with a bounded ring, or when asked (at W = 1 its pull rate is a local copy's)
     one = {
         "comm_programs": comm_programs_for(persistent_programs(cpu), 2048, 2),
+        "push_programs": None,
         "comm_kernel": False,
         "forward": "one_kernel",
     }
@@ -256,6 +258,7 @@ def test_fused_records_the_comm_programs_it_uses(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "warp_specialized", lambda kind, device, rows: True)
     assert resolved_tunables(fp8_config, cpu, 1) == {
         "comm_programs": None,
+        "push_programs": None,
         "comm_kernel": False,
         "forward": "unfused",
     }
@@ -265,11 +268,19 @@ def test_fused_records_the_comm_programs_it_uses(monkeypatch):
     monkeypatch.delenv("MEGAMOE_PIPELINED_FP8")
     programs = persistent_programs(cpu)
     pulls = pull_programs_for(programs, 7168, 2048, 2 * fp8.packed_width(7168), 2)
-    assert resolved_tunables(fp8_config, cpu, 2) == {
+    pipelined = {
         "comm_programs": pulls,
+        "push_programs": push_programs_for(programs, 2048),
         "comm_kernel": True,
         "forward": "pipelined",
     }
+    assert resolved_tunables(fp8_config, cpu, 2) == pipelined
+    assert resolved_tunables(fp8_config.replace(push_programs=5), cpu, 2) == {
+        **pipelined,
+        "push_programs": 5,
+    }
+    # the push keeps pace with down: more programs where down makes fewer FLOPs a z byte (I)
+    assert 1 <= push_programs_for(programs, 2048) <= push_programs_for(programs, 768) < programs
     assert 1 <= pulls <= pull_programs_for(programs, 7168, 768, 2 * fp8.packed_width(7168), 2)
     assert resolved_tunables(fp8_config.replace(comm_kernel=False), cpu, 2) == one
     assert resolved_tunables(fp8_config.replace(comm_kernel=True), cpu, 2) == {

@@ -499,24 +499,27 @@ class Pulls:
     width] int16, row block by row block as ``arrivals`` counts them (``fp8_ws.RowArrivals``,
     what the warp-specialized gate/up kernel waits on); ``programs``: the SMs the GEMMs may
     take meanwhile. ``stored``: the counters of the down GEMM's stored tiles that
-    :meth:`push` waits for (``fp8_ws.StoredTiles``). :meth:`join` before the rows are read any
-    other way."""
+    :meth:`push` waits for (``fp8_ws.StoredTiles``), on ``push_programs`` SMs beside the down
+    GEMM's ``down_programs``. :meth:`join` before the rows are read any other way."""
 
     rows: torch.Tensor
     arrivals: RowArrivals
     programs: int
     stream: torch.cuda.Stream | None
     stored: StoredTiles
-    launch: tuple  # the comm kernel's (rows, dims, sync, meta, programs, warps)
+    push_programs: int
+    down_programs: int
+    launch: tuple  # the comm kernel's (rows, dims, sync, meta, warps)
 
     def push(self, z: torch.Tensor, signals: int) -> None:
         """Push the rows of z [schedule rows, H] bf16 into the source ranks' combine slots
         (where ``comm.combine_push`` puts them), minibatch by minibatch as :attr:`stored`
         counts the down tiles that write them (``signals`` a row block:
-        ``fp8_gemm.stored_signals``), on the comm programs' SMs, after the pulls. Call it once
-        the down GEMM is launched (it does not wait for that launch: the counters order it);
-        :meth:`join` waits for it too."""
-        rows, dims, sync, meta, programs, warps = self.launch
+        ``fp8_gemm.stored_signals``), on :attr:`push_programs` SMs of their own, after the
+        pulls. Call it once the down GEMM is launched (it does not wait for that launch: the
+        counters order it); :meth:`join` waits for it too."""
+        rows, dims, sync, meta, warps = self.launch
+        programs = self.push_programs
         h = dims[1]
         if z.dtype != torch.bfloat16 or tuple(z.shape) != (self.rows.shape[0], h):
             raise ValueError(
@@ -529,12 +532,11 @@ class Pulls:
                 f"signals must be an int >= 1 (fp8_gemm.stored_signals), got {signals!r}"
             )
         copy_rows, copy_cols = comm.copy_tile(h, 2, comm.COPY_TILE_BYTES)
-        meta = meta._replace(ROWS=copy_rows, COLS=copy_cols, PHASE=COMM_PUSH, Z_SIGNALS=signals)
+        meta = meta._replace(
+            NUM_COMM=programs, ROWS=copy_rows, COLS=copy_cols, PHASE=COMM_PUSH, Z_SIGNALS=signals
+        )
         rows = rows[:3] + (z,) + rows[4:]
         options = dict(C=meta.as_constexprs(), num_warps=warps)
-        if self.stream is None:
-            fused_comm_kernel[(programs,)](rows, dims, sync, **options)
-            return
         # (after the pulls; down's counters order it. z outlives the push: the forward keeps
         # it, and the current stream joins this one before anything else reads z)
         with torch.cuda.stream(self.stream):
@@ -553,15 +555,17 @@ def start_pulls(
     num_comm: int | None,
     minibatch_rows: int,
     budget: int | None = None,
+    push_programs: int | None = None,
 ) -> Pulls:
     """Start the comm kernel's pulls of the schedule's packed fp8 rows (the workspaces' x
     buffers: ``workspace.publish_packed``) on a side stream, minibatch by minibatch, each
     counted into its arrival counter once its rows are in (release). The pipelined fp8 forward
     (backend "fused") runs its GEMMs meanwhile on ``Pulls.programs`` SMs, the gate/up kernel
     waiting for each row block's counter; the comm programs (``num_comm``; None:
-    ``plan.pull_programs_for``) sit on SMs of their own (``plan.plan_pulls``). Call after the
-    barrier that follows every rank's publish; ``budget``: polls of each wait (None:
-    ``comm.spin_budget()``)."""
+    ``plan.pull_programs_for``) sit on SMs of their own (``plan.plan_pulls``), and so do those
+    that push z beside the down GEMM (``push_programs``; None: ``plan.push_programs_for``).
+    Call after the barrier that follows every rank's publish; ``budget``: polls of each wait
+    (None: ``comm.spin_budget()``)."""
     comm.check_schedule(ws, sched)
     dev, h = ws.device, ws.hidden
     row_words = fp8.packed_width(h)
@@ -577,6 +581,7 @@ def start_pulls(
         num_comm=num_comm,
         minibatch_rows=minibatch_rows,
         row_words=row_words,
+        push_programs=push_programs,
     )
     xs = empty((sched.rows, row_words), torch.int16, dev)
     layout = flag_layout(plan.max_minibatches, sched.max_blocks, 0)
@@ -593,16 +598,18 @@ def start_pulls(
         flags[layout.ready :], minibatch_rows, plan.num_comm, ws.errors, ws.rank, budget
     )
     stored = StoredTiles(flags[layout.z_done : layout.h_done], minibatch_rows)
-    launch = (rows, dims, sync, plan.meta, plan.num_comm, plan.warps)
+    launch = (rows, dims, sync, plan.meta, plan.warps)
     options = dict(C=plan.meta.as_constexprs(), num_warps=plan.warps)
-    if dev.type != "cuda":  # (a launch recorded for the compile check)
+    side = None
+    if dev.type == "cuda":
+        main, side = torch.cuda.current_stream(dev), side_stream(dev)
+        side.wait_stream(main)  # (the published rows, the zeroed counters)
+    with torch.cuda.stream(side):  # (None: a launch on the CPU, recorded for the compile check)
         fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
-        return Pulls(xs, arrivals, plan.programs, None, stored, launch)
-    main, side = torch.cuda.current_stream(dev), side_stream(dev)
-    side.wait_stream(main)  # (the published rows, the zeroed counters)
-    with torch.cuda.stream(side):
-        fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
-    return Pulls(xs, arrivals, plan.programs, side, stored, launch)
+    down_programs = plan.programs + plan.num_comm - plan.push_programs
+    return Pulls(
+        xs, arrivals, plan.programs, side, stored, plan.push_programs, down_programs, launch
+    )
 
 
 def _check_fp8_weights(

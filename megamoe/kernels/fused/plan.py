@@ -32,6 +32,7 @@ __all__ = [
     "plan_launch",
     "comm_programs_for",
     "pull_programs_for",
+    "push_programs_for",
     "PullPlan",
     "plan_pulls",
     "comm_kernel_programs",
@@ -85,6 +86,9 @@ GEMM_TFLOPS_PER_PROGRAM = 5.0
 # ... and an SM of the warp-specialized fp8 gate/up kernel (``fp8_ws``; 1,167 TFLOP/s over an
 # H100's 132 SMs at dsv3's gate/up)
 WS_GEMM_TFLOPS_PER_PROGRAM = 8.8
+# ... and a comm program pushing z rows (bf16) beside the warp-specialized down GEMM: ~24 GB/s
+# into local slots (eight programs, one H100, a one-rank workspace at dsv3; docs/tuning.md)
+PUSH_GBPS_PER_PROGRAM = 24.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
@@ -168,15 +172,19 @@ class FusedPlan:
     comm_meta: FusedMeta | None  # the comm kernel's (None without it)
 
 
+def _copy_programs(programs: int, flops_per_byte: float, gemm_tflops: float, gbps: float) -> int:
+    """The smallest c of ``programs`` whose copies keep up with the other programs' GEMMs:
+    c / (programs - c) >= GEMM rate / (``flops_per_byte`` * copy rate), per program."""
+    ratio = gemm_tflops * 1e12 / (flops_per_byte * gbps * 1e9)
+    return max(1, min(programs - 1, math.ceil(programs * ratio / (1 + ratio))))
+
+
 def _pull_programs(
     programs: int, flops_per_byte: float, gemm_tflops: float, world_size: int
 ) -> int:
-    """The smallest c of ``programs`` whose pulls keep up with the other programs' GEMMs:
-    c / (programs - c) >= GEMM rate / (``flops_per_byte`` * pull rate), per program. The pull
-    rate is NVLink's at W > 1 and a local copy's at W = 1."""
+    """:func:`_copy_programs` of pulls: NVLink's rate at W > 1, a local copy's at W = 1."""
     pull = PULL_GBPS_PER_PROGRAM if world_size > 1 else LOCAL_PULL_GBPS_PER_PROGRAM
-    ratio = gemm_tflops * 1e12 / (flops_per_byte * pull * 1e9)
-    return max(1, min(programs - 1, math.ceil(programs * ratio / (1 + ratio))))
+    return _copy_programs(programs, flops_per_byte, gemm_tflops, pull)
 
 
 def comm_programs_for(programs: int, intermediate: int, world_size: int) -> int:
@@ -194,6 +202,14 @@ def pull_programs_for(
     the other SMs takes them, 4·H·I FLOPs a row at ``WS_GEMM_TFLOPS_PER_PROGRAM`` an SM."""
     flops_per_byte = 4 * hidden * intermediate / row_bytes
     return _pull_programs(programs, flops_per_byte, WS_GEMM_TFLOPS_PER_PROGRAM, world_size)
+
+
+def push_programs_for(programs: int, intermediate: int) -> int:
+    """Comm programs of the pipelined fp8 forward that push z beside the down GEMM
+    (``Pulls.push``): enough that z's rows (2·H bytes, bf16) leave as fast as the
+    warp-specialized down kernel on the other SMs stores them, 2·H·I FLOPs a row (I a byte)
+    at ``WS_GEMM_TFLOPS_PER_PROGRAM`` an SM and ``PUSH_GBPS_PER_PROGRAM`` a push program."""
+    return _copy_programs(programs, intermediate, WS_GEMM_TFLOPS_PER_PROGRAM, PUSH_GBPS_PER_PROGRAM)
 
 
 def comm_kernel_programs(device: torch.device) -> int:
@@ -427,6 +443,7 @@ class PullPlan(NamedTuple):
 
     num_comm: int  # comm kernel programs, each on an SM of its own
     programs: int  # the SMs left to the GEMMs while the pulls run
+    push_programs: int  # comm kernel programs that push z beside the down GEMM
     max_minibatches: int  # arrival counters
     warps: int  # of a comm program
     meta: FusedMeta  # the comm kernel's constexprs (PHASE: COMM_PULL)
@@ -446,23 +463,29 @@ def plan_pulls(
     num_comm: int | None,
     minibatch_rows: int,
     row_words: int,
+    push_programs: int | None = None,
 ) -> PullPlan:
     """The comm kernel that pulls the packed fp8 rows of the schedule (``rows``, a ring of every
     row) minibatch by minibatch while the warp-specialized GEMMs run beside it. Those fill
     their SMs' registers, so the comm programs (``num_comm``; None: :func:`pull_programs_for`)
     take SMs of their own, with the one-kernel forward's pull tiles and warps (``FUSED_WARPS``,
-    ``comm.COPY_TILE_BYTES``); the GEMMs get the rest. A bad value is a ValueError naming it."""
+    ``comm.COPY_TILE_BYTES``); the GEMMs get the rest. Later the comm kernel pushes z beside
+    the down GEMM on ``push_programs`` SMs of their own (None: :func:`push_programs_for`).
+    A bad value is a ValueError naming it."""
     from .. import comm
 
     programs = persistent_programs(device)
     if num_comm is None:
         num_comm = pull_programs_for(programs, hidden, intermediate, 2 * row_words, world_size)
-    _check_int("num_comm", num_comm, 1)
-    if num_comm >= programs:
-        raise ValueError(
-            f"num_comm ({num_comm}) comm programs must leave SMs to the GEMMs: the GPU has "
-            f"{programs}"
-        )
+    if push_programs is None:
+        push_programs = push_programs_for(programs, intermediate)
+    for name, value in (("num_comm", num_comm), ("push_programs", push_programs)):
+        _check_int(name, value, 1)
+        if value >= programs:
+            raise ValueError(
+                f"{name} ({value}) comm programs must leave SMs to the GEMMs: the GPU has "
+                f"{programs}"
+            )
     plan = plan_launch(
         device,
         rows=rows,
@@ -485,7 +508,9 @@ def plan_pulls(
     )
     copy_rows, copy_cols = comm.copy_tile(row_words, 2, comm.COPY_TILE_BYTES)
     meta = plan.comm_meta._replace(ROWS=copy_rows, COLS=copy_cols, PHASE=COMM_PULL)
-    return PullPlan(num_comm, programs - num_comm, plan.max_minibatches, FUSED_WARPS, meta)
+    return PullPlan(
+        num_comm, programs - num_comm, push_programs, plan.max_minibatches, FUSED_WARPS, meta
+    )
 
 
 # --------------------------------------------------------------------------------------------
