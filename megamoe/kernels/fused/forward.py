@@ -606,9 +606,8 @@ def start_pulls(
         side.wait_stream(main)  # (the published rows, the zeroed counters)
     with torch.cuda.stream(side):  # (None: a launch on the CPU, recorded for the compile check)
         fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
-    down_programs = plan.programs + plan.num_comm - plan.push_programs
     return Pulls(
-        xs, arrivals, plan.programs, side, stored, plan.push_programs, down_programs, launch
+        xs, arrivals, plan.programs, side, stored, plan.push_programs, plan.down_programs, launch
     )
 
 

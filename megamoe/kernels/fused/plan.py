@@ -443,7 +443,8 @@ class PullPlan(NamedTuple):
 
     num_comm: int  # comm kernel programs, each on an SM of its own
     programs: int  # the SMs left to the GEMMs while the pulls run
-    push_programs: int  # comm kernel programs that push z beside the down GEMM
+    push_programs: int  # comm kernel programs that push z beside the down GEMM ...
+    down_programs: int  # ... on the other SMs
     max_minibatches: int  # arrival counters
     warps: int  # of a comm program
     meta: FusedMeta  # the comm kernel's constexprs (PHASE: COMM_PULL)
@@ -509,7 +510,13 @@ def plan_pulls(
     copy_rows, copy_cols = comm.copy_tile(row_words, 2, comm.COPY_TILE_BYTES)
     meta = plan.comm_meta._replace(ROWS=copy_rows, COLS=copy_cols, PHASE=COMM_PULL)
     return PullPlan(
-        num_comm, programs - num_comm, push_programs, plan.max_minibatches, FUSED_WARPS, meta
+        num_comm,
+        programs - num_comm,
+        push_programs,
+        programs - push_programs,
+        plan.max_minibatches,
+        FUSED_WARPS,
+        meta,
     )
 
 
