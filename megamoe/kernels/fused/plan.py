@@ -86,9 +86,10 @@ GEMM_TFLOPS_PER_PROGRAM = 5.0
 # ... and an SM of the warp-specialized fp8 gate/up kernel (``fp8_ws``; 1,167 TFLOP/s over an
 # H100's 132 SMs at dsv3's gate/up)
 WS_GEMM_TFLOPS_PER_PROGRAM = 8.8
-# ... and a comm program pushing z rows (bf16) beside the warp-specialized down GEMM: ~24 GB/s
-# into local slots (eight programs, one H100, a one-rank workspace at dsv3; docs/tuning.md)
-PUSH_GBPS_PER_PROGRAM = 24.0
+# ... and a comm program pushing z rows (bf16) beside the warp-specialized down GEMM: 14 GB/s,
+# fit to the push-program count that ran fastest at dsv3 (32 of an H100's 132 SMs, one-rank
+# workspace; docs/tuning.md)
+PUSH_GBPS_PER_PROGRAM = 14.0
 # Rows per step when a down tile pushes its z tile to the source ranks (comm.push_tile): 32 x 256
 # bf16 = 16 KB per step, 16 registers per thread (the tile's fp32 accumulator is already dead).
 PUSH_CHUNK_ROWS = 32
