@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="iterations per optimizer step: fp8 runs quantize their weights once every this "
-        "many timed iterations, as with gradient accumulation (default 1: every iteration)",
+        "many iterations, as with gradient accumulation, and record times per micro-batch with "
+        "that cost amortized (default 1: every iteration)",
     )
     p.add_argument("--out", help="write the records as a JSON list here (rank 0)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 accuracy check")

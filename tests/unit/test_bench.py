@@ -398,3 +398,18 @@ def test_micro_batches_quantize_fp8_weights_once_per_optimizer_step(monkeypatch)
         assert cleared[0] == want, (micro_batches, cleared[0])
     with pytest.raises(ValueError, match="micro_batches must be >= 1, got 0"):
         bench.BenchOptions(shapes=["tiny"], backends=["reference"], micro_batches=0)
+
+
+def test_per_micro_batch_amortizes_the_quantizing_iterations():
+    """The record's time per micro-batch carries 1/N of what the quantizing iterations took
+    more: a median of mostly non-quantizing iterations alone would drop it."""
+    from megamoe.tools.bench import per_micro_batch
+
+    times = torch.tensor([10.0, 2.0, 2.2, 1.8, 12.0, 2.0, 2.1, 1.9])
+    starts = [True, False, False, False, True, False, False, False]
+    # median of the others 2.0, of the quantizing ones 11.0: 2.0 + 9.0 / 4
+    assert per_micro_batch(times, starts, 4) == pytest.approx(4.25)
+    assert per_micro_batch(times, [False] * 8, 4) == pytest.approx(2.05)  # cached: the median
+    assert per_micro_batch(times, [True] * 8, 1) == pytest.approx(2.05)  # every one quantizes
+    with pytest.raises(ValueError):  # one flag per iteration
+        per_micro_batch(times, starts[:-1], 4)
