@@ -92,9 +92,13 @@ class MoEConfig:
                       (an int 0 / 1 is accepted)
 
     ``precision`` is not a tunable (it changes results): "bf16" (default) or "fp8", the
-    expert GEMMs on block-scaled E4M3 operands (docs/fp8.md; backend "triton" only). "fp8"
+    expert GEMMs on block-scaled E4M3 operands (docs/fp8.md). "fp8"
     needs ``block_rows`` a multiple of 128 and hidden, intermediate and shared intermediate
-    sizes multiples of 16.
+    sizes multiples of 16. ``fp8_weight_cache`` (fp8): keep each expert weight's fp8 copies
+    from call to call until the weight changes (default), or quantize them in every forward
+    (False): for weights gathered or converted anew in each call (FSDP-sharded experts, a cast
+    from fp32), whose cached copies would pile up (docs/fp8.md, "Weights"). ``MoE`` and the
+    integrations turn it off for FSDP-sharded weights.
     """
 
     # shape
@@ -118,6 +122,8 @@ class MoEConfig:
     push_programs: int | None = None
     # number format of the expert GEMMs (changes results)
     precision: str = "bf16"
+    # fp8: keep the weights' fp8 copies from call to call (False: quantize in every forward)
+    fp8_weight_cache: bool = True
 
     def __post_init__(self) -> None:
         require_int("hidden_size", self.hidden_size, 1)
@@ -141,6 +147,9 @@ class MoEConfig:
         if self.down_lag is not None:
             require_int("down_lag", self.down_lag, 0)
         object.__setattr__(self, "overlap_shared", _as_bool("overlap_shared", self.overlap_shared))
+        object.__setattr__(
+            self, "fp8_weight_cache", _as_bool("fp8_weight_cache", self.fp8_weight_cache)
+        )
         if self.comm_kernel is not None:
             object.__setattr__(self, "comm_kernel", _as_bool("comm_kernel", self.comm_kernel))
         if self.capacity_factor is not None:

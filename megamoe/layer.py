@@ -9,6 +9,7 @@ A full MoE block in three lines::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import functional, ops
-from .backends import BACKENDS
+from .backends import BACKENDS, fp8_weights
 from .config import MoEConfig
 from .types import ExpertWeights
 from .validation import group_size_rank
@@ -64,6 +65,8 @@ class MoE(nn.Module):
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {backend!r}")
         self.config = config
+        # sharded by FSDP2 the weights are gathered anew for each forward: no fp8 copies kept
+        self._gathered_config = dataclasses.replace(config, fp8_weight_cache=False)
         self.group = group
         self.backend = backend
         self.check_values = check_values
@@ -112,12 +115,13 @@ class MoE(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """``y[t] = shared(x[t]) + sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t])``."""
+        gathered = fp8_weights.gathered_per_call(self)
         return ops.moe(
             x,
             topk_ids,
             topk_weights,
             self.weights(),
-            self.config,
+            self._gathered_config if gathered else self.config,
             backend=self.backend,
             check_values=self.check_values,
             group_name=self._group_name,

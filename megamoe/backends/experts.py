@@ -163,7 +163,7 @@ def shared_forward(
     one = uniform_schedule(x.shape[0], config.block_rows, x.device)
     if _is_fp8(config):
         xq, xq_s = fp8.unpack_rows(x, weights.s_gate.shape[-1])
-        w = fp8w if fp8w is not None else fp8_weights.step_weights(weights)
+        w = fp8w if fp8w is not None else fp8_weights.step_weights(weights, config.fp8_weight_cache)
         sg, su, (hq, hq_s), sh_cols = fp8_gemm.gate_up_quantized(
             xq, xq_s, w.s_gate, w.s_up, one, programs
         )
@@ -176,7 +176,9 @@ def shared_forward(
 def _fp8_of(ctx: TritonContext) -> fp8_weights.StepWeights:
     """The step's fp8 weights the forward saved in ``ctx`` (else :func:`fp8_weights.step_weights`:
     a context made without them)."""
-    return ctx.fp8 if ctx.fp8 is not None else fp8_weights.step_weights(ctx.weights)
+    if ctx.fp8 is not None:
+        return ctx.fp8
+    return fp8_weights.step_weights(ctx.weights, ctx.schedule.config.fp8_weight_cache)
 
 
 def routed_dgrad(dz: torch.Tensor | QuantizedRows, ctx: TritonContext) -> Dgrad:

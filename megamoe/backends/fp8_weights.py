@@ -6,26 +6,43 @@ forward and backward until the weight changes: once per optimizer step, not per 
 
 An entry is keyed by the tensor's identity (device, data pointer, shape, strides, dtype) and
 checked against its ``_version``, which every in-place write bumps (``optimizer.step()``,
-``copy_``, ``add_`` under ``no_grad``): a changed weight is quantized again and replaces its
-entry. One half of a stacked ``[E, 2I, H]`` gate/up weight is a view with its own data pointer,
-so the halves are two entries, and their blocks never straddle gate and up. An entry keeps a
-detached alias of its weight (the same storage and version counter), so that storage stays
-allocated while the entry lives and no other tensor can take its address.
+``copy_``, ``add_`` under ``no_grad``), and against its storage: a changed weight is quantized
+again and replaces its entry. One half of a stacked ``[E, 2I, H]`` gate/up weight is a view with
+its own data pointer, so the halves are two entries, and their blocks never straddle gate and
+up. An entry keeps a detached alias of its weight (the same storage and version counter), so
+that storage stays allocated while the entry lives and no other tensor can take its address.
 
-Writes that bypass the version counter (through ``param.data``, or from outside PyTorch) are not
-seen: call :func:`clear` after them. While a CUDA graph is captured the cache is bypassed: every
-weight is quantized inside the graph, so a replay after an optimizer step reads the new values
-(a cached copy would be replayed stale). The forward takes a step's copies once
-(:func:`step_weights`) and the backward reads the transposed ones from the saved context, so a
-captured training step quantizes each weight once, as an eager one does at most.
+Not every write bumps the version: FSDP2 writes each all-gather into the unsharded parameters
+with their version counters preserved, and frees that memory after the forward (the storage
+resized to nothing, so its address can come back, also to another storage). So a hit also
+needs the same storage, and every cache empties after each ``torch.optim`` optimizer step (a
+global step hook, registered with the first entry). Weights gathered or cast anew for each call
+(FSDP-sharded experts, a cast from fp32) are best not cached at all, or their copies pile up
+until the step ends: ``MoEConfig.fp8_weight_cache`` False, which ``MoE`` and the integrations
+set for FSDP-sharded weights (and the torchtitan one for cast ones). After other writes
+that bypass the version (through ``param.data``, from outside PyTorch, a checkpoint loaded into
+FSDP's shards) call :func:`clear`.
+
+While a CUDA graph is captured the cache is bypassed: every weight is quantized inside the
+graph, so a replay after an optimizer step reads the new values (a cached copy would be replayed
+stale). The forward takes a step's copies once (:func:`step_weights`) and the backward reads the
+transposed ones from the saved context, so a captured training step quantizes each weight once,
+as an eager one does at most.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # (a torch without torch.distributed)
+    FSDPModule = None
 
 from ..kernels import fp8
 from ..types import ExpertWeights
@@ -39,6 +56,7 @@ __all__ = [
     "MAX_ENTRIES",
     "StepWeights",
     "step_weights",
+    "gathered_per_call",
     "transposed_layout",
     "transposed_tensors",
     "from_transposed",
@@ -61,8 +79,33 @@ def capturing(w: torch.Tensor) -> bool:
     return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share one storage: an address alone can be another storage's
+    once the first was resized to nothing (FSDP2 frees its gathered weights so)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+# Every live cache, emptied after each optimizer step (:func:`_empty_after_optimizer_steps`).
+_CACHES: "weakref.WeakSet[Fp8WeightCache]" = weakref.WeakSet()
+_STEP_HOOK = None  # the handle of that hook, once registered
+
+
+def _empty_caches(*_) -> None:
+    for cache in list(_CACHES):
+        cache.clear()
+
+
+def _empty_after_optimizer_steps() -> None:
+    """Register (once) the global ``torch.optim`` step hook that empties every cache: a step
+    changes the weights, also where their version counters do not show it (FSDP2)."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_post_hook(_empty_caches)
+
+
 class Fp8WeightCache:
-    """Weight -> its ``Fp8Weight`` with the transposed copy, quantized once per version.
+    """Weight -> its ``Fp8Weight`` with the transposed copy, quantized once per version and
+    optimizer step.
 
     ``quantizations`` counts the weights quantized (misses), for tests and accounting."""
 
@@ -70,24 +113,27 @@ class Fp8WeightCache:
         self.max_entries = max_entries
         self.quantizations = 0
         self._entries: OrderedDict[_Key, _Entry] = OrderedDict()
+        _CACHES.add(self)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, w: torch.Tensor) -> fp8.Fp8Weight:
-        """``w [E, N, K]`` (any strides) quantized 128x128, with ``q_t`` and ``scale_t``."""
-        if capturing(w):
-            with torch.no_grad():  # in the graph: every replay quantizes the current values
+    def get(self, w: torch.Tensor, cache: bool = True) -> fp8.Fp8Weight:
+        """``w [E, N, K]`` (any strides) quantized 128x128, with ``q_t`` and ``scale_t``;
+        ``cache`` False: quantized now and not kept (a weight gathered for this call)."""
+        if not cache or capturing(w):
+            with torch.no_grad():  # (in a graph: every replay quantizes the current values)
                 return fp8.quantize_weight(w.detach(), transposed=True)
         key = (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
         entry = self._entries.get(key)
-        if entry is not None and entry.version == w._version:
+        if entry is not None and entry.version == w._version and _same_storage(entry.alias, w):
             self._entries.move_to_end(key)
             return entry.weight
         with torch.no_grad():
             alias = w.detach()
             weight = fp8.quantize_weight(alias, transposed=True)
         self.quantizations += 1
+        _empty_after_optimizer_steps()
         self._entries[key] = _Entry(w._version, alias, weight)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
@@ -103,9 +149,9 @@ class Fp8WeightCache:
 CACHE = Fp8WeightCache()
 
 
-def get(w: torch.Tensor) -> fp8.Fp8Weight:
+def get(w: torch.Tensor, cache: bool = True) -> fp8.Fp8Weight:
     """:meth:`Fp8WeightCache.get` of the process's cache."""
-    return CACHE.get(w)
+    return CACHE.get(w, cache)
 
 
 def clear() -> None:
@@ -127,15 +173,20 @@ class StepWeights(NamedTuple):
     s_down: fp8.Fp8Weight | None = None
 
 
-def step_weights(weights: ExpertWeights) -> StepWeights:
+def step_weights(weights: ExpertWeights, cache: bool = True) -> StepWeights:
     """Every expert weight of ``weights`` (gate and up as their two [E, I, H] halves) from
-    :func:`get`; the shared expert's as one-expert weights."""
-    shared = (
-        (get(weights.s_gate[None]), get(weights.s_up[None]), get(weights.s_down[None]))
-        if weights.has_shared
-        else ()
-    )
-    return StepWeights(get(weights.w_gate), get(weights.w_up), get(weights.w_down), *shared)
+    :func:`get` (``cache``: ``MoEConfig.fp8_weight_cache``); the shared expert's as one-expert
+    weights."""
+    ws = [weights.w_gate, weights.w_up, weights.w_down]
+    if weights.has_shared:
+        ws += [weights.s_gate[None], weights.s_up[None], weights.s_down[None]]
+    return StepWeights(*(get(w, cache) for w in ws))
+
+
+def gathered_per_call(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) shards ``module``'s parameters and gathers them anew for
+    each forward: then their fp8 copies are not cached (``MoEConfig.fp8_weight_cache``)."""
+    return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
 def transposed_layout(

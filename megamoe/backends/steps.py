@@ -329,8 +329,11 @@ def local_forward(
 
 def _step_weights(weights: ExpertWeights, config: MoEConfig) -> fp8_weights.StepWeights | None:
     """In fp8 the step's fp8 weights (``fp8_weights.step_weights``: from the cache, or under a
-    CUDA graph's capture quantized once for the forward and the backward); None in bf16."""
-    return fp8_weights.step_weights(weights) if config.precision == "fp8" else None
+    CUDA graph's capture or without ``config.fp8_weight_cache`` quantized once for the forward
+    and the backward); None in bf16."""
+    if config.precision != "fp8":
+        return None
+    return fp8_weights.step_weights(weights, config.fp8_weight_cache)
 
 
 def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:

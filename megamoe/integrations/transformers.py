@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .. import functional
 from ..backends import BACKEND_PRECISIONS
+from ..backends.fp8_weights import gathered_per_call
 from ..config import PRECISIONS, MoEConfig
 from ..types import ExpertWeights
 
@@ -135,13 +136,21 @@ def set_check_values(enabled: bool) -> None:
 
 
 def _config(
-    hidden: int, intermediate: int, num_experts: int, top_k: int, precision: str
+    hidden: int, intermediate: int, num_experts: int, top_k: int, precision: str, gathered: bool
 ) -> MoEConfig:
-    """The MoEConfig of one layer shape and precision, built once."""
-    key = (hidden, intermediate, num_experts, top_k, precision)
+    """The MoEConfig of one layer shape and precision, built once; ``gathered``: FSDP gathers
+    the weights for each call, so their fp8 copies are not cached (``fp8_weight_cache``)."""
+    key = (hidden, intermediate, num_experts, top_k, precision, gathered)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = MoEConfig(hidden, intermediate, num_experts, top_k, precision=precision)
+        cfg = MoEConfig(
+            hidden,
+            intermediate,
+            num_experts,
+            top_k,
+            precision=precision,
+            fp8_weight_cache=not gathered,
+        )
         _CONFIGS[key] = cfg
     return cfg
 
@@ -250,7 +259,8 @@ def _run(
     x = hidden_states
     if x.dtype != down.dtype:  # as transformers' grouped_mm: the inputs in the weights' dtype
         x = x.to(down.dtype)
-    cfg = _config(h, i, e_local * world_size, top_k_index.shape[1], precision)
+    k = top_k_index.shape[1]
+    cfg = _config(h, i, e_local * world_size, k, precision, gathered_per_call(module))
     # gate_up_proj itself is the op's input (no copy), so its gradient lands on it as one tensor
     y = functional.moe(
         x.contiguous(),

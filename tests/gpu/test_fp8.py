@@ -110,6 +110,42 @@ def test_cuda_graph_quantizes_the_current_weights() -> None:
     assert torch.equal(static_y, eager), "the replay used stale quantized weights"
 
 
+def test_fsdp2_sharded_layer_reads_each_steps_weights(tmp_path) -> None:
+    """``fully_shard`` on one rank: FSDP2 writes each all-gather into the unsharded weights with
+    their versions kept and frees them after the forward, and the CUDA allocator may hand the
+    address back. Every step's output and input gradient are those of an unsharded layer with
+    the same weights and optimizer, never those of stale fp8 copies."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import megamoe
+
+    p = make_problem(CASES["qwen3-30b"], seed=3, device=DEV, **FP8)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        sharded = megamoe.MoE(p.config, backend="triton", device=DEV, seed=4)
+        plain = megamoe.MoE(p.config, backend="triton", device=DEV, seed=4)
+        fully_shard(sharded, mesh=init_device_mesh("cuda", (1,)))
+        opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (sharded, plain)]
+        outs = []
+        for step in range(3):
+            ys = []
+            for moe, opt in zip((sharded, plain), opts):
+                x = p.x.clone().requires_grad_(True)
+                y = moe(x, p.topk_ids, p.topk_weights)
+                y.backward(p.grad_y)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                ys.append((y.detach(), x.grad))
+            (ya, dxa), (yb, dxb) = ys
+            assert rel_err(ya, yb) < 1e-3 and rel_err(dxa, dxb) < 1e-3, step
+            outs.append(yb)
+        assert rel_err(outs[1], outs[0]) > 1e-2  # (a step moves the weights about 5%)
+    finally:
+        dist.destroy_process_group()
+
+
 def _routed_rows(experts: int, seed: int):
     """A schedule of 1500 tokens, top-2, 128-row blocks, expert 1 without rows and the others
     unevenly loaded; its used rows; each used row's expert."""

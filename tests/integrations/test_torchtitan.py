@@ -40,6 +40,7 @@ from integrations.torchtitan_models import (
     moe_pair,
     trainer_config,
 )
+from megamoe.backends.fp8_weights import gathered_per_call
 from megamoe.integrations.torchtitan import (
     MegaMoEMoE,
     MegaMoERoutedExperts,
@@ -186,7 +187,7 @@ def test_fp8_option_runs_the_fp8_recipe(override, monkeypatch):
     real = functional.forward
 
     def recording(x, topk_ids, topk_weights, weights, config, *args, **kwargs):
-        seen.append(config.precision)
+        seen.append((config.precision, config.fp8_weight_cache))
         return real(x, topk_ids, topk_weights, weights, config, *args, **kwargs)
 
     monkeypatch.setattr(functional, "forward", recording)
@@ -196,11 +197,31 @@ def test_fp8_option_runs_the_fp8_recipe(override, monkeypatch):
     x, dy = _inputs(native)
     ya, dxa = _run(native, x, dy)
     yb, dxb = _run(mega, x, dy)
-    assert seen == ["fp8"]
+    assert seen == [("fp8", True)]  # (float32 weights computed in float32: cached)
     assert 0 < rel_err(yb, ya) < 0.1 and 0 < rel_err(dxb, dxa) < 0.1
     ga, gb = grads(native), grads(mega)
     for n in ga:
         assert rel_err(gb[n], ga[n]) < 0.1, n
+
+
+def test_fp8_weights_cast_for_each_call_are_not_cached(monkeypatch):
+    """float32 parameters computed in bfloat16 are cast anew in every call: their fp8 copies are
+    not cached (``fp8_weight_cache`` False), where each cast would add an entry; nor are
+    FSDP-sharded ones (``fully_shard`` on ``inner_experts``: the gloo test below)."""
+    seen = []
+    real = functional.forward
+
+    def recording(x, topk_ids, topk_weights, weights, config, *args, **kwargs):
+        seen.append(config.fp8_weight_cache)
+        return real(x, topk_ids, topk_weights, weights, config, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "forward", recording)
+    _, mega = moe_pair("deepseek_v3_debugmodel", OVERRIDES[0], options={"precision": "fp8"})
+    assert mega.routed_experts.inner_experts.w1_EFD.dtype == torch.float32
+    x, dy = _inputs(mega)
+    _run(mega, x, dy)
+    assert seen == [False]
+    assert mega.routed_experts.megamoe_config().fp8_weight_cache
 
 
 def test_bfloat16_default_matches_native_bfloat16_experts():
@@ -443,6 +464,7 @@ def _fsdp_worker(rank: int, world_size: int) -> None:
         _, sharded = moe_pair(EP_NAME, override)
         fully_shard(sharded.routed_experts.inner_experts, mesh=mesh)
         fully_shard(sharded, mesh=mesh)
+        assert gathered_per_call(sharded.routed_experts.inner_experts)  # (fp8: not cached)
         x, dy = _inputs(full, batch=2 * world_size, seq=8, seed=13)
         mine = slice(2 * rank, 2 * rank + 2)
         y1, dx1 = _run(full, x, dy)

@@ -120,7 +120,10 @@ def test_fp8_key_trains_in_the_fp8_recipe(monkeypatch):
     calls = _CountCalls(monkeypatch)
     fp8_losses = train(twin(model, key), ids, STEPS)
     assert len(calls.calls) == STEPS * len(experts_modules(model))
-    assert {(c[1].precision, c[3]) for c in calls.calls} == {("fp8", "reference")}
+    # (unsharded parameters: their fp8 copies are cached; FSDP-sharded ones would not be)
+    assert {(c[1].precision, c[1].fp8_weight_cache, c[3]) for c in calls.calls} == {
+        ("fp8", True, "reference")
+    }
     assert train(twin(model, key), ids, STEPS) == fp8_losses
     ref_losses = train(twin(model, REF), ids, STEPS)
     assert fp8_losses != ref_losses

@@ -7,11 +7,13 @@ inputs; the same bits run to run, for a stacked gate/up weight, and at W = 2, 3 
 (lockstep), where the dispatch and the dy pull move packed fp8 rows; backend "reference"'s fp8
 recipe against the same emulation; every output written (poisoned buffers); the backward
 quantizes d_z, d_g and d_u by one pass each; the weight cache quantizes each weight once per
-version; the errors.
+version and optimizer step, checks the storage, and is off for FSDP-sharded weights; the
+errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -30,6 +32,7 @@ from megamoe.types import ExpertWeights, MoEGrads
 from support.lockstep import ep_against_single_process
 from support.oracle import reference_grads, rel_err
 from support.problems import Case, make_problem, params
+from support.procs import run_gloo
 
 FP8 = dict(precision="fp8", minibatch_rows=128, ring_rows=None)
 # H 144: a partial 128 block along K; T 40: the shared expert's token count is no multiple of 16.
@@ -251,6 +254,88 @@ def test_weight_cache_quantizes_once_per_weight_version() -> None:
     assert torch.equal(fresh[0], after[0])
     for a, b in zip(fresh[1], after[1]):
         assert torch.equal(a, b)
+
+
+def test_weight_cache_checks_the_storage_and_empties_at_optimizer_steps() -> None:
+    """Writes the version counter does not see: a new storage at a cached one's address (as
+    after FSDP2 frees its gathered weights) misses, and an optimizer step empties the cache,
+    so a weight FSDP2 rewrote with its version preserved is quantized again."""
+    import numpy as np
+
+    cache = fp8_weights.Fp8WeightCache()
+    values = np.random.default_rng(0).standard_normal((2, 128, 128), dtype=np.float32)
+    first = torch.from_numpy(values)
+    old = cache.get(first)
+    values *= 3  # (through numpy: no version bump)
+    second = torch.from_numpy(values)  # the same address and version, another storage
+    assert second.data_ptr() == first.data_ptr() and second._version == first._version
+    got = cache.get(second)
+    assert got is not old and cache.quantizations == 2
+    assert torch.equal(got.q_t.float(), fp8.quantize_weight(second, transposed=True).q_t.float())
+
+    w = torch.randn(2, 128, 128).to(torch.bfloat16)
+    old = cache.get(w)
+    assert cache.get(w) is old
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+        w.mul_(-2)  # FSDP2's all-gather copy-out: new values, the version kept
+    shard = torch.nn.Parameter(torch.ones(3))
+    shard.grad = torch.ones(3)
+    torch.optim.SGD([shard], lr=0.1).step()  # (any optimizer: it may step FSDP's shards)
+    assert len(cache) == 0
+    got = cache.get(w)
+    fresh = fp8.quantize_weight(w, transposed=True)
+    for a, b in zip(got, fresh, strict=True):
+        assert torch.equal(a.float(), b.float())
+
+
+def test_without_the_weight_cache_nothing_is_kept() -> None:
+    """``fp8_weight_cache=False`` (weights gathered per call): every forward quantizes, no copy
+    is kept, and the step has the cached step's bits."""
+    p = _problem(CACHE_CASE, seed=4)
+    x, ids, tw, dy = p.single
+    runs = []
+    for keep in (True, False):
+        cfg = dataclasses.replace(p.config, fp8_weight_cache=keep)
+        fp8_weights.clear()
+        count = fp8_weights.CACHE.quantizations
+        sched = backend.build_schedule(ids, cfg, None)
+        with poisoned_buffers():
+            y, ctx = backend.forward(x, ids, tw, p.weights, cfg, None, sched)
+            grads = backend.backward(ctx, dy)
+        runs.append((y, *(g for g in grads if g is not None)))
+        assert len(fp8_weights.CACHE) == (6 if keep else 0)
+        assert fp8_weights.CACHE.quantizations - count == (6 if keep else 0)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def _fsdp_worker(rank: int, world_size: int) -> None:
+    """One gloo rank: ``fully_shard`` a fp8 MoE, train a step, step the optimizer, and the next
+    forward reads the updated weights: the output of an unsharded MoE holding them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    p = _problem(CACHE_CASE, seed=5)
+    x, ids, tw, dy = p.single
+    moe = megamoe.MoE(p.config, backend="triton", seed=3)
+    fully_shard(moe, mesh=init_device_mesh("cpu", (world_size,)), reshard_after_forward=False)
+    assert fp8_weights.gathered_per_call(moe)
+    opt = torch.optim.SGD(moe.parameters(), lr=0.5)
+    count = fp8_weights.CACHE.quantizations
+    moe(x, ids, tw).backward(dy)
+    opt.step()
+    after = moe(x, ids, tw).detach()
+    assert fp8_weights.CACHE.quantizations == count  # not cached: gathered for each forward
+    plain = megamoe.MoE(p.config, backend="triton", seed=0)
+    moe.reshard()  # (the parameters back to their shards: DTensors)
+    with torch.no_grad():
+        for q, src in zip(plain.parameters(), moe.parameters(), strict=True):
+            q.copy_(src.full_tensor())
+    assert torch.equal(after, plain(x, ids, tw).detach())
+
+
+def test_fsdp2_sharded_weights_are_quantized_after_each_optimizer_step() -> None:
+    run_gloo(1, _fsdp_worker)
 
 
 def test_a_captured_step_quantizes_each_weight_once(monkeypatch: pytest.MonkeyPatch) -> None:

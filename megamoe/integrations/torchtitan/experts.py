@@ -22,6 +22,7 @@ from torchtitan.protocols.module import Module
 
 from megamoe import ops
 from megamoe.backends import BACKENDS, precision_reason
+from megamoe.backends.fp8_weights import gathered_per_call
 from megamoe.config import PRECISIONS, MoEConfig
 from megamoe.types import ExpertWeights
 from megamoe.validation import group_size_rank
@@ -162,9 +163,10 @@ class MegaMoERoutedExperts(RoutedExperts):
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
         self._world_size = 1
-        # (local weight shapes, world size, shared size) -> MoEConfig; filled eagerly (here, in
+        # (local weight shapes, world size, shared size) -> (MoEConfig, the same without the fp8
+        # weight cache: weights gathered or cast per call); filled eagerly (here, in
         # set_ep_group) so that a compiled forward only looks it up
-        self._configs: dict[tuple, MoEConfig] = {}
+        self._configs: dict[tuple, tuple[MoEConfig, MoEConfig]] = {}
         self._remember_config(self._expected_key(0))
         # FSDP (torchtitan's apply_fsdp makes inner_experts a unit of its own) gathers the
         # expert weights around inner_experts' forward and reduce-scatters their gradients after
@@ -208,7 +210,7 @@ class MegaMoERoutedExperts(RoutedExperts):
         w1, _, w2 = self._local_weights()
         return (tuple(w1.shape), tuple(w2.shape), self._world_size, shared_intermediate_size)
 
-    def _remember_config(self, key: tuple) -> MoEConfig:
+    def _remember_config(self, key: tuple) -> tuple[MoEConfig, MoEConfig]:
         (e_local, inter, hidden), w2_shape, world_size, shared = key
         if w2_shape != (e_local, hidden, inter):
             raise ValueError(
@@ -223,22 +225,26 @@ class MegaMoERoutedExperts(RoutedExperts):
                 f"(torchtitan's EP S(0) sharding)"
             )
         cfg = moe_config(hidden, inter, self.num_experts, self.top_k, shared, self.tunables)
-        self._configs[key] = cfg
-        return cfg
+        self._configs[key] = (cfg, dataclasses.replace(cfg, fp8_weight_cache=False))
+        return self._configs[key]
 
-    def megamoe_config(self, shared_intermediate_size: int = 0) -> MoEConfig:
-        """The ``MoEConfig`` the next forward uses (local weight shapes, EP world size)."""
+    def megamoe_config(
+        self, shared_intermediate_size: int = 0, transient: bool = False
+    ) -> MoEConfig:
+        """The ``MoEConfig`` the next forward uses (local weight shapes, EP world size);
+        ``transient``: the weights are gathered (FSDP) or cast anew for the call, so their fp8
+        copies are not cached (``MoEConfig.fp8_weight_cache``)."""
         key = self._expected_key(shared_intermediate_size)
-        cfg = self._configs.get(key)
-        if cfg is not None:
-            return cfg
+        configs = self._configs.get(key)
+        if configs is not None:
+            return configs[transient]
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 f"megamoe: the expert weights changed shape to {key[:2]} after the module was "
                 f"built or parallelized; run one eager forward first, or call set_ep_group() "
                 f"again"
             )
-        return self._remember_config(key)
+        return self._remember_config(key)[transient]
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -293,9 +299,16 @@ class MegaMoERoutedExperts(RoutedExperts):
         """``inner_experts``' forward: the megamoe call on its weights as they are now (FSDP
         has gathered them by then)."""
         dt = self.compute_dtype
-        w1, w3, w2 = (w.to(dt) for w in self._local_weights())
+        local = self._local_weights()
+        transient = (
+            gathered_per_call(self.inner_experts)
+            or gathered_per_call(self)
+            or any(w.dtype != dt for w in local)
+        )
+        w1, w3, w2 = (w.to(dt) for w in local)
         s = (None, None, None) if shared is None else tuple(w.to(dt) for w in shared)
-        cfg = self.megamoe_config(0 if shared is None else s[0].shape[0])
+        transient = transient or (shared is not None and shared[0].dtype != dt)
+        cfg = self.megamoe_config(0 if shared is None else s[0].shape[0], transient)
         return ops.moe(
             x_TD,
             ids_TK,
