@@ -95,10 +95,10 @@ class MoEConfig:
     expert GEMMs on block-scaled E4M3 operands (docs/fp8.md). "fp8"
     needs ``block_rows`` a multiple of 128 and hidden, intermediate and shared intermediate
     sizes multiples of 16. ``fp8_weight_cache`` (fp8): keep each expert weight's fp8 copies
-    from call to call until the weight changes (default), or quantize them in every forward
-    (False): for weights gathered or converted anew in each call (FSDP-sharded experts, a cast
-    from fp32), whose cached copies would pile up (docs/fp8.md, "Weights"). ``MoE`` and the
-    integrations turn it off for FSDP-sharded weights.
+    from call to call until the weight changes (default), or quantize them in every forward and
+    backward (False): for weights gathered or converted anew in each call (FSDP-sharded
+    experts, a cast from fp32), whose cached copies would pile up (docs/fp8.md, "Weights").
+    ``MoE`` and the integrations turn it off for FSDP-sharded weights.
     """
 
     # shape

@@ -174,11 +174,11 @@ def shared_forward(
 
 
 def _fp8_of(ctx: TritonContext) -> fp8_weights.StepWeights:
-    """The step's fp8 weights the forward saved in ``ctx`` (else :func:`fp8_weights.step_weights`:
-    a context made without them)."""
-    if ctx.fp8 is not None:
-        return ctx.fp8
-    return fp8_weights.step_weights(ctx.weights, ctx.schedule.config.fp8_weight_cache)
+    """The step's fp8 weights the forward saved in ``ctx``; for a context made without them
+    (``MoEConfig.fp8_weight_cache`` False) :func:`fp8_weights.step_weights`, once a backward."""
+    if ctx.fp8 is None:
+        ctx.fp8 = fp8_weights.step_weights(ctx.weights, ctx.schedule.config.fp8_weight_cache)
+    return ctx.fp8
 
 
 def routed_dgrad(dz: torch.Tensor | QuantizedRows, ctx: TritonContext) -> Dgrad:

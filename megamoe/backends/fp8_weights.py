@@ -14,14 +14,15 @@ that storage stays allocated while the entry lives and no other tensor can take 
 
 Not every write bumps the version: FSDP2 writes each all-gather into the unsharded parameters
 with their version counters preserved, and frees that memory after the forward (the storage
-resized to nothing, so its address can come back, also to another storage). So a hit also
-needs the same storage, and every cache empties after each ``torch.optim`` optimizer step (a
-global step hook, registered with the first entry). Weights gathered or cast anew for each call
-(FSDP-sharded experts, a cast from fp32) are best not cached at all, or their copies pile up
-until the step ends: ``MoEConfig.fp8_weight_cache`` False, which ``MoE`` and the integrations
-set for FSDP-sharded weights (and the torchtitan one for cast ones). After other writes
-that bypass the version (through ``param.data``, from outside PyTorch, a checkpoint loaded into
-FSDP's shards) call :func:`clear`.
+resized to nothing, so its address can come back, also to another storage). So a hit also needs
+the same storage, and every cache empties after each ``torch.optim`` optimizer step (a global
+step hook, registered with the first entry). Weights gathered or cast anew for each call
+(FSDP-sharded experts, a cast from fp32) are best not cached at all (each forward and each
+backward quantizes them), or their copies pile up until the step ends:
+``MoEConfig.fp8_weight_cache`` False, which ``MoE`` and the integrations set for FSDP-sharded
+weights (and the torchtitan one for cast ones). After other writes that bypass the version
+(through ``param.data``, from outside PyTorch, a checkpoint loaded into FSDP's shards) call
+:func:`clear`.
 
 While a CUDA graph is captured the cache is bypassed: every weight is quantized inside the
 graph, so a replay after an optimizer step reads the new values (a cached copy would be replayed

@@ -117,8 +117,8 @@ def saved_layout(
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor :func:`save` returns for such a step, in order:
     the schedule, its invalid word, every rank's ids and router weights (W > 1), the routed
-    activations (``keeps_routed``), the shared expert's and in fp8 the weights' transposed fp8
-    copies (``fp8_weights.transposed_layout``)."""
+    activations (``keeps_routed``), the shared expert's and in fp8 with ``fp8_weight_cache``
+    the weights' transposed fp8 copies (``fp8_weights.transposed_layout``)."""
     if tokens == 0:
         return []
     i32, k = torch.int32, config.top_k
@@ -159,7 +159,7 @@ def saved_layout(
     if i_s:
         out += [(f"shared_{n}", (tokens, i_s), dtype) for n in ("g", "u")]
         out.append(("shared_h", *h_layout(tokens, i_s)))
-    if fp8:
+    if fp8 and config.fp8_weight_cache:  # (else the backward quantizes the weights again)
         out += transposed_layout(e_local, h, i, i_s)
     return out
 

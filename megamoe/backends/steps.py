@@ -311,7 +311,8 @@ def forward_steps(
     y = rows.combine_slots(
         ws.combine_buffer, ws.top_k, topk_weights, shared_out, x.dtype, invalid=schedule.invalid
     )
-    return y, TritonContext(schedule, x, slot_weights.view(-1), weights, routed, shared, fp8w)
+    kept = _kept_for_backward(fp8w, schedule.config)
+    return y, TritonContext(schedule, x, slot_weights.view(-1), weights, routed, shared, kept)
 
 
 def local_forward(
@@ -324,7 +325,8 @@ def local_forward(
     routed = experts.routed_forward(routed_rows(schedule, tokens), weights, sched, precision, fp8w)
     shared, shared_out = experts.shared_forward(tokens, weights, schedule.config, fp8w=fp8w)
     y = rows.combine(routed.z, sched, topk_weights, shared_out, x.dtype, schedule.invalid)
-    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared, fp8w)
+    kept = _kept_for_backward(fp8w, schedule.config)
+    return y, TritonContext(schedule, x, topk_weights.view(-1), weights, routed, shared, kept)
 
 
 def _step_weights(weights: ExpertWeights, config: MoEConfig) -> fp8_weights.StepWeights | None:
@@ -334,6 +336,15 @@ def _step_weights(weights: ExpertWeights, config: MoEConfig) -> fp8_weights.Step
     if config.precision != "fp8":
         return None
     return fp8_weights.step_weights(weights, config.fp8_weight_cache)
+
+
+def _kept_for_backward(
+    fp8w: fp8_weights.StepWeights | None, config: MoEConfig
+) -> fp8_weights.StepWeights | None:
+    """The fp8 weights the context carries to the backward: the forward's, or without
+    ``config.fp8_weight_cache`` none (the backward quantizes the weights again, as FSDP gathers
+    them again for it, rather than keep every layer's transposed copies until its backward)."""
+    return fp8w if config.fp8_weight_cache else None
 
 
 def replay_steps(ctx: TritonContext) -> Steps[TritonContext]:

@@ -288,23 +288,38 @@ def test_weight_cache_checks_the_storage_and_empties_at_optimizer_steps() -> Non
         assert torch.equal(a.float(), b.float())
 
 
-def test_without_the_weight_cache_nothing_is_kept() -> None:
-    """``fp8_weight_cache=False`` (weights gathered per call): every forward quantizes, no copy
-    is kept, and the step has the cached step's bits."""
+def test_without_the_weight_cache_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fp8_weight_cache=False`` (weights gathered per call): the forward quantizes each weight
+    and keeps no copy, not even for its backward (no transposed copies in the saved tensors),
+    and the backward quantizes each weight once again; the step has the cached step's bits,
+    also through the saved tensors."""
     p = _problem(CACHE_CASE, seed=4)
     x, ids, tw, dy = p.single
+    made: list[tuple[int, ...]] = []
+
+    def quantize_weight(w, *args, _fn=fp8.quantize_weight, **kwargs):
+        made.append(tuple(w.shape))
+        return _fn(w, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "quantize_weight", quantize_weight)
     runs = []
     for keep in (True, False):
         cfg = dataclasses.replace(p.config, fp8_weight_cache=keep)
         fp8_weights.clear()
-        count = fp8_weights.CACHE.quantizations
+        made.clear()
         sched = backend.build_schedule(ids, cfg, None)
         with poisoned_buffers():
             y, ctx = backend.forward(x, ids, tw, p.weights, cfg, None, sched)
-            grads = backend.backward(ctx, dy)
-        runs.append((y, *(g for g in grads if g is not None)))
+            assert (ctx.fp8 is not None) == keep and len(made) == 6
+            saved = backend.save(ctx)
+            layout = backend.saved_layout(cfg, x.shape[0], 1, x.dtype)
+            assert [tuple(t.shape) for t in saved] == [shape for _, shape, _ in layout]
+            assert any(n.startswith("fp8_") for n, _, _ in layout) == keep
+            restored = backend.restore(saved, x, ids, tw, p.weights, cfg, None)
+            grads = backend.backward(restored, dy)
+        assert len(made) == (6 if keep else 12)  # (the backward's: once for both GEMM kinds)
         assert len(fp8_weights.CACHE) == (6 if keep else 0)
-        assert fp8_weights.CACHE.quantizations - count == (6 if keep else 0)
+        runs.append((y, *(g for g in grads if g is not None)))
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 
