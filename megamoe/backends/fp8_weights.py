@@ -27,8 +27,8 @@ weights (and the torchtitan one for cast ones). After other writes that bypass t
 While a CUDA graph is captured the cache is bypassed: every weight is quantized inside the
 graph, so a replay after an optimizer step reads the new values (a cached copy would be replayed
 stale). The forward takes a step's copies once (:func:`step_weights`) and the backward reads the
-transposed ones from the saved context, so a captured training step quantizes each weight once,
-as an eager one does at most.
+transposed ones from the saved context (with the cache on), so a captured training step
+quantizes each weight once, as an eager one does at most.
 """
 
 from __future__ import annotations

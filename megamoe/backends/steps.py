@@ -331,8 +331,8 @@ def local_forward(
 
 def _step_weights(weights: ExpertWeights, config: MoEConfig) -> fp8_weights.StepWeights | None:
     """In fp8 the step's fp8 weights (``fp8_weights.step_weights``: from the cache, or under a
-    CUDA graph's capture or without ``config.fp8_weight_cache`` quantized once for the forward
-    and the backward); None in bf16."""
+    CUDA graph's capture or without ``config.fp8_weight_cache`` quantized for this forward);
+    None in bf16."""
     if config.precision != "fp8":
         return None
     return fp8_weights.step_weights(weights, config.fp8_weight_cache)
