@@ -326,7 +326,9 @@ def test_without_the_weight_cache_nothing_is_kept(monkeypatch: pytest.MonkeyPatc
 
 def _fsdp_worker(rank: int, world_size: int) -> None:
     """One gloo rank: ``fully_shard`` a fp8 MoE, train a step, step the optimizer, and the next
-    forward reads the updated weights: the output of an unsharded MoE holding them."""
+    forward reads the updated weights: the output of an unsharded MoE holding them, with
+    nothing cached. (The CPU allocator gives FSDP's gathered weights a new address, so stale
+    copies would not show here; tests/gpu/test_fp8.py has the case where CUDA's gives it back.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -299,15 +299,15 @@ class MegaMoERoutedExperts(RoutedExperts):
         """``inner_experts``' forward: the megamoe call on its weights as they are now (FSDP
         has gathered them by then)."""
         dt = self.compute_dtype
-        local = self._local_weights()
+        local, shared_local = self._local_weights(), shared or ()
+        # gathered by FSDP or cast below: new for this call (their fp8 copies are not cached)
         transient = (
             gathered_per_call(self.inner_experts)
             or gathered_per_call(self)
-            or any(w.dtype != dt for w in local)
+            or any(w.dtype != dt for w in (*local, *shared_local))
         )
         w1, w3, w2 = (w.to(dt) for w in local)
         s = (None, None, None) if shared is None else tuple(w.to(dt) for w in shared)
-        transient = transient or (shared is not None and shared[0].dtype != dt)
         cfg = self.megamoe_config(0 if shared is None else s[0].shape[0], transient)
         return ops.moe(
             x_TD,
