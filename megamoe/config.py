@@ -96,8 +96,9 @@ class MoEConfig:
     needs ``block_rows`` a multiple of 128 and hidden, intermediate and shared intermediate
     sizes multiples of 16. ``fp8_weight_cache`` (fp8): keep each expert weight's fp8 copies
     from call to call until the weight changes (default), or quantize them in every forward and
-    backward (False): for weights gathered or converted anew in each call (FSDP-sharded
-    experts, a cast from fp32), whose cached copies would pile up (docs/fp8.md, "Weights").
+    backward, each in the one layout it reads (False): for weights gathered or converted anew
+    in each call (FSDP-sharded experts, a cast from fp32), whose cached copies would pile up
+    (docs/fp8.md, "Weights").
     ``MoE`` and the integrations turn it off for FSDP-sharded weights.
     """
 

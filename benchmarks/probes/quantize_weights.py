@@ -5,9 +5,10 @@ bandwidth. The fp8 layer bench counts this in every step (the weights change eve
     PYTHONPATH=. python benchmarks/probes/quantize_weights.py [--out probe.json]
 
 Per preset's weight shapes (one rank's experts, bf16): ``_quantize_weight_kernel`` at several
-warp counts, with and without the transposed copy, beside a plain ``copy_`` of the same bf16
-weight (the bandwidth anchor, same run, interleaved rounds); median ms and GB/s of bytes read +
-written. Every warp count must give the default's bytes.
+warp counts writing both layouts, and at the default warps writing only q (what a forward
+without the weight cache quantizes) or only q_t (its backward), beside a plain ``copy_`` of the
+same bf16 weight (the bandwidth anchor, same run, interleaved rounds); median ms and GB/s of
+bytes read + written. Every variant must give the default's bytes of what it writes.
 """
 
 import argparse
@@ -22,24 +23,28 @@ from megamoe.shapes import get_preset
 from megamoe.tools.bench_kernels import event_times_ms
 
 PRESETS = ("dsv3", "qwen3-30b")
-# (transposed copy, warps); the first is the default
-VARIANTS = [(True, 8), (True, 4), (True, 16), (False, 8)]
+# (writes q, writes q_t, warps); the first is the default
+WARPS = fp8._WEIGHT_WARPS
+VARIANTS = [(True, True, WARPS), (True, True, 8), (True, True, 4), (True, False, WARPS),
+            (False, True, WARPS)]  # fmt: skip
 
 
-def _call(w: torch.Tensor, transposed: bool, warps: int):
+def _call(w: torch.Tensor, plain: bool, transposed: bool, warps: int):
     e, n, k = w.shape
     nb, kb = triton.cdiv(n, 128), triton.cdiv(k, 128)
     q = torch.empty((e, n, k), dtype=fp8.FP8, device=w.device)
     s = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
-    q_t = torch.empty((e, k, n), dtype=fp8.FP8, device=w.device) if transposed else q
-    s_t = torch.empty((e, kb, nb), dtype=torch.float32, device=w.device) if transposed else s
+    q_t = torch.empty((e, k, n), dtype=fp8.FP8, device=w.device)
+    s_t = torch.empty((e, kb, nb), dtype=torch.float32, device=w.device)
 
     def run():
         fp8._quantize_weight_kernel[(e, nb, kb)](
-            w, q, s, q_t, s_t, n, k, *w.stride(), TRANSPOSED=transposed, UPCAST=False,
-            num_warps=warps,
+            w, q, s, q_t, s_t, n, k, *w.stride(), PLAIN=plain, TRANSPOSED=transposed,
+            UPCAST=False, num_warps=warps,
         )  # fmt: skip
-        return (q.view(torch.uint8), s) + ((q_t.view(torch.uint8), s_t) if transposed else ())
+        return ((q.view(torch.uint8), s) if plain else ()) + (
+            (q_t.view(torch.uint8), s_t) if transposed else ()
+        )
 
     return run
 
@@ -71,10 +76,13 @@ def main() -> None:
                 if key == "copy":
                     nbytes, same, label = 4 * w.numel(), None, "bf16 copy_"
                 else:
-                    transposed, warps = key
-                    nbytes = w.numel() * (3 + transposed)
-                    same = all(torch.equal(a, b) for a, b in zip(bits[key], bits[VARIANTS[0]]))
-                    label = f"{'q + q_t' if transposed else 'q'}, {warps} warps"
+                    plain, transposed, warps = key
+                    nbytes = w.numel() * (2 + plain + transposed)
+                    default = bits[VARIANTS[0]]
+                    want = (default[:2] if plain else []) + (default[2:] if transposed else [])
+                    same = all(torch.equal(a, b) for a, b in zip(bits[key], want, strict=True))
+                    layouts = "q + q_t" if plain and transposed else ("q" if plain else "q_t")
+                    label = f"{layouts}, {warps} warps"
                 rec = dict(
                     preset=preset, weight=name, shape=list(shape), variant=label, ms=ms,
                     gb_per_s=nbytes / ms / 1e6, same_bits=same,

@@ -175,9 +175,11 @@ def shared_forward(
 
 def _fp8_of(ctx: TritonContext) -> fp8_weights.StepWeights:
     """The step's fp8 weights the forward saved in ``ctx``; for a context made without them
-    (``MoEConfig.fp8_weight_cache`` False) :func:`fp8_weights.step_weights`, once a backward."""
+    (``MoEConfig.fp8_weight_cache`` False) the transposed copies quantized now, once a backward
+    (:func:`fp8_weights.step_weights`)."""
     if ctx.fp8 is None:
-        ctx.fp8 = fp8_weights.step_weights(ctx.weights, ctx.schedule.config.fp8_weight_cache)
+        cache = ctx.schedule.config.fp8_weight_cache
+        ctx.fp8 = fp8_weights.step_weights(ctx.weights, cache, backward=True)
     return ctx.fp8
 
 

@@ -17,8 +17,9 @@ with their version counters preserved, and frees that memory after the forward (
 resized to nothing, so its address can come back, also to another storage). So a hit also needs
 the same storage, and every cache empties after each ``torch.optim`` optimizer step (a global
 step hook, registered with the first entry). Weights gathered or cast anew for each call
-(FSDP-sharded experts, a cast from fp32) are best not cached at all (each forward and each
-backward quantizes them), or their copies pile up until the step ends:
+(FSDP-sharded experts, a cast from fp32) are best not cached at all (each forward quantizes
+the layout it reads, and each backward the transposed one), or their copies pile up until the
+step ends:
 ``MoEConfig.fp8_weight_cache`` False, which ``MoE`` and the integrations set for FSDP-sharded
 weights (and the torchtitan one for cast ones). After other writes that bypass the version
 (through ``param.data``, from outside PyTorch, a checkpoint loaded into FSDP's shards) call
@@ -119,10 +120,15 @@ class Fp8WeightCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, w: torch.Tensor, cache: bool = True) -> fp8.Fp8Weight:
+    def get(self, w: torch.Tensor, cache: bool = True, backward: bool = False) -> fp8.Fp8Weight:
         """``w [E, N, K]`` (any strides) quantized 128x128, with ``q_t`` and ``scale_t``;
-        ``cache`` False: quantized now and not kept (a weight gathered for this call)."""
-        if not cache or capturing(w):
+        ``cache`` False: quantized now and not kept (a weight gathered for this call), only
+        the layout the pass reads: q and scale for a forward, q_t and scale_t for a
+        ``backward``."""
+        if not cache:
+            with torch.no_grad():
+                return fp8.quantize_weight(w.detach(), transposed=backward, plain=not backward)
+        if capturing(w):
             with torch.no_grad():  # (in a graph: every replay quantizes the current values)
                 return fp8.quantize_weight(w.detach(), transposed=True)
         key = (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
@@ -150,9 +156,9 @@ class Fp8WeightCache:
 CACHE = Fp8WeightCache()
 
 
-def get(w: torch.Tensor, cache: bool = True) -> fp8.Fp8Weight:
+def get(w: torch.Tensor, cache: bool = True, backward: bool = False) -> fp8.Fp8Weight:
     """:meth:`Fp8WeightCache.get` of the process's cache."""
-    return CACHE.get(w, cache)
+    return CACHE.get(w, cache, backward)
 
 
 def clear() -> None:
@@ -174,14 +180,14 @@ class StepWeights(NamedTuple):
     s_down: fp8.Fp8Weight | None = None
 
 
-def step_weights(weights: ExpertWeights, cache: bool = True) -> StepWeights:
+def step_weights(weights: ExpertWeights, cache: bool = True, backward: bool = False) -> StepWeights:
     """Every expert weight of ``weights`` (gate and up as their two [E, I, H] halves) from
-    :func:`get` (``cache``: ``MoEConfig.fp8_weight_cache``); the shared expert's as one-expert
-    weights."""
+    :func:`get` (``cache``: ``MoEConfig.fp8_weight_cache``; ``backward``: uncached, only the
+    transposed copies); the shared expert's as one-expert weights."""
     ws = [weights.w_gate, weights.w_up, weights.w_down]
     if weights.has_shared:
         ws += [weights.s_gate[None], weights.s_up[None], weights.s_down[None]]
-    return StepWeights(*(get(w, cache) for w in ws))
+    return StepWeights(*(get(w, cache, backward) for w in ws))
 
 
 def gathered_per_call(module: torch.nn.Module) -> bool:

@@ -23,8 +23,9 @@ tile's scales are one contiguous load):
     gradient and a weight gradient (d_z, d_g, d_u).
   * ``quantize_weight(w [E, N, K])``: 128x128 blocks: q [E, N, K], scale [E, ceil(N/128),
     ceil(K/128)] (contiguous); with ``transposed=True`` also q_t [E, K, N] = q transposed per
-    expert and scale_t [E, ceil(K/128), ceil(N/128)] (square blocks transpose exactly). q is
-    the forward's B operand (``nn.Linear`` layout is K-major); q_t is the data-gradient's.
+    expert and scale_t [E, ceil(K/128), ceil(N/128)] (square blocks transpose exactly), or with
+    ``plain=False`` only those. q is the forward's B operand (``nn.Linear`` layout is
+    K-major); q_t is the data-gradient's.
 
 The Triton 3.6 interpreter's fp32 -> fp8 conversion drops rounding carries, rounds ties away
 and does not saturate, its fp8 -> fp32 conversion reads NaN as 480 and its bf16 -> fp32
@@ -103,10 +104,11 @@ _ROWS_COLS_WARPS = 4
 class Fp8Weight(NamedTuple):
     """A 128x128-block quantized [E, N, K] weight; ``q_t``/``scale_t`` (its per-expert
     transpose) only when asked for. (A backward's copy restored from saved tensors has only
-    the transpose: q and scale None, ``backends.fp8_weights.from_transposed``.)"""
+    the transpose: q and scale None, ``backends.fp8_weights.from_transposed``, as has one
+    quantized for a backward alone, ``quantize_weight(..., plain=False)``.)"""
 
-    q: torch.Tensor  # float8_e4m3fn [E, N, K]
-    scale: torch.Tensor  # float32 [E, ceil(N/128), ceil(K/128)]
+    q: torch.Tensor | None  # float8_e4m3fn [E, N, K]
+    scale: torch.Tensor | None  # float32 [E, ceil(N/128), ceil(K/128)]
     q_t: torch.Tensor | None = None  # float8_e4m3fn [E, K, N]
     scale_t: torch.Tensor | None = None  # float32 [E, ceil(K/128), ceil(N/128)]
 
@@ -397,7 +399,8 @@ def _quantize_weight_kernel(
     stride_we,
     stride_wn,
     stride_wk,
-    TRANSPOSED: tl.constexpr,
+    PLAIN: tl.constexpr,  # write q and its scales
+    TRANSPOSED: tl.constexpr,  # write q_t and its scales
     UPCAST: tl.constexpr,
 ):
     """One 128x128 block (expert e, row block nb, column block kb): one scale."""
@@ -417,8 +420,9 @@ def _quantize_weight_kernel(
     scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
     q = to_e4m3(x * inverse, UPCAST)
     base = e64 * N * K
-    tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
+    if PLAIN:
+        tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
     if TRANSPOSED:
         t_mask = (cols < K)[:, None] & (rows < N)[None, :]
         tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
@@ -683,23 +687,29 @@ def quantize_packed(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     return _zero_tail(packed, k)
 
 
-def quantize_weight(w: torch.Tensor, *, transposed: bool = False) -> Fp8Weight:
+def quantize_weight(w: torch.Tensor, *, transposed: bool = False, plain: bool = True) -> Fp8Weight:
     """128x128 blocks of each expert of ``w [E, N, K]`` (any strides, e.g. one half of a
     stacked gate/up weight): q [E, N, K] and scale [E, ceil(N/128), ceil(K/128)], contiguous;
     with ``transposed`` also q_t [E, K, N] (q's bytes transposed) and scale_t [E, ceil(K/128),
-    ceil(N/128)], written by the same pass."""
+    ceil(N/128)], written by the same pass. ``plain`` False (with ``transposed``) writes only
+    the transposed copy (q and scale None), for a backward that quantizes for itself."""
     _check_source("w", w, 3)
+    if not (plain or transposed):
+        raise ValueError(
+            "quantize_weight: plain=False asks for the transposed copy only, so "
+            "transposed must be True"
+        )
     e, n, k = w.shape
     nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
-    q = empty((e, n, k), FP8, w.device)
-    scale = empty((e, nb, kb), torch.float32, w.device)
+    q = empty((e, n, k), FP8, w.device) if plain else None
+    scale = empty((e, nb, kb), torch.float32, w.device) if plain else None
     q_t = empty((e, k, n), FP8, w.device) if transposed else None
     scale_t = empty((e, kb, nb), torch.float32, w.device) if transposed else None
     if e and n and k:
         _quantize_weight_kernel[(e, nb, kb)](
             w,
-            q,
-            scale,
+            q_t if q is None else q,
+            scale_t if scale is None else scale,
             q if q_t is None else q_t,
             scale if scale_t is None else scale_t,
             n,
@@ -707,6 +717,7 @@ def quantize_weight(w: torch.Tensor, *, transposed: bool = False) -> Fp8Weight:
             w.stride(0),
             w.stride(1),
             w.stride(2),
+            PLAIN=plain,
             TRANSPOSED=transposed,
             UPCAST=interpreting(),
             num_warps=_WEIGHT_WARPS,

@@ -197,6 +197,7 @@ def _fp8_step(cfg, tokens: int) -> None:
     w_gate, w_up = (fp8.quantize_weight(_meta(e, i, h), transposed=True) for _ in range(2))
     w_down = fp8.quantize_weight(_meta(e, h, i), transposed=True)
     fp8.quantize_weight(_meta(e, h, i))
+    fp8.quantize_weight(_meta(e, h, i), transposed=True, plain=False)
     g, u, hq, _ = fp8_gemm.gate_up_quantized(*fp8.quantize_rows(_meta(s.rows, h)), w_gate, w_up, s)
     fp8_gemm.grouped_mm(*hq, w_down, s)
     dg, du = fp8_gemm.dgrad_swiglu(*fp8.quantize_rows(_meta(s.rows, h)), w_down, g, u, s)

@@ -48,6 +48,7 @@ def step(h, i, e, tokens, top_k, block_rows):
     w_up = fp8.quantize_weight(meta(e, i, h), transposed=True)
     w_down = fp8.quantize_weight(meta(e, h, i), transposed=True)
     fp8.quantize_weight(meta(e, h, i))
+    fp8.quantize_weight(meta(e, h, i), transposed=True, plain=False)
     g, u, hh = fp8_gemm.gate_up(*fp8.quantize_rows(meta(s.rows, h)), w_gate, w_up, s)
     fp8_gemm.gate_up_quantized(*fp8.quantize_rows(meta(s.rows, h)), w_gate, w_up, s)
     fp8_gemm.grouped_mm(*fp8.quantize_rows(hh), w_down, s)

@@ -601,7 +601,9 @@ def test_quantizers_match_torch_with_nan_and_inf(m: int, k: int) -> None:
     w = x[: m - m % 100].view(-1, 100, k)[:, :, :1000]  # [E, 100, 1000], strided
     with poisoned_buffers():
         qw = fp8.quantize_weight(w, transposed=True)
+        only_t = fp8.quantize_weight(w, transposed=True, plain=False)  # (a backward's, uncached)
     want_w, want_ws = ref_quantize_weight(w.cpu())
     assert _same_quantized(qw.q.cpu(), want_w) and torch.equal(qw.scale.cpu(), want_ws)
-    assert _same_quantized(qw.q_t.cpu(), want_w.transpose(1, 2).contiguous())
-    assert torch.equal(qw.scale_t.cpu(), want_ws.transpose(1, 2))
+    for t in (qw, only_t):
+        assert _same_quantized(t.q_t.cpu(), want_w.transpose(1, 2).contiguous())
+        assert torch.equal(t.scale_t.cpu(), want_ws.transpose(1, 2))

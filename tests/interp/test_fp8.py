@@ -232,12 +232,15 @@ def test_quantize_weight_and_its_transpose() -> None:
     with poisoned_buffers():
         qw = fp8.quantize_weight(w, transposed=True)
         plain = fp8.quantize_weight(w)
+        only_t = fp8.quantize_weight(w, transposed=True, plain=False)
     want_q, want_scale = ref_quantize_weight(w)
     assert qw.q.shape == (3, 200, 300) and qw.scale.shape == (3, 2, 3)
     assert same_bytes(qw.q, want_q) and torch.equal(qw.scale, want_scale)
     assert same_bytes(qw.q_t, want_q.transpose(1, 2).contiguous())
     assert torch.equal(qw.scale_t, want_scale.transpose(1, 2))
     assert plain.q_t is None and same_bytes(plain.q, qw.q) and torch.equal(plain.scale, qw.scale)
+    assert only_t.q is None and only_t.scale is None
+    assert same_bytes(only_t.q_t, qw.q_t) and torch.equal(only_t.scale_t, qw.scale_t)
 
 
 def test_quantizers_name_bad_arguments() -> None:
@@ -245,6 +248,8 @@ def test_quantizers_name_bad_arguments() -> None:
         fp8.quantize_rows(torch.zeros(4))
     with pytest.raises(ValueError, match="w must be a 3-D"):
         fp8.quantize_weight(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="plain=False .* transposed must be True"):
+        fp8.quantize_weight(torch.zeros(1, 4, 4), plain=False)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8.quantize_cols(torch.zeros(4, 4, dtype=FP8))
 

@@ -290,18 +290,20 @@ def test_weight_cache_checks_the_storage_and_empties_at_optimizer_steps() -> Non
 
 def test_without_the_weight_cache_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """``fp8_weight_cache=False`` (weights gathered per call): the forward quantizes each weight
-    and keeps no copy, not even for its backward (no transposed copies in the saved tensors),
-    and the backward quantizes each weight once again; the step has the cached step's bits,
-    also through the saved tensors."""
+    in the layout it reads and keeps no copy, not even for its backward (no transposed copies in
+    the saved tensors), and the backward quantizes each weight once again, only its transposed
+    copy; the step has the cached step's bits, also through the saved tensors."""
     p = _problem(CACHE_CASE, seed=4)
     x, ids, tw, dy = p.single
-    made: list[tuple[int, ...]] = []
+    made: list[tuple[str, ...]] = []  # the layouts each quantization wrote
 
     def quantize_weight(w, *args, _fn=fp8.quantize_weight, **kwargs):
-        made.append(tuple(w.shape))
-        return _fn(w, *args, **kwargs)
+        got = _fn(w, *args, **kwargs)
+        made.append(tuple(n for n, t in zip(got._fields, got) if t is not None))
+        return got
 
     monkeypatch.setattr(fp8, "quantize_weight", quantize_weight)
+    both, plain, transposed = ("q", "scale", "q_t", "scale_t"), ("q", "scale"), ("q_t", "scale_t")
     runs = []
     for keep in (True, False):
         cfg = dataclasses.replace(p.config, fp8_weight_cache=keep)
@@ -310,14 +312,16 @@ def test_without_the_weight_cache_nothing_is_kept(monkeypatch: pytest.MonkeyPatc
         sched = backend.build_schedule(ids, cfg, None)
         with poisoned_buffers():
             y, ctx = backend.forward(x, ids, tw, p.weights, cfg, None, sched)
-            assert (ctx.fp8 is not None) == keep and len(made) == 6
+            assert (ctx.fp8 is not None) == keep
+            assert made == [both if keep else plain] * 6
             saved = backend.save(ctx)
             layout = backend.saved_layout(cfg, x.shape[0], 1, x.dtype)
             assert [tuple(t.shape) for t in saved] == [shape for _, shape, _ in layout]
             assert any(n.startswith("fp8_") for n, _, _ in layout) == keep
             restored = backend.restore(saved, x, ids, tw, p.weights, cfg, None)
             grads = backend.backward(restored, dy)
-        assert len(made) == (6 if keep else 12)  # (the backward's: once for both GEMM kinds)
+        # (the backward's: once for both GEMM kinds, the transposed copies alone)
+        assert made[6:] == ([] if keep else [transposed] * 6)
         assert len(fp8_weights.CACHE) == (6 if keep else 0)
         runs.append((y, *(g for g in grads if g is not None)))
     for a, b in zip(*runs, strict=True):
