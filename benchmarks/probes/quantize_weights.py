@@ -13,6 +13,7 @@ bytes read + written. Every variant must give the default's bytes of what it wri
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -95,7 +96,10 @@ def main() -> None:
             del w, copy, cases, bits
         if args.out:  # (after every preset: a run cut short keeps what it measured)
             with open(args.out, "w") as f:
-                json.dump(dict(gpu=torch.cuda.get_device_name(), records=records), f, indent=1)
+                meta = dict(
+                    gpu=torch.cuda.get_device_name(), commit=os.environ.get("MEGAMOE_COMMIT")
+                )
+                json.dump(dict(meta, records=records), f, indent=1)
 
 
 if __name__ == "__main__":
