@@ -260,6 +260,14 @@ class TrainModel:
         return 0
 
     @property
+    def expert_weight_elements(self) -> int:
+        """Elements of one layer's routed and shared expert weights (gate, up and down): what
+        an fp8 run keeps quantized in two layouts until the optimizer step."""
+        return (
+            3 * self.hidden * (self.num_experts * self.moe_intermediate + self.shared_intermediate)
+        )
+
+    @property
     def attention_dims(self) -> tuple[int, int, int]:
         """(query heads, query/key head dim, value head dim)."""
         f = self.fields
@@ -592,14 +600,16 @@ class MemoryEstimate:
     activation_bytes: float  # every layer's, at the start of the backward
     logits_bytes: float
     total_bytes: float
+    fp8_bytes: float = 0.0  # the expert weights' fp8 copies (an fp8 run)
 
     def describe(self) -> str:
         gb = 1e9
+        fp8 = f", fp8 weight copies {self.fp8_bytes / gb:.2f} GB" if self.fp8_bytes else ""
         return (
             f"{self.layers} layers x {_count(self.params_per_layer)} params + "
             f"{_count(self.fixed_params)} (embedding, head, norm): weights + grads + AdamW "
             f"{self.state_bytes / gb:.2f} GB, activations {self.activation_bytes / gb:.2f} GB, "
-            f"logits {self.logits_bytes / gb:.2f} GB: peak {self.total_bytes / gb:.2f} GB"
+            f"logits {self.logits_bytes / gb:.2f} GB{fp8}: peak {self.total_bytes / gb:.2f} GB"
         )
 
 
@@ -620,9 +630,13 @@ def estimate_memory(
     dtype_bytes: int = 2,
     vocab_size: int = DEFAULT_VOCAB,
     microbatches: int = 1,
+    fp8: bool = False,
 ) -> MemoryEstimate:
     """Peak device bytes of a training step at ``layers`` layers (the parameters in
     ``dtype_bytes``, AdamW's moments in the same dtype, gradients set to None between steps).
+    With ``fp8`` (an fp8 run among the implementations) also the expert weights' fp8 copies, a
+    byte per element in each of two layouts, which the weight cache keeps from the first forward
+    through the optimizer step (docs/fp8.md, "Weights").
 
     The peak is the larger of the start of the backward (weights, moments and every layer's
     activations, :func:`activation_bytes_per_token`) and the optimizer step (weights, gradients
@@ -637,13 +651,14 @@ def estimate_memory(
     b = dtype_bytes
     params = layers * params_per_layer + fixed_params
     act_layer = tokens * activation_bytes_per_token(spec, b)
+    fp8_copies = 2 * layers * spec.expert_weight_elements if fp8 else 0
     state = params * b * (2 + ADAM_STATES)
     grads_held = 1 if microbatches > 1 else 0
     backward = params * b * (1 + grads_held + ADAM_STATES) + layers * act_layer
     logits = tokens * vocab_size * (2 * b + 2 * 4)
-    total = max(state, backward) + act_layer + logits
+    total = max(state, backward) + fp8_copies + act_layer + logits
     return MemoryEstimate(
-        layers, params_per_layer, fixed_params, state, layers * act_layer, logits, total
+        layers, params_per_layer, fixed_params, state, layers * act_layer, logits, total, fp8_copies
     )
 
 
@@ -665,6 +680,7 @@ def fit_layers(
     dtype_bytes: int = 2,
     vocab_size: int = DEFAULT_VOCAB,
     microbatches: int = 1,
+    fp8: bool = False,
 ) -> MemoryEstimate:
     """The estimate of the most layers (1 to the published model's count) whose estimate fits
     ``budget_bytes``; 1 layer when none does (the run may then run out of memory)."""
@@ -679,6 +695,7 @@ def fit_layers(
             dtype_bytes=dtype_bytes,
             vocab_size=vocab_size,
             microbatches=microbatches,
+            fp8=fp8,
         )
         if est.total_bytes > budget_bytes and best is not None:
             break
@@ -1120,6 +1137,7 @@ def _choose_layers(spec: TrainModel, opts: TrainOptions) -> tuple[int, MemoryEst
         dtype_bytes=torch.tensor([], dtype=opts.dtype).element_size(),
         vocab_size=opts.vocab_size,
         microbatches=opts.microbatches,
+        fp8=any(impl_precision(impl, opts) == "fp8" for impl in opts.impls),
     )
     layers = opts.layers or spec.default_layers
     if opts.device.type != "cuda":

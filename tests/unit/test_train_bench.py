@@ -211,6 +211,14 @@ def test_memory_estimate_fits_the_budget():
     assert tb.fit_layers(spec, 130e9, 4096, per_layer, fixed, microbatches=4).layers < (
         tb.fit_layers(spec, 130e9, 4096, per_layer, fixed).layers
     )
+    # fp8: the expert weights' copies in two layouts (a byte each) until the optimizer step
+    fp8 = tb.estimate_memory(spec, 9, 4096, per_layer, fixed, fp8=True)
+    copies = 2 * 9 * 3 * 7168 * (32 * 2048 + 2048)  # routed and shared gate, up and down
+    assert fp8.fp8_bytes == copies and fp8.total_bytes == one.total_bytes + copies
+    assert "fp8 weight copies" in fp8.describe() and "fp8" not in one.describe()
+    assert tb.fit_layers(spec, 80e9, 4096, per_layer, fixed, fp8=True).layers < (
+        tb.fit_layers(spec, 80e9, 4096, per_layer, fixed).layers
+    )
 
 
 # ------------------------------------------------------------------------------------ routing
