@@ -61,9 +61,11 @@ runs are compared in one run of the tool:
   GEMM rate measured at the start of the same run (``dense_tflops``: median of a 8192^3
   ``torch.matmul``, :func:`megamoe.tools.bench.measure_gemm_peak`).
 - **Memory** (:func:`estimate_memory`): parameters, gradients and the two AdamW moments (in the
-  parameters' dtype), activations per layer and token and the LM head's logits;
-  ``--layers`` defaults to the most layers whose estimate fits the GPU's free memory (printed).
-  ``peak_mem_gb`` is ``torch.cuda.max_memory_allocated`` of the run (reset before each run).
+  parameters' dtype), activations per layer and token and the LM head's logits, and with an
+  fp8 implementation the expert weights' fp8 copies (two layouts, kept until the optimizer
+  step); ``--layers`` defaults to the most layers whose estimate fits the GPU's free memory
+  (printed). ``peak_mem_gb`` is ``torch.cuda.max_memory_allocated`` of the run (reset before
+  each run).
 
 Without a GPU (or with ``--tiny``) tiny models of both shapes run in float32 with ``native``
 and ``megamoe-reference`` for 3 steps: a smoke test of the whole path, not a measurement.
