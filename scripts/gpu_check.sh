@@ -7,7 +7,7 @@
 #                        (default: all)
 #
 #   tests    = tests-1gpu + tests-ep
-#   tests-1gpu  python -m pytest $MEGAMOE_1GPU_TESTS (one GPU; default
+#   tests-1gpu  python -m pytest $MEGAMOE_1GPU_TESTS (one GPU; default tests/gpu/test_launch.py
 #               tests/gpu/test_triton_backend.py tests/gpu/test_fused.py tests/gpu/test_fp8.py)
 #   tests-ep    torchrun --nproc-per-node=$NGPU -m pytest $MEGAMOE_EP_TESTS (>= 2 GPUs; default
 #               tests/gpu/test_ep_reference.py tests/gpu/test_triton_ep.py tests/gpu/test_comm.py
@@ -181,7 +181,7 @@ fi
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
 
 EP_TESTS="${MEGAMOE_EP_TESTS:-tests/gpu/test_ep_reference.py tests/gpu/test_triton_ep.py tests/gpu/test_comm.py tests/gpu/test_fused.py}"
-ONE_GPU_TESTS="${MEGAMOE_1GPU_TESTS:-tests/gpu/test_triton_backend.py tests/gpu/test_fused.py tests/gpu/test_fp8.py}"
+ONE_GPU_TESTS="${MEGAMOE_1GPU_TESTS:-tests/gpu/test_launch.py tests/gpu/test_triton_backend.py tests/gpu/test_fused.py tests/gpu/test_fp8.py}"
 if want tests-1gpu; then
     # shellcheck disable=SC2086
     step "gpu tests, 1 GPU" "$OUT/tests_1gpu.log" \

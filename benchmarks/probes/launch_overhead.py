@@ -1,7 +1,8 @@
 """Probe (one GPU): where the host time of a Triton kernel launch goes, for every kernel that
 backend "triton"'s training step launches.
 
-    PYTHONPATH=. python benchmarks/probes/launch_overhead.py [--model qwen3-30b-a3b] [--out p.json]
+    PYTHONPATH=. python benchmarks/probes/launch_overhead.py [--model qwen3-30b-a3b]
+        [--tokens 4096] [--precision bf16|fp8] [--out p.json]
 
 Records every launch of one training step (JITFunction.run's arguments), then replays each
 kernel's launch with the same arguments, timing the host side of each part of Triton 3.6's
@@ -28,6 +29,7 @@ import time
 
 import torch
 from triton.backends.nvidia import driver as nv_driver
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -88,7 +90,7 @@ def probe_kernel(fn: JITFunction, args, kwargs, grid) -> dict:
     bound, _, _ = binder(*args, **kw)
     values = list(bound.values())
     g = tuple(grid) + (1,) * (3 - len(grid))
-    descs = [v for v in values if isinstance(v, TensorDescriptor)]
+    descs = [v for v in values if isinstance(v, (TensorDescriptor, GluonDescriptor))]
     metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descs)
     hooks = (compiled.packed_metadata, None, None, None)
 
@@ -102,7 +104,7 @@ def probe_kernel(fn: JITFunction, args, kwargs, grid) -> dict:
     c_launch, wrapped = inner_launcher(compiled)
     final, it = [], iter(metas)
     for v in values:
-        if wrapped and isinstance(v, TensorDescriptor):
+        if wrapped and isinstance(v, (TensorDescriptor, GluonDescriptor)):
             final.extend(nv_driver.make_tensordesc_arg(v, next(it)))
         else:
             final.append(v)
@@ -125,14 +127,75 @@ def probe_kernel(fn: JITFunction, args, kwargs, grid) -> dict:
     return result
 
 
+def step_parts(case, config) -> dict:
+    """Host microseconds of the layer's step by part: the backend's functions called directly,
+    the same through the custom ops, and the forward and the backward through autograd (the
+    eager ``autograd.Function`` the layer takes)."""
+    from megamoe import functional, ops
+
+    x, w = case.x.detach(), case.topk_weights.detach()
+    inputs = (x, case.topk_ids, w, *case.weights, config.key, "", "triton", False)
+    parts = {}
+    with torch.no_grad():
+        _, ctx = functional.forward(
+            x, case.topk_ids, w, case.weights, config, backend="triton", check_values=False
+        )
+        _, saved = torch.ops.megamoe.moe_forward(*inputs)
+        parts["direct_forward_us"] = host_us(
+            lambda: functional.forward(
+                x, case.topk_ids, w, case.weights, config, backend="triton", check_values=False
+            ),
+            reps=40,
+        )
+        parts["op_forward_us"] = host_us(lambda: torch.ops.megamoe.moe_forward(*inputs), reps=40)
+        parts["direct_backward_us"] = host_us(
+            lambda: functional.backward(ctx, case.grad_y), reps=40
+        )
+        parts["op_backward_us"] = host_us(
+            lambda: torch.ops.megamoe.moe_backward(
+                case.grad_y, x, case.topk_ids, w, *case.weights, saved, config.key, "", "triton"
+            ),
+            reps=40,
+        )
+    parts["saved_tensors"] = len(saved)
+
+    def autograd_forward():
+        return ops.moe(
+            case.x,
+            case.topk_ids,
+            case.topk_weights,
+            case.weights,
+            config,
+            backend="triton",
+            check_values=False,
+        )
+
+    parts["autograd_forward_us"] = host_us(autograd_forward, reps=40)
+    ys = [autograd_forward() for _ in range(40)]
+    torch.cuda.synchronize()
+    times = []
+    for i, y in enumerate(ys):
+        if i % SYNC_EVERY == 0:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y.backward(case.grad_y)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    parts["autograd_backward_us"] = statistics.median(times) * 1e6
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--out")
     args = parser.parse_args()
     env = harness.init_distributed()
-    case = harness.make_case(args.model, env)
-    call = harness.layer_call("triton", case, case.config, None, backward=True)
+    case = harness.make_case(args.model, env, tokens=args.tokens)
+    config = case.config.replace(precision=args.precision)
+    call = harness.layer_call("triton", case, config, None, backward=True)
     for _ in range(3):
         call()
     launches = record_launches(call)
@@ -164,13 +227,14 @@ def main() -> None:
             case.topk_ids,
             case.topk_weights.detach(),
             case.weights,
-            case.config,
+            config,
             backend="triton",
             check_values=False,
         )
         functional.backward(ctx, case.grad_y)
 
     extra["direct_step_host_us"] = host_us(direct, reps=20)
+    extra.update(step_parts(case, config))
     print(json.dumps(extra))
     import cProfile
     import pstats
@@ -186,7 +250,17 @@ def main() -> None:
     stats.sort_stats("cumulative").print_stats("megamoe", 45)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "kernels": rows, **extra}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "precision": args.precision,
+                    "tokens": case.tokens,
+                    "kernels": rows,
+                    **extra,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..errors import CapacityWord, IdWord
-from .runtime import empty
+from .runtime import empty, launch
 from .schedule import RowSchedule, max_rows
 
 __all__ = ["check_ids", "limit_capacity", "LOAD_BLOCK"]
@@ -104,7 +104,9 @@ def check_ids(
     ``[0, num_experts)`` (the global expert count), which also empties ``sched``."""
     invalid = empty(1, torch.int32, ids.device)
     e = sched.num_experts
-    _check_ids_kernel[(1,)](
+    launch(
+        _check_ids_kernel,
+        (1,),
         ids.reshape(-1),
         ids.numel(),
         tokens_per_rank,
@@ -188,7 +190,9 @@ def limit_capacity(
         return full
     cap_rows = min(full.rows, max_rows(capacity, full.num_experts, full.block_rows))
     e = full.num_experts
-    _capacity_kernel[(1,)](
+    launch(
+        _capacity_kernel,
+        (1,),
         all_ids,
         all_ids.numel(),
         e,

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..ep.workspace import BARRIER_CHANNELS, Workspace
 from ..errors import ErrorWord, Stage
-from .runtime import empty, interpreting
+from .runtime import cdiv, empty, interpreting, launch
 from .schedule import RowSchedule
 from .tiles import cast
 
@@ -728,7 +728,9 @@ def barrier(ws: Workspace, channel: int = 0, budget: int | None = None, phase: i
     if phase not in (ARRIVE, WAIT, BOTH):
         raise ValueError(f"phase must be ARRIVE, WAIT or BOTH, got {phase}")
     w = ws.world_size
-    _barrier_kernel[(1,)](
+    launch(
+        _barrier_kernel,
+        (1,),
         ws.peers.signals,
         ws.epochs,
         ws.errors,
@@ -751,9 +753,16 @@ def gather_routing(ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
     w, t, k = ws.world_size, ws.num_tokens, ws.top_k
     ids = empty((w * t, k), torch.int32, ws.device)
     weights = empty((w * t, k), torch.float32, ws.device)
-    grid = (w, triton.cdiv(t * k, _ROUTING_BLOCK))
-    _gather_routing_kernel[grid](
-        ws.peers.ids, ws.peers.weights, ids, weights, t * k, BLOCK=_ROUTING_BLOCK
+    grid = (w, cdiv(t * k, _ROUTING_BLOCK))
+    launch(
+        _gather_routing_kernel,
+        grid,
+        ws.peers.ids,
+        ws.peers.weights,
+        ids,
+        weights,
+        t * k,
+        BLOCK=_ROUTING_BLOCK,
     )
     return ids, weights
 
@@ -831,7 +840,9 @@ def dispatch_pull(
     rows, cols = copy_tile(h, dtype.itemsize, tile_bytes)
     table = ws.peers.x if source == "x" else ws.peers.dy
     if scale:  # each row is scaled by its own slot's weight: row order
-        _pull_kernel[(check_programs(programs),)](
+        launch(
+            _pull_kernel,
+            (check_programs(programs),),
             table,
             ws.peers.weights,
             out,
@@ -848,7 +859,9 @@ def dispatch_pull(
             num_warps=num_warps,
         )
     else:
-        _pull_tokens_kernel[(check_programs(programs),)](
+        launch(
+            _pull_tokens_kernel,
+            (check_programs(programs),),
             table,
             out,
             sched.dest_row,
@@ -898,7 +911,9 @@ def combine_push(
         )
     tr, tc = copy_tile(h, ws.dtype.itemsize, tile_bytes)
     table = ws.peers.combine if target == "combine" else ws.peers.dx
-    _push_kernel[(check_programs(programs),)](
+    launch(
+        _push_kernel,
+        (check_programs(programs),),
         rows,
         table,
         sched.row_src,
@@ -925,7 +940,9 @@ def push_row_values(
             f"values must be a float32 [>= {sched.rows}] tensor, "
             f"got {list(values.shape)} {values.dtype}"
         )
-    _push_values_kernel[(check_programs(programs),)](
+    launch(
+        _push_values_kernel,
+        (check_programs(programs),),
         values,
         ws.peers.dw,
         sched.row_src,

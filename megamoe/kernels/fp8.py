@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import empty, interpreting
+from .runtime import cdiv, empty, interpreting, launch
 
 __all__ = [
     "E4M3_MAX",
@@ -442,7 +442,9 @@ def _quantize_rows_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     m, k = x.shape
     if m and k:
         rows = _ROWS[interpreting()]
-        _quantize_rows_kernel[(triton.cdiv(m, rows), triton.cdiv(k, BLOCK))](
+        launch(
+            _quantize_rows_kernel,
+            (cdiv(m, rows), cdiv(k, BLOCK)),
             x,
             q,
             scale,
@@ -466,7 +468,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_source("x", x, 2)
     m, k = x.shape
     q = empty((m, k), FP8, x.device)
-    scale = empty((triton.cdiv(k, BLOCK), m), torch.float32, x.device).t()
+    scale = empty((cdiv(k, BLOCK), m), torch.float32, x.device).t()
     _quantize_rows_into(x, q, scale)
     return q, scale
 
@@ -477,14 +479,16 @@ def _quantize_cols_launch(
     """(q_t, scale) of the 128x1 quantization of ``x``, or with ``row_scale`` of the values
     ``x * row_scale`` of fp8 rows ``x``."""
     m, k = x.shape
-    mb = triton.cdiv(m, BLOCK)
+    mb = cdiv(m, BLOCK)
     q_t = empty((k, m), FP8, x.device)
     scale = empty((mb, k), torch.float32, x.device).t()
     rs = x if row_scale is None else row_scale
     if m and k:
         # (each divides 128, as DEQUANT needs)
         cols = (_ROWS if row_scale is None else _REQUANT_COLS)[interpreting()]
-        _quantize_cols_kernel[(mb, triton.cdiv(k, cols))](
+        launch(
+            _quantize_cols_kernel,
+            (mb, cdiv(k, cols)),
             x,
             rs,
             q_t,
@@ -530,9 +534,11 @@ def quantize_rows_cols(
     _check_source("x", x, 2)
     m, k = x.shape
     (q, scale), (q_t, scale_t), m_out = rows_cols_buffers(m, k, x.device, pad_to, cols_out)
-    mb, kb = triton.cdiv(m_out, BLOCK), triton.cdiv(k, BLOCK)
+    mb, kb = cdiv(m_out, BLOCK), cdiv(k, BLOCK)
     if m_out and k:
-        _quantize_rows_cols_kernel[(mb, kb)](
+        launch(
+            _quantize_rows_cols_kernel,
+            (mb, kb),
             (x, m, x.stride(0), x.stride(1)),
             (q, scale, scale.stride(0), scale.stride(1)),
             (q_t, scale_t, m_out, q_t.stride(0), scale_t.stride(0), scale_t.stride(1)),
@@ -553,8 +559,8 @@ def rows_cols_buffers(
     tasks write them too, with :func:`row_blocks` / :func:`col_blocks` (the same bits)."""
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to must be a positive int, got {pad_to!r}")
-    m_out = triton.cdiv(m, pad_to) * pad_to
-    mb, kb = triton.cdiv(m_out, BLOCK), triton.cdiv(k, BLOCK)
+    m_out = cdiv(m, pad_to) * pad_to
+    mb, kb = cdiv(m_out, BLOCK), cdiv(k, BLOCK)
     q = empty((m, k), FP8, device)
     scale = empty((kb, m), torch.float32, device).t()
     if cols_out is None:
@@ -570,7 +576,7 @@ def _check_quantized(q: torch.Tensor, scale: torch.Tensor) -> None:
     """``q [M, K]`` fp8 and its 1x128 scales ``[M, ceil(K/128)]`` fp32 (any strides)."""
     if q.dtype != FP8 or q.dim() != 2:
         raise ValueError(f"q must be a 2-D float8_e4m3fn tensor, got {q.dtype} {list(q.shape)}")
-    expected = [q.shape[0], triton.cdiv(q.shape[1], BLOCK)]
+    expected = [q.shape[0], cdiv(q.shape[1], BLOCK)]
     if scale.dtype != torch.float32 or list(scale.shape) != expected:
         raise ValueError(
             f"scale must be a float32 {expected} tensor (one scale per row and 128 columns of "
@@ -615,8 +621,8 @@ def packed_width(hidden: int) -> int:
         raise ValueError(
             f"hidden must be a positive multiple of 16 (16-byte fp8 rows), got {hidden!r}"
         )
-    words = hidden // 2 + 2 * triton.cdiv(hidden, BLOCK)
-    return triton.cdiv(words, PACK_WORDS) * PACK_WORDS
+    words = hidden // 2 + 2 * cdiv(hidden, BLOCK)
+    return cdiv(words, PACK_WORDS) * PACK_WORDS
 
 
 def _packed_out(
@@ -635,7 +641,7 @@ def _packed_out(
 
 def _zero_tail(packed: torch.Tensor, hidden: int) -> torch.Tensor:
     """Zero the padding words of packed rows (every byte of a packed row is determined)."""
-    used = hidden + 4 * triton.cdiv(hidden, BLOCK)
+    used = hidden + 4 * cdiv(hidden, BLOCK)
     if 2 * packed.shape[1] > used:
         packed.view(torch.uint8)[:, used:].zero_()
     return packed
@@ -657,7 +663,7 @@ def unpack_rows(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.
             f"{hidden})), got {packed.dtype} {list(packed.shape)} strides {packed.stride()}"
         )
     raw = packed.view(torch.uint8)
-    kb = triton.cdiv(hidden, BLOCK)
+    kb = cdiv(hidden, BLOCK)
     return raw[:, :hidden].view(FP8), raw[:, hidden : hidden + 4 * kb].view(torch.float32)
 
 
@@ -700,13 +706,15 @@ def quantize_weight(w: torch.Tensor, *, transposed: bool = False, plain: bool = 
             "transposed must be True"
         )
     e, n, k = w.shape
-    nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
+    nb, kb = cdiv(n, BLOCK), cdiv(k, BLOCK)
     q = empty((e, n, k), FP8, w.device) if plain else None
     scale = empty((e, nb, kb), torch.float32, w.device) if plain else None
     q_t = empty((e, k, n), FP8, w.device) if transposed else None
     scale_t = empty((e, kb, nb), torch.float32, w.device) if transposed else None
     if e and n and k:
-        _quantize_weight_kernel[(e, nb, kb)](
+        launch(
+            _quantize_weight_kernel,
+            (e, nb, kb),
             w,
             q_t if q is None else q,
             scale_t if scale is None else scale,

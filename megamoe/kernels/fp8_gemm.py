@@ -43,7 +43,7 @@ import triton.language as tl
 from . import fp8, fp8_ws
 from .fp8 import BLOCK, FP8, Fp8Weight, from_e4m3
 from .gemm import GemmTiles, row_tile, weight_2d
-from .runtime import descriptor, empty, interpreting, launch_grid
+from .runtime import cdiv, descriptor, empty, interpreting, launch, launch_grid
 from .schedule import RowSchedule
 from .tiles import (
     cast,
@@ -923,7 +923,7 @@ def _check_rows(name: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, i
         raise ValueError(
             f"{name} has K = {k} columns; the fp8 GEMMs need K % 16 == 0 (16-byte TMA rows)"
         )
-    expected = [rows, triton.cdiv(k, BLOCK)]
+    expected = [rows, cdiv(k, BLOCK)]
     if scale.dtype != torch.float32 or list(scale.shape) != expected:
         raise ValueError(
             f"{name}_scale must be a float32 {expected} tensor (one scale per row and 128 "
@@ -953,7 +953,7 @@ def _check_weight(
         raise ValueError(
             f"{what} has N = {n} rows per expert; the outputs need N % 8 == 0 (16-byte TMA rows)"
         )
-    expected = [experts, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)]
+    expected = [experts, cdiv(n, BLOCK), cdiv(k, BLOCK)]
     if scale.dtype != torch.float32 or list(scale.shape) != expected:
         raise ValueError(
             f"{what.replace('.q', '.scale')} must be a float32 {expected} tensor (one scale "
@@ -1066,9 +1066,11 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h, a
         return (g, u, (hq, h_t)) if h_quant is not None else _with_h(g, u, h, h_t)
     h = empty((rows, n), out_dtype, a.device)
     t = triton_tiles("gate_up", t)
-    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    work = sched.max_blocks * block_tiles * cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
-    _fp8_gate_up_kernel[grid](
+    launch(
+        _fp8_gate_up_kernel,
+        grid,
         descriptor(a, [hm, t.bk]),
         a_scale,
         descriptor(wg, [t.bn, t.bk]),
@@ -1199,9 +1201,11 @@ def _mm_launch(
         a2_desc, b2_desc = descriptor(a2_q, [hm, t.bk]), descriptor(wb2, [t.bn, t.bk])
     c_descs = [descriptor(o, [hm, t.bn]) for o in outs]
     gu_descs = [descriptor(x, [hm, t.bn]) for x in gu] if gu is not None else c_descs * 2
-    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    work = sched.max_blocks * block_tiles * cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
-    _fp8_grouped_mm_kernel[grid](
+    launch(
+        _fp8_grouped_mm_kernel,
+        grid,
         a_desc,
         a_scale,
         b_desc,
@@ -1423,9 +1427,11 @@ def wgrad(
         return out
     t = triton_tiles(kind, t)
     hm = _sub_rows(kind, t, t.bm)
-    work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
+    work = e * cdiv(m, t.bm) * cdiv(n, t.bn)
     grid = launch_grid(work, a_t.device, programs, t.programs_per_sm)
-    _fp8_wgrad_kernel[grid](
+    launch(
+        _fp8_wgrad_kernel,
+        grid,
         descriptor(a_t, [hm, t.bk]),
         a_t_scale,
         descriptor(b_t, [t.bn, t.bk]),
@@ -1435,7 +1441,7 @@ def wgrad(
         e,
         m,
         n,
-        triton.cdiv(rows, t.bk) * t.bk,  # a K step past the rows: TMA reads zeros there
+        cdiv(rows, t.bk) * t.bk,  # a K step past the rows: TMA reads zeros there
         *a_t_scale.stride(),
         *b_t_scale.stride(),
         BM=t.bm,

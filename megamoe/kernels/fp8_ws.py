@@ -60,7 +60,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -75,7 +74,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..errors import Stage
 from . import comm, fp8, tiles
 from .fp8 import BLOCK, FP8
-from .runtime import compiling_for_hopper, interpreting, launch_grid
+from .runtime import cdiv, compiling_for_hopper, interpreting, launch, launch_grid
 
 __all__ = [
     "TILE_ROWS",
@@ -1037,7 +1036,7 @@ def _row_block_launch(sched, n: int, cols: int, device, stages: int, programs, g
     """(grid, launch options) of a row-block kernel with ``cols``-wide tiles over ``n``
     columns: one CTA per SM (or ``programs``), the ring's stages, the walk."""
     block_tiles = sched.block_rows // TILE_ROWS
-    tiles_n = triton.cdiv(n, cols)
+    tiles_n = cdiv(n, cols)
     grid = launch_grid(sched.max_blocks * block_tiles * tiles_n, device, programs)
     return grid, dict(
         STAGES=stages,
@@ -1100,7 +1099,7 @@ class StoredTiles(NamedTuple):
 def stored_signals(block_rows: int, n: int, cols: int) -> int:
     """What a row block of ``block_rows`` adds to its :class:`StoredTiles` counter: two
     consumers a tile of ``cols`` columns, every tile of its row tiles and ``n`` columns."""
-    return 2 * (block_rows // TILE_ROWS) * triton.cdiv(n, cols)
+    return 2 * (block_rows // TILE_ROWS) * cdiv(n, cols)
 
 
 def _stored_args(stored: StoredTiles | None, sched, out: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -1113,7 +1112,7 @@ def _stored_args(stored: StoredTiles | None, sched, out: torch.Tensor) -> tuple[
             f"blocks, got {stored.rows}"
         )
     counters = stored.counters
-    wanted = triton.cdiv(sched.rows, stored.rows)
+    wanted = cdiv(sched.rows, stored.rows)
     if counters.dtype != torch.int32 or counters.dim() != 1 or counters.numel() < wanted:
         raise ValueError(
             f"stored.counters must be int32 with >= {wanted} counters (one per {stored.rows} "
@@ -1183,7 +1182,9 @@ def launch_gate_up(
         h_descs, h_scales = _quant_args(rows, *h_quant)
     h_desc = _nvmma(outs[2] if h_quant is None else outs[0], out_box)  # (h not stored: unused)
     arrival_args, wait_rows = _arrival_args(arrivals, sched.num_blocks)
-    _ws_gate_up_kernel[grid](
+    launch(
+        _ws_gate_up_kernel,
+        grid,
         _nvmma(a, [HALF_ROWS.value, BLOCK]),
         a_scale,
         _nvmma(wg, b_box),
@@ -1258,18 +1259,27 @@ def launch_grouped_mm(
     if quant is not None:
         (dg_descs, dg_scales), (du_descs, du_scales) = (_quant_args(rows, *x) for x in quant)
         q_descs, q_scales = dg_descs + du_descs, dg_scales + du_scales
-    _ws_grouped_mm_kernel[grid](
-        _nvmma(a, a_box),
+    # (a tensor passed twice gets one descriptor: each costs host time to build)
+    a_desc, b_desc = _nvmma(a, a_box), _nvmma(wb, b_box)
+    out_desc = _nvmma(outs[0], [HALF_ROWS.value, TILE_COLS.value])
+    launch(
+        _ws_grouped_mm_kernel,
+        grid,
+        a_desc,
         a_scale,
-        _nvmma(wb, b_box),
+        b_desc,
         w_scale,
         w_rows,
-        _nvmma(a2, a_box),
+        a_desc if a2 is a else _nvmma(a2, a_box),
         a2_scale,
-        _nvmma(wb2, b_box),
+        b_desc if wb2 is wb else _nvmma(wb2, b_box),
         w2_scale,
         w2_rows,
-        *(_nvmma(o, [HALF_ROWS.value, TILE_COLS.value]) for o in (outs[0], outs[-1], g, u)),
+        out_desc,
+        *(
+            out_desc if o is outs[0] else _nvmma(o, [HALF_ROWS.value, TILE_COLS.value])
+            for o in (outs[-1], g, u)
+        ),
         *q_descs,
         q_scales,
         0 if quant is None else quant[0][1][1].stride(0),
@@ -1301,7 +1311,7 @@ def wgrad_tiles(m: int, n: int, wide: tuple[int, int]) -> tuple[int, int, int]:
     cols, stages = wide
 
     def padded(rows: int, width: int) -> int:
-        return triton.cdiv(m, rows) * rows * triton.cdiv(n, width) * width
+        return cdiv(m, rows) * rows * cdiv(n, width) * width
 
     if padded(3 * HALF_ROWS.value, TILE_COLS.value) <= padded(TILE_ROWS, cols):
         return 3, TILE_COLS.value, 4
@@ -1349,10 +1359,12 @@ def launch_wgrad(
     _check_stages(stages, out.element_size(), "wgrad", cols, consumers)
     a_t_scale, b_t_scale = _features_contiguous(a_t_scale), _features_contiguous(b_t_scale)
     e, m, n = out.shape
-    work = e * triton.cdiv(m, consumers * HALF_ROWS.value) * triton.cdiv(n, cols)
+    work = e * cdiv(m, consumers * HALF_ROWS.value) * cdiv(n, cols)
     grid = launch_grid(work, a_t.device, programs)
     blocks = GATE_UP_COLS.value if cols > TILE_COLS.value or consumers == 3 else cols
-    _ws_wgrad_kernel[grid](
+    launch(
+        _ws_wgrad_kernel,
+        grid,
         _nvmma(a_t, [HALF_ROWS.value, BLOCK]),
         a_t_scale,
         _nvmma(b_t, [TILE_COLS.value, BLOCK]),

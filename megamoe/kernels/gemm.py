@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import check_out, descriptor, empty, interpreting, launch_grid
+from .runtime import cdiv, check_out, descriptor, empty, interpreting, launch, launch_grid
 from .schedule import RowSchedule
 from .tiles import (
     cast,
@@ -554,9 +554,11 @@ def gate_up(
         g, u, h = (check_out(name, o, (rows, n), a.dtype) for name, o in zip("guh", out))
     out_descs = [descriptor(o, [bm, t.bn]) for o in (g, u, h)]
     (wg, w_rows), (wu, _) = gate_up_2d(w_gate, w_up)
-    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    work = sched.max_blocks * block_tiles * cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
-    _gate_up_kernel[grid](
+    launch(
+        _gate_up_kernel,
+        grid,
         descriptor(a, [bm, t.bk]),
         descriptor(wg, [t.bn, t.bk]),
         descriptor(wu, [t.bn, t.bk]),
@@ -606,9 +608,11 @@ def _mm_launch(
     b_desc = descriptor(wb, b_block)
     c_descs = [descriptor(o, [bm, t.bn]) for o in outs]
     gu_descs = [descriptor(x, [bm, t.bn]) for x in gu] if gu is not None else c_descs * 2
-    work = sched.max_blocks * block_tiles * triton.cdiv(n, t.bn)
+    work = sched.max_blocks * block_tiles * cdiv(n, t.bn)
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
-    _grouped_mm_kernel[grid](
+    launch(
+        _grouped_mm_kernel,
+        grid,
         a_desc,
         b_desc,
         descriptor(a2, [bm, t.bk]) if a2 is not None else a_desc,
@@ -698,11 +702,13 @@ def wgrad(
             f"out must be a {a.dtype} [{e}, {m}, {n}] tensor with contiguous rows, got "
             f"{out.dtype} {list(out.shape)} strides {out.stride()}"
         )
-    work = e * triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn)
+    work = e * cdiv(m, t.bm) * cdiv(n, t.bn)
     if not work:
         return out
     grid = launch_grid(work, a.device, programs, t.programs_per_sm)
-    _wgrad_kernel[grid](
+    launch(
+        _wgrad_kernel,
+        grid,
         descriptor(a, [bk, t.bm]),
         descriptor(b, [bk, t.bn]),
         descriptor(out, [1, t.bm, t.bn]),
@@ -711,7 +717,7 @@ def wgrad(
         e,
         m,
         n,
-        triton.cdiv(a.shape[0], bk) * bk,  # a K step past the rows: TMA reads zeros there
+        cdiv(a.shape[0], bk) * bk,  # a K step past the rows: TMA reads zeros there
         BM=t.bm,
         BN=t.bn,
         BK=bk,

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import fp8
-from .runtime import check_out, empty, interpreting
+from .runtime import cdiv, check_out, empty, interpreting, launch
 from .schedule import RowSchedule
 from .tiles import cast, load_rows, store_rows
 
@@ -308,8 +308,10 @@ def gather(x: torch.Tensor, sched: RowSchedule, out: torch.Tensor | None = None)
         out = empty((sched.rows, h), x.dtype, x.device)
     else:
         check_out("out", out, (sched.rows, h), x.dtype)
-    grid = (sched.rows // _ROWS, triton.cdiv(h, _COLS))
-    _gather_kernel[grid](
+    grid = (sched.rows // _ROWS, cdiv(h, _COLS))
+    launch(
+        _gather_kernel,
+        grid,
         x,
         out,
         sched.row_src,
@@ -345,8 +347,10 @@ def combine(
     _check_invalid(invalid)
     t, h = sched.num_tokens, z.shape[1]
     out = empty((t, h), out_dtype, z.device)
-    grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
-    _combine_kernel[grid](
+    grid = (cdiv(t, _TOKENS), cdiv(h, _COLS))
+    launch(
+        _combine_kernel,
+        grid,
         z,
         sched.dest_row,
         weights if weights is not None else z,
@@ -390,8 +394,10 @@ def combine_slots(
     _check_invalid(invalid)
     t = n // top_k
     out = empty((t, h), out_dtype, slots.device)
-    grid = (triton.cdiv(t, _TOKENS), triton.cdiv(h, _COLS))
-    _combine_kernel[grid](
+    grid = (cdiv(t, _TOKENS), cdiv(h, _COLS))
+    launch(
+        _combine_kernel,
+        grid,
         slots,
         slots,
         weights if weights is not None else slots,
@@ -499,7 +505,9 @@ def _launch_route_grad(
         dz = empty((sched.rows, h), z.dtype, z.device)
     else:
         check_out("dz", dz, (sched.rows, h), z.dtype)
-    _route_grad_kernel[(sched.rows // _ROWS,)](
+    launch(
+        _route_grad_kernel,
+        (sched.rows // _ROWS,),
         *rows_args,
         dz,
         dw,
@@ -521,14 +529,16 @@ def _route_grad_quantized(
     """The ``quantize`` route grad of :func:`_launch_route_grad`: dz's two quantizations into
     the layouts ``fp8.quantize_rows_cols`` returns, and dw from per-block partial dots."""
     dy, dy_scale, z = rows_args[:3]
-    mb, kb = m // fp8.BLOCK, triton.cdiv(h, fp8.BLOCK)
+    mb, kb = m // fp8.BLOCK, cdiv(h, fp8.BLOCK)
     q = empty((m, h), fp8.FP8, z.device)
     scale = empty((kb, m), torch.float32, z.device).t()
     q_t = empty((h, m), fp8.FP8, z.device)
     scale_t = empty((mb, h), torch.float32, z.device).t()
     dots = empty((kb, m), torch.float32, z.device)
     if m and h:
-        _route_grad_fp8_kernel[(mb, kb)](
+        launch(
+            _route_grad_fp8_kernel,
+            (mb, kb),
             *rows_args,
             q,
             scale,
@@ -547,7 +557,17 @@ def _route_grad_quantized(
             num_warps=_QUANT_WARPS,
             **flags,
         )
-        _route_grad_dw_kernel[(m // _ROWS,)](
-            dots, rows_args[4], rows_args[3], rows_args[5], dw, m, kb, ROWS=_ROWS, **flags
+        launch(
+            _route_grad_dw_kernel,
+            (m // _ROWS,),
+            dots,
+            rows_args[4],
+            rows_args[3],
+            rows_args[5],
+            dw,
+            m,
+            kb,
+            ROWS=_ROWS,
+            **flags,
         )
     return QuantizedRows((q, scale), (q_t, scale_t)), dw

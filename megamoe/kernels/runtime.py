@@ -12,12 +12,17 @@ import os
 from collections.abc import Iterator
 
 import torch
+from triton import knobs
+from triton.compiler.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "interpreting",
+    "cdiv",
     "persistent_programs",
     "launch_grid",
+    "launch",
     "assume_programs",
     "compiling_for_hopper",
     "descriptor",
@@ -41,6 +46,12 @@ def interpreting() -> bool:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers' sizes: ``triton.cdiv`` is a constexpr function in Triton
+    3.6, whose host calls cost microseconds each (a hundred a training step)."""
+    return -(-a // b)
 
 
 # Set by assume_programs: the SM count of a GPU that is not here (the compile check).
@@ -84,6 +95,55 @@ def launch_grid(
     if sms < 1:
         raise ValueError(f"programs must be >= 1, got {sms}")
     return (max(1, min(sms * per_sm, work_items)),)
+
+
+# Triton's launch path as imported: a tool that patches it (the compile check's recorder, the
+# host profile's timers, the launch probe) sees every launch through it.
+_JIT_RUN = JITFunction.run
+# (kernel, device) -> Triton's argument binder, for kernels that have launched on that GPU
+_BINDERS: dict[tuple, object] = {}
+# (kernel, device, specialization, options, debug) -> the kernel Triton compiled for them
+_COMPILED: dict[tuple, CompiledKernel] = {}
+
+
+def _no_launch_hooks() -> bool:
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return all(h is None or (type(h).__name__ == "HookChain" and not h.calls) for h in hooks)
+
+
+def _compiled_key(kernel, device: int, spec: list, opts: dict) -> tuple:
+    return (kernel, device, tuple(spec), tuple(opts.items()), knobs.runtime.debug)
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
+    """``kernel[grid](*args, **options)``, with less host time once the kernel has run on this
+    GPU: the compiled kernel is then looked up by the arguments' specialization (Triton's own
+    binder: types, 16-byte alignment, ints equal to 1) and launched directly. Triton's launch
+    path also formats the options into its cache key, compares every global the kernel reads
+    with its value at compile time and builds launch metadata, at every launch (a third of a
+    warp-specialized GEMM's launch; docs/tuning.md, "Host time"). The interpreter, launch
+    hooks and tools that patch ``JITFunction.run`` take Triton's path."""
+    if interpreting() or JITFunction.run is not _JIT_RUN or not _no_launch_hooks():
+        kernel[grid](*args, **options)
+        return
+    device = torch.cuda.current_device()
+    binder = _BINDERS.get((kernel, device))
+    if binder is not None:
+        bound, spec, opts = binder(*args, **options)
+        compiled = _COMPILED.get(_compiled_key(kernel, device, spec, opts))
+        if compiled is not None:
+            g0, g1, g2 = (*grid, 1, 1)[:3]
+            stream = torch.cuda.current_stream(device).cuda_stream
+            compiled.run(
+                g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
+                None, None, None, *bound.values(),
+            )  # fmt: skip
+            return
+    compiled = kernel[grid](*args, **options)
+    if isinstance(compiled, CompiledKernel):  # (else a recorded or interpreted launch)
+        binder = _BINDERS.setdefault((kernel, device), kernel.device_caches[device][4])
+        _, spec, opts = binder(*args, **options)
+        _COMPILED[_compiled_key(kernel, device, spec, opts)] = compiled
 
 
 @functools.lru_cache(maxsize=None)

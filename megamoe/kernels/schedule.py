@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import empty
+from .runtime import cdiv, empty, launch
 
 __all__ = ["RowSchedule", "build_row_schedule", "max_rows", "uniform_schedule", "row_window"]
 
@@ -72,7 +72,7 @@ class RowSchedule:
 def max_rows(entries: int, num_experts: int, block_rows: int) -> int:
     """Worst-case padded rows: every entry placed plus up to block_rows-1 padding per expert."""
     worst = entries + num_experts * (block_rows - 1)
-    return triton.cdiv(worst, block_rows) * block_rows
+    return cdiv(worst, block_rows) * block_rows
 
 
 @triton.jit
@@ -209,7 +209,7 @@ def build_row_schedule(
     ids = topk_ids.contiguous().view(-1)
     e_pad = triton.next_power_of_2(num_experts)
     chunk = _chunk(e_pad)
-    n_chunks = max(1, triton.cdiv(entries, chunk))
+    n_chunks = max(1, cdiv(entries, chunk))
     rows = max_rows(entries, num_experts, block_rows)
     chunk_counts = empty((n_chunks, e_pad), torch.int32, dev)
     chunk_base = empty((n_chunks, e_pad), torch.int32, dev)
@@ -219,10 +219,20 @@ def build_row_schedule(
     num_blocks = empty(1, torch.int32, dev)
     dest_row = empty(entries, torch.int32, dev)
     row_src = empty(rows, torch.int32, dev)
-    _histogram_kernel[(n_chunks,)](
-        ids, entries, expert_lo, chunk_counts, E=num_experts, E_PAD=e_pad, CHUNK=chunk
+    launch(
+        _histogram_kernel,
+        (n_chunks,),
+        ids,
+        entries,
+        expert_lo,
+        chunk_counts,
+        E=num_experts,
+        E_PAD=e_pad,
+        CHUNK=chunk,
     )
-    _scan_kernel[(1,)](
+    launch(
+        _scan_kernel,
+        (1,),
         chunk_counts,
         chunk_base,
         n_chunks,
@@ -239,7 +249,9 @@ def build_row_schedule(
         SCAN_BLOCKS=_SCAN_BLOCKS,
         PAD_STEP=min(_PAD_STEP, block_rows),
     )
-    _place_kernel[(n_chunks,)](
+    launch(
+        _place_kernel,
+        (n_chunks,),
         ids,
         entries,
         expert_lo,
@@ -331,7 +343,7 @@ def uniform_schedule(num_rows: int, block_rows: int, device: torch.device) -> Ro
 
 
 def _uniform(num_rows: int, block_rows: int, device: torch.device) -> RowSchedule:
-    blocks = triton.cdiv(num_rows, block_rows)
+    blocks = cdiv(num_rows, block_rows)
     i32 = dict(dtype=torch.int32, device=device)
     row_start = torch.arange(2, **i32) * num_rows  # [0, num_rows], built on the device
     return RowSchedule(

@@ -82,7 +82,7 @@ from ..gemm import (
     weight_2d,
     wgrad_tile,
 )
-from ..runtime import check_out, descriptor, empty
+from ..runtime import check_out, descriptor, empty, launch
 from ..schedule import RowSchedule
 from ..tiles import cast, load_rows, store_rows, swiglu_backward
 from .plan import BACKWARD_STAGES, FUSED_WARPS, BackwardPlan, plan_backward
@@ -1237,7 +1237,9 @@ def _launch(
         t_rows = ws.num_tokens
     flags = _flags(plan, dev, flags)
     budget = comm.spin_budget(budget)
-    fused_backward_kernel[(plan.grid,)](
+    launch(
+        fused_backward_kernel,
+        (plan.grid,),
         *routed_descs,
         *carry_descs,
         *shared_descs,

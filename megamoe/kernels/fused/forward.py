@@ -44,7 +44,7 @@ from ...types import RoutedActivations, SharedActivations
 from .. import comm, fp8
 from ..fp8_ws import RowArrivals, StoredTiles
 from ..gemm import gate_up_2d, weight_2d
-from ..runtime import descriptor, empty, interpreting, side_stream
+from ..runtime import descriptor, empty, interpreting, launch, side_stream
 from ..schedule import RowSchedule
 from .plan import (
     COMM_KERNEL_REGISTERS,
@@ -487,7 +487,7 @@ def fused_forward(
         launch_cooperative_grid=plan.meta.GPU and not comm_kernel,
     )
     if not comm_kernel:
-        fused_forward_kernel[(plan.grid,)](*compute_args, **compute_options)
+        launch(fused_forward_kernel, (plan.grid,), *compute_args, **compute_options)
     else:
         _launch_with_comm_kernel(plan, compute_args, compute_options, (rows, dims, sync), dev)
     return FusedOutputs(routed, plan.full, plan.ring_rows, shared_acts, shared_out)
@@ -540,7 +540,7 @@ class Pulls:
         # (after the pulls; down's counters order it. z outlives the push: the forward keeps
         # it, and the current stream joins this one before anything else reads z)
         with torch.cuda.stream(self.stream):
-            fused_comm_kernel[(programs,)](rows, dims, sync, **options)
+            launch(fused_comm_kernel, (programs,), rows, dims, sync, **options)
 
     def join(self) -> None:
         """The current stream waits for the pulls (and the push)."""
@@ -598,16 +598,16 @@ def start_pulls(
         flags[layout.ready :], minibatch_rows, plan.num_comm, ws.errors, ws.rank, budget
     )
     stored = StoredTiles(flags[layout.z_done : layout.h_done], minibatch_rows)
-    launch = (rows, dims, sync, plan.meta, plan.warps)
+    comm_args = (rows, dims, sync, plan.meta, plan.warps)
     options = dict(C=plan.meta.as_constexprs(), num_warps=plan.warps)
     side = None
     if dev.type == "cuda":
         main, side = torch.cuda.current_stream(dev), side_stream(dev)
         side.wait_stream(main)  # (the published rows, the zeroed counters)
     with torch.cuda.stream(side):  # (None: a launch on the CPU, recorded for the compile check)
-        fused_comm_kernel[(plan.num_comm,)](rows, dims, sync, **options)
+        launch(fused_comm_kernel, (plan.num_comm,), rows, dims, sync, **options)
     return Pulls(
-        xs, arrivals, plan.programs, side, stored, plan.push_programs, plan.down_programs, launch
+        xs, arrivals, plan.programs, side, stored, plan.push_programs, plan.down_programs, comm_args
     )
 
 
@@ -641,19 +641,27 @@ def _launch_with_comm_kernel(
     if interpreting():
         rows, dims, (flags, err, rank, budget, _) = comm_args
         phase_args = (rows, dims, (flags, err, rank, budget, 0))
-        fused_comm_kernel[comm_grid](
-            *phase_args, C=plan.comm_meta._replace(PHASE=COMM_PULL).as_constexprs(), **comm_options
+        launch(
+            fused_comm_kernel,
+            comm_grid,
+            *phase_args,
+            C=plan.comm_meta._replace(PHASE=COMM_PULL).as_constexprs(),
+            **comm_options,
         )
-        fused_forward_kernel[grid](*compute_args, **compute_options)
-        fused_comm_kernel[comm_grid](
-            *phase_args, C=plan.comm_meta._replace(PHASE=COMM_PUSH).as_constexprs(), **comm_options
+        launch(fused_forward_kernel, grid, *compute_args, **compute_options)
+        launch(
+            fused_comm_kernel,
+            comm_grid,
+            *phase_args,
+            C=plan.comm_meta._replace(PHASE=COMM_PUSH).as_constexprs(),
+            **comm_options,
         )
         return
     on_gpu = device.type == "cuda"  # (else a launch recorded for the compile check)
     comm_c = plan.comm_meta.as_constexprs()
     if not on_gpu:
-        fused_forward_kernel[grid](*compute_args, **compute_options)
-        fused_comm_kernel[comm_grid](*comm_args, C=comm_c, **comm_options)
+        launch(fused_forward_kernel, grid, *compute_args, **compute_options)
+        launch(fused_comm_kernel, comm_grid, *comm_args, C=comm_c, **comm_options)
         return
     # Both kernels compiled, loaded and given the largest carveout before either starts:
     # loading a module waits for running kernels (the first forward stalled at the start-up

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import fp8_gemm
 from ..gemm import GemmTiles, tiles_for
-from ..runtime import interpreting, persistent_programs
+from ..runtime import cdiv, interpreting, persistent_programs
 
 P = TypeVar("P")  # a plan (:func:`_once_per_launch`)
 
@@ -344,7 +344,7 @@ def plan_launch(
         raise ValueError(
             f"minibatch_rows ({minibatch_rows}) must be a multiple of the block rows ({bm})"
         )
-    max_mb = triton.cdiv(rows, minibatch_rows)
+    max_mb = cdiv(rows, minibatch_rows)
     if ring_rows is None:
         ring_rows = max_mb * minibatch_rows
     _check_int("ring_rows", ring_rows, minibatch_rows)
@@ -433,7 +433,7 @@ def plan_launch(
         stages=FP8_FUSED_STAGES if fp8 else FUSED_STAGES,
         registers=FP8_FUSED_REGISTERS if fp8 and comm_kernel else None,
         expected_arrivals=arrivals,
-        shared_blocks=triton.cdiv(tokens, bm) if has_shared else 0,
+        shared_blocks=cdiv(tokens, bm) if has_shared else 0,
         meta=meta,
         comm_meta=comm_meta,
     )
@@ -695,8 +695,8 @@ def plan_backward(
         group_rows=group_rows,
         max_blocks=rows // bm,
         experts=experts,
-        shared_blocks=triton.cdiv(tokens, bm) if has_shared else 0,
+        shared_blocks=cdiv(tokens, bm) if has_shared else 0,
         meta=meta,
         num_comm=num_comm,
-        max_minibatches=triton.cdiv(rows, group_rows) if exchange else 0,
+        max_minibatches=cdiv(rows, group_rows) if exchange else 0,
     )
