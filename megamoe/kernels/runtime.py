@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
@@ -39,8 +38,9 @@ INTERPRETER_PROGRAMS = 3
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1), as Triton reads
+    it (its knob: a fifth of ``os.environ.get``'s host time, called dozens of times a step)."""
+    return knobs.runtime.interpret
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,13 +116,11 @@ def _compiled_key(kernel, device: int, spec: list, opts: dict) -> tuple:
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
-    """``kernel[grid](*args, **options)``, with less host time once the kernel has run on this
-    GPU: the compiled kernel is then looked up by the arguments' specialization (Triton's own
-    binder: types, 16-byte alignment, ints equal to 1) and launched directly. Triton's launch
-    path also formats the options into its cache key, compares every global the kernel reads
-    with its value at compile time and builds launch metadata, at every launch (a third of a
-    warp-specialized GEMM's launch; docs/tuning.md, "Host time"). The interpreter, launch
-    hooks and tools that patch ``JITFunction.run`` take Triton's path."""
+    """``kernel[grid](*args, **options)``. Once the kernel has run on this GPU, the kernel
+    compiled for these arguments' specialization (found with Triton's own binder) is launched
+    directly, past the rest of Triton's per-launch work (docs/design.md, "Layers of the
+    package"). The interpreter, launch hooks and tools that patch ``JITFunction.run`` take
+    Triton's path."""
     if interpreting() or JITFunction.run is not _JIT_RUN or not _no_launch_hooks():
         kernel[grid](*args, **options)
         return
