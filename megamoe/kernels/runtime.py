@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 
 import torch
@@ -97,6 +98,9 @@ def launch_grid(
     return (max(1, min(sms * per_sm, work_items)),)
 
 
+# 0 turns direct launches off: every launch through Triton's path (read at import)
+DIRECT_LAUNCH_ENV = "MEGAMOE_DIRECT_LAUNCH"
+_DIRECT = os.environ.get(DIRECT_LAUNCH_ENV, "1") != "0"
 # Triton's launch path as imported: a tool that patches it (the compile check's recorder, the
 # host profile's timers, the launch probe) sees every launch through it.
 _JIT_RUN = JITFunction.run
@@ -119,9 +123,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``. Once the kernel has run on this GPU, the kernel
     compiled for these arguments' specialization (found with Triton's own binder) is launched
     directly, past the rest of Triton's per-launch work (docs/design.md, "Layers of the
-    package"). The interpreter, launch hooks and tools that patch ``JITFunction.run`` take
-    Triton's path."""
-    if interpreting() or JITFunction.run is not _JIT_RUN or not _no_launch_hooks():
+    package"). The interpreter, launch hooks, tools that patch ``JITFunction.run`` and
+    ``MEGAMOE_DIRECT_LAUNCH=0`` take Triton's path."""
+    if not _DIRECT or interpreting() or JITFunction.run is not _JIT_RUN or not _no_launch_hooks():
         kernel[grid](*args, **options)
         return
     device = torch.cuda.current_device()

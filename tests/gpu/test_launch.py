@@ -78,7 +78,7 @@ def test_second_launch_skips_triton_path_and_new_specialization_compiles(monkeyp
     assert counting.calls == 3
 
 
-def test_launch_hooks_and_patched_run_take_triton_path(monkeypatch) -> None:
+def test_launch_hooks_patched_run_and_switch_take_triton_path(monkeypatch) -> None:
     counting = _CountingRun(_scaled_add_kernel)
     monkeypatch.setattr(_scaled_add_kernel, "run", counting)
     x, y, out = (torch.randn(1024, device=DEV) for _ in range(3))
@@ -94,9 +94,13 @@ def test_launch_hooks_and_patched_run_take_triton_path(monkeypatch) -> None:
         knobs.runtime.launch_enter_hook.remove(seen.append)
     assert counting.calls == calls + 1 and len(seen) == 1
     original = JITFunction.run
-    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: original(self, *a, **k))
-    _add(x, y, out, 1024, 1.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(JITFunction, "run", lambda self, *a, **k: original(self, *a, **k))
+        _add(x, y, out, 1024, 1.0)
     assert counting.calls == calls + 2
+    monkeypatch.setattr(runtime, "_DIRECT", False)  # MEGAMOE_DIRECT_LAUNCH=0
+    _add(x, y, out, 1024, 1.0)
+    assert counting.calls == calls + 3
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
