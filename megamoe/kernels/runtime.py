@@ -98,9 +98,10 @@ def launch_grid(
     return (max(1, min(sms * per_sm, work_items)),)
 
 
-# 0 turns direct launches off: every launch through Triton's path (read at import)
+# 1 turns direct launches on (read at import). Off by default until they have run on a GPU:
+# tests/gpu/test_launch.py turns them on.
 DIRECT_LAUNCH_ENV = "MEGAMOE_DIRECT_LAUNCH"
-_DIRECT = os.environ.get(DIRECT_LAUNCH_ENV, "1") != "0"
+_DIRECT = os.environ.get(DIRECT_LAUNCH_ENV, "0") == "1"
 # Triton's launch path as imported: a tool that patches it (the compile check's recorder, the
 # host profile's timers, the launch probe) sees every launch through it.
 _JIT_RUN = JITFunction.run
@@ -123,8 +124,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``. Once the kernel has run on this GPU, the kernel
     compiled for these arguments' specialization (found with Triton's own binder) is launched
     directly, past the rest of Triton's per-launch work (docs/design.md, "Layers of the
-    package"). The interpreter, launch hooks, tools that patch ``JITFunction.run`` and
-    ``MEGAMOE_DIRECT_LAUNCH=0`` take Triton's path."""
+    package"; opt-in: ``MEGAMOE_DIRECT_LAUNCH=1``). The interpreter, launch hooks and tools
+    that patch ``JITFunction.run`` take Triton's path."""
     if not _DIRECT or interpreting() or JITFunction.run is not _JIT_RUN or not _no_launch_hooks():
         kernel[grid](*args, **options)
         return

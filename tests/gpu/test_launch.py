@@ -1,7 +1,8 @@
-"""The launch path of every kernel (``runtime.launch``) on one GPU: after a kernel's first launch
-the compiled kernel is found by the arguments' specialization and launched directly; a new
-specialization compiles through Triton again, launch hooks and patched launch paths take
-Triton's path, and a training step gives the same bits either way.
+"""The launch path of every kernel (``runtime.launch``) on one GPU with direct launches on
+(``MEGAMOE_DIRECT_LAUNCH=1``): after a kernel's first launch the compiled kernel is found by the
+arguments' specialization and launched directly; a new specialization compiles through Triton
+again, launch hooks, patched launch paths and the switch off take Triton's path, and a training
+step gives the same bits either way.
 
 Run on the device: ``python -m pytest tests/gpu/test_launch.py``.
 """
@@ -36,6 +37,11 @@ def _scaled_add_kernel(x_ptr, y_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + offs, mask=mask)
     y = tl.load(y_ptr + offs, mask=mask)
     tl.store(out_ptr + offs, x * scale + y, mask=mask)
+
+
+@pytest.fixture(autouse=True)
+def _direct_launches(monkeypatch):
+    monkeypatch.setattr(runtime, "_DIRECT", True)
 
 
 class _CountingRun:
@@ -98,7 +104,7 @@ def test_launch_hooks_patched_run_and_switch_take_triton_path(monkeypatch) -> No
         patch.setattr(JITFunction, "run", lambda self, *a, **k: original(self, *a, **k))
         _add(x, y, out, 1024, 1.0)
     assert counting.calls == calls + 2
-    monkeypatch.setattr(runtime, "_DIRECT", False)  # MEGAMOE_DIRECT_LAUNCH=0
+    monkeypatch.setattr(runtime, "_DIRECT", False)  # (MEGAMOE_DIRECT_LAUNCH unset)
     _add(x, y, out, 1024, 1.0)
     assert counting.calls == calls + 3
 
