@@ -509,7 +509,7 @@ class Pulls:
     stored: StoredTiles
     push_programs: int
     down_programs: int
-    launch: tuple  # the comm kernel's (rows, dims, sync, meta, warps)
+    comm_args: tuple  # the comm kernel's (rows, dims, sync, meta, warps)
 
     def push(self, z: torch.Tensor, signals: int) -> None:
         """Push the rows of z [schedule rows, H] bf16 into the source ranks' combine slots
@@ -518,7 +518,7 @@ class Pulls:
         ``fp8_gemm.stored_signals``), on :attr:`push_programs` SMs of their own, after the
         pulls. Call it once the down GEMM is launched (it does not wait for that launch: the
         counters order it); :meth:`join` waits for it too."""
-        rows, dims, sync, meta, warps = self.launch
+        rows, dims, sync, meta, warps = self.comm_args
         programs = self.push_programs
         h = dims[1]
         if z.dtype != torch.bfloat16 or tuple(z.shape) != (self.rows.shape[0], h):
