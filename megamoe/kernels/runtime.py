@@ -124,9 +124,15 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``. Once the kernel has run on this GPU, the kernel
     compiled for these arguments' specialization (found with Triton's own binder) is launched
     directly, past the rest of Triton's per-launch work (docs/design.md, "Layers of the
-    package"; opt-in: ``MEGAMOE_DIRECT_LAUNCH=1``). The interpreter, launch hooks and tools
-    that patch ``JITFunction.run`` take Triton's path."""
-    if not _DIRECT or interpreting() or JITFunction.run is not _JIT_RUN or not _no_launch_hooks():
+    package"; opt-in: ``MEGAMOE_DIRECT_LAUNCH=1``). The interpreter, launch hooks, a kernel's
+    pre-run hooks and tools that patch ``JITFunction.run`` take Triton's path."""
+    if (
+        not _DIRECT
+        or interpreting()
+        or JITFunction.run is not _JIT_RUN
+        or not _no_launch_hooks()
+        or kernel.pre_run_hooks
+    ):
         kernel[grid](*args, **options)
         return
     device = torch.cuda.current_device()
