@@ -1254,6 +1254,7 @@ def launch_grouped_mm(
     g, u = gu if gu is not None else (outs[0], outs[0])
     grid, options = _row_block_launch(sched, n, cols, a.device, stages, programs, group_m)
     a_box, b_box = [HALF_ROWS.value, BLOCK], [TILE_COLS.value, BLOCK]
+    out_box = [HALF_ROWS.value, TILE_COLS.value]
     # (no descriptors where nothing is quantized: each costs host time at every launch)
     q_descs, q_scales = (None,) * 4, None
     if quant is not None:
@@ -1261,7 +1262,7 @@ def launch_grouped_mm(
         q_descs, q_scales = dg_descs + du_descs, dg_scales + du_scales
     # (a tensor passed twice gets one descriptor: each costs host time to build)
     a_desc, b_desc = _nvmma(a, a_box), _nvmma(wb, b_box)
-    out_desc = _nvmma(outs[0], [HALF_ROWS.value, TILE_COLS.value])
+    out_desc = _nvmma(outs[0], out_box)
     launch(
         _ws_grouped_mm_kernel,
         grid,
@@ -1276,10 +1277,7 @@ def launch_grouped_mm(
         w2_scale,
         w2_rows,
         out_desc,
-        *(
-            out_desc if o is outs[0] else _nvmma(o, [HALF_ROWS.value, TILE_COLS.value])
-            for o in (outs[-1], g, u)
-        ),
+        *(out_desc if o is outs[0] else _nvmma(o, out_box) for o in (outs[-1], g, u)),
         *q_descs,
         q_scales,
         0 if quant is None else quant[0][1][1].stride(0),
