@@ -117,7 +117,17 @@ def _no_launch_hooks() -> bool:
 
 
 def _compiled_key(kernel, device: int, spec: list, opts: dict) -> tuple:
-    return (kernel, device, tuple(spec), tuple(opts.items()), knobs.runtime.debug)
+    return (
+        kernel, device, tuple(spec), tuple(opts.items()), knobs.runtime.debug,
+        knobs.compilation.instrumentation_mode,
+    )  # fmt: skip
+
+
+def _find_compiled(key: tuple) -> CompiledKernel | None:
+    try:
+        return _COMPILED.get(key)
+    except TypeError:  # a value that cannot be hashed: such launches keep Triton's path
+        return None
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
@@ -139,7 +149,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     binder = _BINDERS.get((kernel, device))
     if binder is not None:
         bound, spec, opts = binder(*args, **options)
-        compiled = _COMPILED.get(_compiled_key(kernel, device, spec, opts))
+        compiled = _find_compiled(_compiled_key(kernel, device, spec, opts))
         if compiled is not None:
             g0, g1, g2 = (*grid, 1, 1)[:3]
             stream = torch.cuda.current_stream(device).cuda_stream
@@ -152,7 +162,10 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     if isinstance(compiled, CompiledKernel):  # (else a recorded or interpreted launch)
         binder = _BINDERS.setdefault((kernel, device), kernel.device_caches[device][4])
         _, spec, opts = binder(*args, **options)
-        _COMPILED[_compiled_key(kernel, device, spec, opts)] = compiled
+        try:
+            _COMPILED[_compiled_key(kernel, device, spec, opts)] = compiled
+        except TypeError:  # (not hashable: see _find_compiled)
+            pass
 
 
 @functools.lru_cache(maxsize=None)

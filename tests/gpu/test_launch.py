@@ -1,8 +1,8 @@
 """The launch path of every kernel (``runtime.launch``) on one GPU with direct launches on
 (``MEGAMOE_DIRECT_LAUNCH=1``): after a kernel's first launch the compiled kernel is found by the
 arguments' specialization and launched directly; a new specialization compiles through Triton
-again, launch hooks, patched launch paths and the switch off take Triton's path, and a training
-step gives the same bits either way.
+again, launch hooks, patched launch paths, an unhashable specialization and the switch off take
+Triton's path, and a training step gives the same bits either way.
 
 Run on the device: ``python -m pytest tests/gpu/test_launch.py``.
 """
@@ -107,6 +107,26 @@ def test_launch_hooks_patched_run_and_switch_take_triton_path(monkeypatch) -> No
     monkeypatch.setattr(runtime, "_DIRECT", False)  # (MEGAMOE_DIRECT_LAUNCH unset)
     _add(x, y, out, 1024, 1.0)
     assert counting.calls == calls + 3
+
+
+def test_unhashable_specialization_takes_triton_path(monkeypatch) -> None:
+    counting = _CountingRun(_scaled_add_kernel)
+    monkeypatch.setattr(_scaled_add_kernel, "run", counting)
+    x, y = torch.randn(512, device=DEV), torch.randn(512, device=DEV)
+    _add(x, y, torch.empty_like(x), 512, 1.0)  # (the binder is known from here on)
+    key = (_scaled_add_kernel, torch.cuda.current_device())
+    binder = runtime._BINDERS[key]
+
+    def unhashable(*args, **kwargs):
+        bound, spec, opts = binder(*args, **kwargs)
+        return bound, [*spec, ("list", [1])], opts
+
+    monkeypatch.setitem(runtime._BINDERS, key, unhashable)
+    calls = counting.calls
+    out = torch.full_like(x, float("nan"))
+    _add(x, y, out, 512, 2.0)
+    torch.testing.assert_close(out, x * 2.0 + y)
+    assert counting.calls == calls + 1
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
