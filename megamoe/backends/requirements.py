@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEConfig
-from ..kernels.runtime import interpreting
+from ..kernels.runtime import device_capability, interpreting
 
 __all__ = [
     "is_available",
@@ -42,7 +42,7 @@ def is_available(device: torch.device | None = None) -> tuple[bool, str]:
         return False, "needs a CUDA GPU with compute capability >= 9.0" + extra
     if device.type != "cuda" or not torch.cuda.is_available():
         return False, f"needs a CUDA device, got {device}"
-    cap = torch.cuda.get_device_capability(device)
+    cap = device_capability(device)
     if cap < MIN_CAPABILITY:
         return False, f"needs compute capability >= 9.0 (Hopper), got {cap[0]}.{cap[1]}"
     return True, f"CUDA compute capability {cap[0]}.{cap[1]}"

@@ -74,7 +74,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..errors import Stage
 from . import comm, fp8, tiles
 from .fp8 import BLOCK, FP8
-from .runtime import cdiv, compiling_for_hopper, interpreting, launch, launch_grid
+from .runtime import (
+    cdiv,
+    compiling_for_hopper,
+    device_capability,
+    interpreting,
+    launch,
+    launch_grid,
+)
 
 __all__ = [
     "TILE_ROWS",
@@ -992,7 +999,7 @@ def supported(device: torch.device, block_rows: int) -> bool:
     elif interpreting() or device.type != "cuda":
         hopper = False
     else:
-        hopper = torch.cuda.get_device_capability(device) == (9, 0)
+        hopper = device_capability(device) == (9, 0)
     return hopper and block_rows % TILE_ROWS == 0
 
 

@@ -49,6 +49,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, queried once per GPU (each query reads the
+    device's properties: microseconds, several times a step)."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the launchers' sizes: ``triton.cdiv`` is a constexpr function in Triton
     3.6, whose host calls cost microseconds each (a hundred a training step)."""
@@ -98,10 +109,9 @@ def launch_grid(
     return (max(1, min(sms * per_sm, work_items)),)
 
 
-# 1 turns direct launches on (read at import). Off by default until they have run on a GPU:
-# tests/gpu/test_launch.py turns them on.
+# 0 turns direct launches off (read at import): every launch then takes Triton's path.
 DIRECT_LAUNCH_ENV = "MEGAMOE_DIRECT_LAUNCH"
-_DIRECT = os.environ.get(DIRECT_LAUNCH_ENV, "0") == "1"
+_DIRECT = os.environ.get(DIRECT_LAUNCH_ENV, "1") != "0"
 # Triton's launch path as imported: a tool that patches it (the compile check's recorder, the
 # host profile's timers, the launch probe) sees every launch through it.
 _JIT_RUN = JITFunction.run
@@ -134,8 +144,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``. Once the kernel has run on this GPU, the kernel
     compiled for these arguments' specialization (found with Triton's own binder) is launched
     directly, past the rest of Triton's per-launch work (docs/design.md, "Layers of the
-    package"; opt-in: ``MEGAMOE_DIRECT_LAUNCH=1``). The interpreter, launch hooks, a kernel's
-    pre-run hooks and tools that patch ``JITFunction.run`` take Triton's path."""
+    package"; ``MEGAMOE_DIRECT_LAUNCH=0`` turns this off). The interpreter, launch hooks, a
+    kernel's pre-run hooks and tools that patch ``JITFunction.run`` take Triton's path."""
     if (
         not _DIRECT
         or interpreting()
@@ -152,7 +162,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
         compiled = _find_compiled(_compiled_key(kernel, device, spec, opts))
         if compiled is not None:
             g0, g1, g2 = (*grid, 1, 1)[:3]
-            stream = torch.cuda.current_stream(device).cuda_stream
+            stream = torch._C._cuda_getCurrentRawStream(device)  # (as Triton's driver reads it)
             compiled.run(
                 g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
                 None, None, None, *bound.values(),

@@ -1,8 +1,8 @@
-"""The launch path of every kernel (``runtime.launch``) on one GPU with direct launches on
-(``MEGAMOE_DIRECT_LAUNCH=1``): after a kernel's first launch the compiled kernel is found by the
-arguments' specialization and launched directly; a new specialization compiles through Triton
-again, launch hooks, patched launch paths, an unhashable specialization and the switch off take
-Triton's path, and a training step gives the same bits either way.
+"""The launch path of every kernel (``runtime.launch``) on one GPU with direct launches on (the
+default; ``MEGAMOE_DIRECT_LAUNCH=0`` turns them off): after a kernel's first launch the compiled
+kernel is found by the arguments' specialization and launched directly; a new specialization
+compiles through Triton again, launch hooks, patched launch paths, an unhashable specialization
+and the switch off take Triton's path, and a training step gives the same bits either way.
 
 Run on the device: ``python -m pytest tests/gpu/test_launch.py``.
 """
@@ -104,7 +104,7 @@ def test_launch_hooks_patched_run_and_switch_take_triton_path(monkeypatch) -> No
         patch.setattr(JITFunction, "run", lambda self, *a, **k: original(self, *a, **k))
         _add(x, y, out, 1024, 1.0)
     assert counting.calls == calls + 2
-    monkeypatch.setattr(runtime, "_DIRECT", False)  # (MEGAMOE_DIRECT_LAUNCH unset)
+    monkeypatch.setattr(runtime, "_DIRECT", False)  # (MEGAMOE_DIRECT_LAUNCH=0)
     _add(x, y, out, 1024, 1.0)
     assert counting.calls == calls + 3
 
