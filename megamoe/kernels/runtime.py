@@ -117,7 +117,8 @@ _DIRECT = os.environ.get(DIRECT_LAUNCH_ENV, "1") != "0"
 _JIT_RUN = JITFunction.run
 # (kernel, device) -> Triton's argument binder, for kernels that have launched on that GPU
 _BINDERS: dict[tuple, object] = {}
-# (kernel, device, specialization, options, debug) -> the kernel Triton compiled for them
+# (kernel, device, specialization, options, debug, instrumentation mode) -> the kernel Triton
+# compiled for them
 _COMPILED: dict[tuple, CompiledKernel] = {}
 
 
@@ -145,7 +146,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     compiled for these arguments' specialization (found with Triton's own binder) is launched
     directly, past the rest of Triton's per-launch work (docs/design.md, "Layers of the
     package"; ``MEGAMOE_DIRECT_LAUNCH=0`` turns this off). The interpreter, launch hooks, a
-    kernel's pre-run hooks and tools that patch ``JITFunction.run`` take Triton's path."""
+    kernel's pre-run hooks, a specialization that cannot be hashed and tools that patch
+    ``JITFunction.run`` take Triton's path."""
     if (
         not _DIRECT
         or interpreting()
