@@ -194,3 +194,35 @@ def test_stacked_gate_up_gives_the_bits_of_separate_weights(name: str, case: Cas
     for field in ("x", "topk_weights", "w_down", "s_gate", "s_up", "s_down"):
         a, b = getattr(g_s, field), getattr(g, field)
         assert (a is None and b is None) or torch.equal(a, b), field
+
+
+def test_lagged_check_raises_every_bad_step_on_the_gpu(monkeypatch) -> None:
+    """The default (lagged) check on one GPU: a step routed to an expert id outside [0, E)
+    raises ``RoutingError`` at a later step's start, once the GPU has made the snapshot (one
+    event per device's records, recorded again at each step); clean steps between raise
+    nothing, and a second bad step raises again."""
+    from megamoe import functional
+    from megamoe.ep import checks
+    from megamoe.errors import RoutingError
+
+    monkeypatch.setenv(checks.CHECK_ENV, "lagged")
+    p = make_problem(ODD[0], seed=9, device=DEV)
+    bad = p.topk_ids.clone()
+    bad[5, 1] = p.config.num_experts
+
+    def step(ids: torch.Tensor) -> None:
+        y = functional.moe(
+            p.x, ids, p.topk_weights, p.weights, p.config, backend="triton", check_values=False
+        )  # (the device's check, not the host's)
+        torch.cuda.synchronize()  # (the snapshot lands before the next step looks)
+        assert y.shape == p.x.shape
+
+    for _ in range(3):
+        step(p.topk_ids)
+    for attempt in range(2):
+        step(bad)
+        with pytest.raises(RoutingError):
+            for _ in range(3):  # the next step snapshots the record, the one after raises it
+                step(p.topk_ids)
+        for _ in range(3):  # the records were cleared: clean steps raise nothing
+            step(p.topk_ids)

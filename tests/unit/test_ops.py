@@ -105,3 +105,52 @@ def test_torch_func_transforms_are_refused() -> None:
         torch.func.grad(step)(x)
     with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
         torch.func.vjp(step, x)
+
+
+class _Watching(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that lets every op through (as selective checkpointing's policy does)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("watch", ["none", "dispatch_mode", "profiler"])
+def test_eager_calls_dispatch_the_ops_only_when_watched(watch: str, monkeypatch) -> None:
+    """An eager step calls the ops' bodies directly (past the dispatcher's host time), and
+    through the dispatcher while a dispatch mode or the profiler watches; the same bits."""
+    from megamoe import ops
+
+    calls = {"forward": 0, "backward": 0}
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return wrapper
+
+    # (the registered ops hold the original bodies: only direct calls are counted)
+    monkeypatch.setattr(ops, "_forward_impl", counted("forward", ops._forward_impl))
+    monkeypatch.setattr(ops, "_backward_impl", counted("backward", ops._backward_impl))
+    router, moe, step = _block("reference")
+    x = make_problem(CASE, seed=8).x
+    assert not ops._dispatch_ops()
+    if watch == "dispatch_mode":
+        with _Watching():
+            assert ops._dispatch_ops()
+            got = _grads(step, x, router, moe)
+    elif watch == "profiler":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert ops._dispatch_ops()
+            got = _grads(step, x, router, moe)
+        names = {e.key for e in prof.key_averages()}
+        assert {"megamoe::moe_forward", "megamoe::moe_backward"} <= names, sorted(names)
+    else:
+        got = _grads(step, x, router, moe)
+    direct = watch == "none"
+    assert calls == {"forward": int(direct), "backward": int(direct)}, calls
+    monkeypatch.undo()
+    with _Watching():
+        reference = _grads(step, x, router, moe)
+    for i, (a, b) in enumerate(zip(got, reference)):
+        assert b is not None and torch.equal(a, b), f"output {i}"
