@@ -205,11 +205,20 @@ def _backward(ctx, grad_y, grad_saved, dispatch: bool = True):
 torch.library.register_autograd("megamoe::moe_forward", _backward, setup_context=_setup_context)
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _subclassed(args: tuple) -> bool:
+    """Whether a tensor of ``args`` is a subclass with dispatch of its own (not a Parameter)."""
+    return any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args)
+
+
 def _dispatch_ops() -> bool:
     """Whether an eager call must go through the dispatcher to reach the ops: while a
     ``TorchDispatchMode`` is active (selective activation checkpointing's policy, fake tensors,
     op recorders see ``megamoe::moe_forward``) or the autograd profiler runs (its trace names
-    the two ops). Otherwise the eager path calls the ops' Python bodies directly: the same
+    the two ops); so must a call with tensor subclasses (:func:`_subclassed`: their own
+    dispatch decides). Otherwise the eager path calls the ops' Python bodies directly: the same
     code, without the dispatcher's boxing of two dozen tensors and the custom op's checks,
     about 0.1 ms of host time a call."""
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._autograd._profiler_enabled()
@@ -229,14 +238,16 @@ class _EagerMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        forward = torch.ops.megamoe.moe_forward if _dispatch_ops() else _forward_impl
-        y, saved = forward(*inputs)
+        ctx.subclassed = _subclassed(inputs)
+        dispatch = ctx.subclassed or _dispatch_ops()
+        y, saved = (torch.ops.megamoe.moe_forward if dispatch else _forward_impl)(*inputs)
         _save(ctx, inputs, saved)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        return _backward(ctx, grad_y, None, dispatch=_dispatch_ops())
+        dispatch = ctx.subclassed or _subclassed((grad_y,)) or _dispatch_ops()
+        return _backward(ctx, grad_y, None, dispatch=dispatch)
 
 
 def moe(

@@ -114,10 +114,15 @@ class _Watching(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("watch", ["none", "dispatch_mode", "profiler"])
+class _Subclass(torch.Tensor):
+    """A tensor subclass (its ops go through ``__torch_function__``)."""
+
+
+@pytest.mark.parametrize("watch", ["none", "dispatch_mode", "profiler", "subclass"])
 def test_eager_calls_dispatch_the_ops_only_when_watched(watch: str, monkeypatch) -> None:
     """An eager step calls the ops' bodies directly (past the dispatcher's host time), and
-    through the dispatcher while a dispatch mode or the profiler watches; the same bits."""
+    through the dispatcher while a dispatch mode or the profiler watches, or for a tensor
+    subclass; the same bits."""
     from megamoe import ops
 
     calls = {"forward": 0, "backward": 0}
@@ -145,6 +150,8 @@ def test_eager_calls_dispatch_the_ops_only_when_watched(watch: str, monkeypatch)
             got = _grads(step, x, router, moe)
         names = {e.key for e in prof.key_averages()}
         assert {"megamoe::moe_forward", "megamoe::moe_backward"} <= names, sorted(names)
+    elif watch == "subclass":
+        got = _grads(step, x.as_subclass(_Subclass), router, moe)
     else:
         got = _grads(step, x, router, moe)
     direct = watch == "none"
