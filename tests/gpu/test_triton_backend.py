@@ -219,7 +219,7 @@ def test_lagged_check_raises_every_bad_step_on_the_gpu(monkeypatch) -> None:
 
     for _ in range(3):
         step(p.topk_ids)
-    for attempt in range(2):
+    for _ in range(2):
         step(bad)
         with pytest.raises(RoutingError):
             for _ in range(3):  # the next step snapshots the record, the one after raises it
