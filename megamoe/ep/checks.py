@@ -225,8 +225,7 @@ def lagged_check(rec: Records | Workspace) -> None:
         _raise_if_recorded(rec, snapshot=rec.host_words.tolist())
     rec.host_words.copy_(rec.device_words(), non_blocking=True)
     if rec.device.type == "cuda":
-        if rec.snapshot is None:  # (one event, recorded again once the last one completed)
-            rec.snapshot = torch.cuda.Event()
+        rec.snapshot = torch.cuda.Event()
         rec.snapshot.record()
     rec.snapshot_pending = True
 

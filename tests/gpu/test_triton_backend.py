@@ -198,9 +198,9 @@ def test_stacked_gate_up_gives_the_bits_of_separate_weights(name: str, case: Cas
 
 def test_lagged_check_raises_every_bad_step_on_the_gpu(monkeypatch) -> None:
     """The default (lagged) check on one GPU: a step routed to an expert id outside [0, E)
-    raises ``RoutingError`` at a later step's start, once the GPU has made the snapshot (one
-    event per device's records, recorded again at each step); clean steps between raise
-    nothing, and a second bad step raises again."""
+    raises ``RoutingError`` at a later step's start, once the GPU has made the snapshot (the
+    event the check records after its copy); clean steps between raise nothing, and a second
+    bad step raises again."""
     from megamoe import functional
     from megamoe.ep import checks
     from megamoe.errors import RoutingError
