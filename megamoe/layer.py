@@ -111,6 +111,15 @@ class MoE(nn.Module):
             self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up, self.s_down
         )
 
+    def fp8_weight_views(self) -> list[torch.Tensor]:
+        """The expert-weight views whose fp8 copies this layer keeps from call to call
+        (``precision="fp8"`` with ``fp8_weight_cache``; none otherwise, nor while FSDP2 shards
+        the layer): what ``megamoe.optim.AdamW(fp8_views=...)`` quantizes in its update."""
+        c = self.config
+        if c.precision != "fp8" or not c.fp8_weight_cache or fp8_weights.gathered_per_call(self):
+            return []
+        return fp8_weights.views(self.weights())
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:

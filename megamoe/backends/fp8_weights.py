@@ -58,6 +58,7 @@ __all__ = [
     "MAX_ENTRIES",
     "StepWeights",
     "step_weights",
+    "views",
     "gathered_per_call",
     "transposed_layout",
     "transposed_tensors",
@@ -74,6 +75,13 @@ class _Entry(NamedTuple):
     version: int
     alias: torch.Tensor  # keeps the storage (and so the address) of the key alive
     weight: fp8.Fp8Weight
+    # written by the optimizer's update (:meth:`Fp8WeightCache.put`): kept through optimizer
+    # steps, which empty every other entry
+    from_update: bool = False
+
+
+def _key(w: torch.Tensor) -> _Key:
+    return (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
 
 
 def capturing(w: torch.Tensor) -> bool:
@@ -94,7 +102,7 @@ _STEP_HOOK = None  # the handle of that hook, once registered
 
 def _empty_caches(*_) -> None:
     for cache in list(_CACHES):
-        cache.clear()
+        cache.clear(keep_updates=True)
 
 
 def _empty_after_optimizer_steps() -> None:
@@ -131,7 +139,7 @@ class Fp8WeightCache:
         if capturing(w):
             with torch.no_grad():  # (in a graph: every replay quantizes the current values)
                 return fp8.quantize_weight(w.detach(), transposed=True)
-        key = (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
+        key = _key(w)
         entry = self._entries.get(key)
         if entry is not None and entry.version == w._version and _same_storage(entry.alias, w):
             self._entries.move_to_end(key)
@@ -140,16 +148,32 @@ class Fp8WeightCache:
             alias = w.detach()
             weight = fp8.quantize_weight(alias, transposed=True)
         self.quantizations += 1
+        self._insert(key, _Entry(w._version, alias, weight))
+        return weight
+
+    def put(self, w: torch.Tensor, weight: fp8.Fp8Weight) -> None:
+        """Keep ``weight`` (with its transposed copy) as the copy of ``w`` at its current
+        version: what the optimizer's update wrote (``megamoe.optim.AdamW``). Such an entry
+        outlives optimizer steps (the version and storage checks still apply)."""
+        if weight.q is None or weight.q_t is None:
+            raise ValueError("put needs an Fp8Weight with both layouts (q and q_t)")
+        self._insert(_key(w), _Entry(w._version, w.detach(), weight, from_update=True))
+
+    def _insert(self, key: _Key, entry: _Entry) -> None:
         _empty_after_optimizer_steps()
-        self._entries[key] = _Entry(w._version, alias, weight)
+        self._entries[key] = entry
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
-        return weight
 
-    def clear(self) -> None:
-        """Drop every entry (the next use of each weight quantizes it again)."""
-        self._entries.clear()
+    def clear(self, keep_updates: bool = False) -> None:
+        """Drop every entry (the next use of each weight quantizes it again); with
+        ``keep_updates``, all but those the optimizer's update wrote (:meth:`put`)."""
+        if keep_updates:
+            for key in [k for k, e in self._entries.items() if not e.from_update]:
+                del self._entries[key]
+        else:
+            self._entries.clear()
 
 
 # The process's cache, used by the expert GEMMs.
@@ -180,14 +204,21 @@ class StepWeights(NamedTuple):
     s_down: fp8.Fp8Weight | None = None
 
 
-def step_weights(weights: ExpertWeights, cache: bool = True, backward: bool = False) -> StepWeights:
-    """Every expert weight of ``weights`` (gate and up as their two [E, I, H] halves) from
-    :func:`get` (``cache``: ``MoEConfig.fp8_weight_cache``; ``backward``: uncached, only the
-    transposed copies); the shared expert's as one-expert weights."""
+def views(weights: ExpertWeights) -> list[torch.Tensor]:
+    """The [E, N, K] tensors of ``weights`` that the layer quantizes, as the cache keys them:
+    gate, up (a stacked weight's two halves) and down, then the shared expert's as one-expert
+    weights (``s_gate[None]``, ...)."""
+    weights = weights.split_gate_up()
     ws = [weights.w_gate, weights.w_up, weights.w_down]
     if weights.has_shared:
         ws += [weights.s_gate[None], weights.s_up[None], weights.s_down[None]]
-    return StepWeights(*(get(w, cache, backward) for w in ws))
+    return ws
+
+
+def step_weights(weights: ExpertWeights, cache: bool = True, backward: bool = False) -> StepWeights:
+    """Every expert weight of ``weights`` (:func:`views`) from :func:`get` (``cache``:
+    ``MoEConfig.fp8_weight_cache``; ``backward``: uncached, only the transposed copies)."""
+    return StepWeights(*(get(w, cache, backward) for w in views(weights)))
 
 
 def gathered_per_call(module: torch.nn.Module) -> bool:

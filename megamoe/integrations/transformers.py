@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import functional
-from ..backends import BACKEND_PRECISIONS
+from ..backends import BACKEND_PRECISIONS, fp8_weights
 from ..backends.fp8_weights import gathered_per_call
 from ..config import PRECISIONS, MoEConfig
 from ..types import ExpertWeights
@@ -60,6 +60,7 @@ __all__ = [
     "SUPPORTS_EXPERT_PARALLEL",
     "experts_implementation",
     "experts_forward",
+    "fp8_weight_views",
     "register",
     "set_check_values",
 ]
@@ -273,6 +274,20 @@ def _run(
         check_values=_check_values,
     )
     return y.to(hidden_states.dtype)
+
+
+def fp8_weight_views(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The expert-weight views whose fp8 copies megamoe keeps for ``module``, a transformers
+    experts module running a megamoe fp8 key (not FSDP2-sharded); none for any other module:
+    what ``megamoe.optim.AdamW(fp8_views=...)`` quantizes (``megamoe.optim.fp8_weight_views``)."""
+    key = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    run = _RUN_OF_KEY.get(key) if isinstance(key, str) else None
+    if run is None or run[1] != "fp8" or gathered_per_call(module):
+        return []
+    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
+        return []
+    gate_up, down, *_ = _weights(module)
+    return fp8_weights.views(ExpertWeights.from_gate_up(gate_up, down))
 
 
 def _split(module: torch.nn.Module) -> str | None:

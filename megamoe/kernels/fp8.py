@@ -59,6 +59,7 @@ __all__ = [
     "col_blocks_of",
     "store_row_blocks",
     "store_col_blocks",
+    "store_weight_block",
     "quantize_rows",
     "quantize_cols",
     "quantize_rows_cols",
@@ -388,6 +389,44 @@ def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
 
 
 @triton.jit
+def store_weight_block(
+    x,
+    e,
+    nb,
+    kb,
+    N,
+    K,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    PLAIN: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Quantize ``x``, the fp32 128x128 block (``nb``, ``kb``) of expert ``e`` of an [E, N, K]
+    weight (values past N or K zero), with one scale: q and its scale into ``q_ptr`` [E, N, K]
+    and ``s_ptr`` [E, ceil(N/128), ceil(K/128)] (``PLAIN``), the transposed bytes and scale into
+    ``qt_ptr`` [E, K, N] and ``st_ptr`` [E, ceil(K/128), ceil(N/128)] (``TRANSPOSED``), all
+    contiguous. The weight quantizer's and the optimizer's (``kernels.adamw``) one code."""
+    rows = nb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    nbs = tl.cdiv(N, 128)
+    kbs = tl.cdiv(K, 128)
+    scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
+    q = to_e4m3(x * inverse, UPCAST)
+    base = e.to(tl.int64) * N * K
+    if PLAIN:
+        mask = (rows < N)[:, None] & (cols < K)[None, :]
+        tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
+    if TRANSPOSED:
+        t_mask = (cols < K)[:, None] & (rows < N)[None, :]
+        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
+        tl.store(st_ptr + (e * kbs + kb) * nbs + nb, scale)
+
+
+@triton.jit
 def _quantize_weight_kernel(
     w_ptr,
     q_ptr,
@@ -407,26 +446,15 @@ def _quantize_weight_kernel(
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
-    nbs = tl.cdiv(N, 128)
-    kbs = tl.cdiv(K, 128)
     rows = nb * 128 + tl.arange(0, 128)
     cols = kb * 128 + tl.arange(0, 128)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
-    e64 = e.to(tl.int64)
     x = tl.load(
-        w_ptr + e64 * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask
+        w_ptr + e.to(tl.int64) * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk,
+        mask=mask,
     )
     x = tl.where(mask, source_f32(x, UPCAST), 0.0)
-    scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
-    q = to_e4m3(x * inverse, UPCAST)
-    base = e64 * N * K
-    if PLAIN:
-        tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
-    if TRANSPOSED:
-        t_mask = (cols < K)[:, None] & (rows < N)[None, :]
-        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
-        tl.store(st_ptr + (e * kbs + kb) * nbs + nb, scale)
+    store_weight_block(x, e, nb, kb, N, K, q_ptr, s_ptr, qt_ptr, st_ptr, PLAIN, TRANSPOSED, UPCAST)
 
 
 def _check_source(name: str, x: torch.Tensor, dims: int) -> None:

@@ -188,7 +188,7 @@ def _fp8_step(cfg, tokens: int) -> None:
     """Every launch of the fp8 quantizers and block-scaled GEMMs in one training step, called
     directly on quantize_rows' operands (the backends' steps feed them packed dispatched rows:
     the "triton fp8" scenarios; docs/fp8.md)."""
-    from ..kernels import fp8, fp8_gemm
+    from ..kernels import adamw, fp8, fp8_gemm
     from ..kernels.schedule import build_row_schedule
 
     e, h, i = cfg.local_experts(1), cfg.hidden_size, cfg.intermediate_size
@@ -204,6 +204,10 @@ def _fp8_step(cfg, tokens: int) -> None:
     fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
     fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(_meta(s.rows, h)), s)
     fp8.quantize_rows_cols(_meta(s.rows, h), pad_to=16)
+    # the optimizer's update (megamoe.optim.AdamW): writing the weights' copies, and plain
+    hyper = adamw.AdamWStep(1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+    adamw.adamw_quantize_(*(_meta(e, i, h) for _ in range(4)), hyper)
+    adamw.adamw_(*(_meta(e * h * i) for _ in range(4)), hyper)
 
 
 def _fp8_step_with(cfg, tokens: int, warp_specialized: bool) -> None:

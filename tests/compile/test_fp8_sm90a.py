@@ -32,7 +32,7 @@ from support.compiled import (  # noqa: E402
 # Run in a subprocess with the interpreter off; prints one JSON list of compile reports.
 SCRIPT = """
 import dataclasses, json, re, torch
-from megamoe.kernels import fp8, fp8_gemm, rows
+from megamoe.kernels import adamw, fp8, fp8_gemm, rows
 from megamoe.kernels.runtime import assume_programs
 from megamoe.kernels.schedule import build_row_schedule
 from megamoe.tools import sweep_tiles
@@ -70,6 +70,11 @@ def step(h, i, e, tokens, top_k, block_rows):
                          quantize=True)
     rows.route_grad(meta(tokens, fp8.packed_width(h), dtype=torch.int16), z, w, s,
                     quantize=True)
+    # the optimizer's update: gate's view of a stacked weight (writing its copies), and plain
+    hyper = adamw.AdamWStep(1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+    stacked = [meta(e, 2 * i, h) for _ in range(4)]
+    adamw.adamw_quantize_(*(t[:, :i] for t in stacked), hyper)
+    adamw.adamw_(*(meta(e * h * i, dtype=torch.float32) for _ in range(4)), hyper)
 
 def unsplit(tiles):  # the sweep's first one-warpgroup candidates with whole tiles (split_m 1)
     first = lambda kind: next(t for t in sweep_tiles.CANDIDATES["fp8"][kind]
@@ -103,7 +108,8 @@ with assume_programs(H200_SMS), record_launches(lambda: label[0]) as launches:
 reports = []
 for launch in launches:
     fp8_kernel = launch.fn.fn.__module__ in (
-        "megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm", "megamoe.kernels.fp8_ws")
+        "megamoe.kernels.fp8", "megamoe.kernels.fp8_gemm", "megamoe.kernels.fp8_ws",
+        "megamoe.kernels.adamw")
     if not fp8_kernel and not launch.fn.fn.__name__.startswith("_route_grad"):
         continue  # the row schedule's kernels (tests/compile/test_kernels_sm90a.py)
     r = compile_launch(launch, keep_ptx=True)
@@ -129,7 +135,9 @@ QUANTIZERS = (
     "_quantize_rows_cols_kernel",
     "_quantize_weight_kernel",
     "_route_grad_fp8_kernel",
+    "_adamw_fp8_kernel",  # (the optimizer's update writing the weights' copies)
 )
+OPTIMIZER = "_adamw_kernel"
 WARP_SPECIALIZED = ("_ws_gate_up_kernel", "_ws_grouped_mm_kernel", "_ws_wgrad_kernel")  # fp8_ws
 GEMMS = ("_fp8_gate_up_kernel", "_fp8_grouped_mm_kernel", "_fp8_wgrad_kernel", *WARP_SPECIALIZED)
 ROUTE_GRAD = "_route_grad_kernel"  # its packed-rows variant (the fp8 backward's dy)
@@ -151,7 +159,13 @@ def _what(r: dict) -> str:
 
 
 def test_every_fp8_kernel_compiles_for_sm90a(reports: list[dict]) -> None:
-    assert {r["name"] for r in reports} == {*QUANTIZERS, *GEMMS, ROUTE_GRAD, *ROUTE_GRAD_FP8}
+    assert {r["name"] for r in reports} == {
+        *QUANTIZERS,
+        *GEMMS,
+        ROUTE_GRAD,
+        *ROUTE_GRAD_FP8,
+        OPTIMIZER,
+    }
     for name in (ROUTE_GRAD, *ROUTE_GRAD_FP8):
         variants = [r["variant"] for r in reports if r["name"] == name]
         assert {v["BY_ROW"] for v in variants} == {False, True}, (name, variants)

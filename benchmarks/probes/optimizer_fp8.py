@@ -1,0 +1,172 @@
+"""Probe (one GPU): a training step of the layer with its optimizer, bf16 against fp8, where the
+fp8 weight copies are written by a pass of their own in the forward or by the optimizer's
+update (``megamoe.optim.AdamW(fp8_views=...)``).
+
+    PYTHONPATH=. python benchmarks/probes/optimizer_fp8.py [--models dsv3 qwen3-30b]
+        [--tokens N] [--iters 5] [--rounds 3] [--out probe.json]
+
+One set of bf16 expert weights (W = 1, all of a model's experts), read by a bf16 and a fp8
+``MoE`` of backend "triton". Variants, in turn within each round (interleaved), each run as
+one untimed step and ``iters`` timed steps (zero_grad, forward, backward, optimizer step):
+
+  bf16+torch      bf16 layer, ``torch.optim.AdamW(fused=True)``
+  bf16+megamoe    bf16 layer, ``megamoe.optim.AdamW`` without copies (its update's own speed)
+  fp8+torch       fp8 layer, torch's fused AdamW: the forward after each step quantizes
+  fp8+megamoe     fp8 layer, ``megamoe.optim.AdamW`` writing the copies: the forward reads them
+
+Per variant the medians of the step, of forward + backward and of the optimizer step (CUDA
+events between them), and for fp8+megamoe the weight quantizations its forwards made (0, or
+the copies were not read). ``layer_ms`` is the issue's measure, the layer's forward + backward
+with the weights' quantization of a step: forward + backward, plus for fp8+megamoe what its
+update costs over megamoe's update without copies. Ratios are bf16+torch's time over each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import megamoe
+from megamoe import optim
+from megamoe.backends import fp8_weights
+from megamoe.shapes import get_model_shape, get_preset
+
+VARIANTS = ("bf16+torch", "bf16+megamoe", "fp8+torch", "fp8+megamoe")
+
+
+def _config(name: str, tokens: int | None):
+    try:
+        preset = get_preset(name)
+        return preset.config(), tokens or preset.tokens_per_rank
+    except ValueError:
+        shape = get_model_shape(name)
+        return shape.config(), tokens or 16384
+
+
+def _run_model(name: str, tokens: int | None, iters: int, rounds: int) -> dict:
+    cfg, t = _config(name, tokens)
+    dev = torch.device("cuda")
+    layers = {
+        "bf16": megamoe.MoE(cfg, backend="triton", device=dev, seed=0),
+        "fp8": megamoe.MoE(dataclasses.replace(cfg, precision="fp8"), backend="triton", device=dev),
+    }
+    for pname, param in layers["bf16"].named_parameters():  # one set of weights for both
+        setattr(layers["fp8"], pname, param)
+    params = list(layers["bf16"].parameters())
+    kw = dict(lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    optimizers = {
+        "torch": torch.optim.AdamW(params, fused=True, **kw),
+        "plain": optim.AdamW(params, **kw),
+        "copies": optim.AdamW(params, **kw, fp8_views=layers["fp8"].fp8_weight_views()),
+    }
+    runs = {
+        "bf16+torch": (layers["bf16"], optimizers["torch"]),
+        "bf16+megamoe": (layers["bf16"], optimizers["plain"]),
+        "fp8+torch": (layers["fp8"], optimizers["torch"]),
+        "fp8+megamoe": (layers["fp8"], optimizers["copies"]),
+    }
+    gen = torch.Generator(device=dev).manual_seed(0)
+    h, e, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
+    x = torch.randn(t, h, device=dev, generator=gen).bfloat16().requires_grad_(True)
+    ids = torch.rand(t, e, device=dev, generator=gen).topk(k, dim=1).indices
+    tw = torch.rand(t, k, device=dev, generator=gen).softmax(-1).requires_grad_(True)
+    dy = torch.randn(t, h, device=dev, generator=gen).bfloat16()
+
+    def step(layer, opt, marks=None) -> None:
+        layer.zero_grad(set_to_none=True)
+        x.grad = tw.grad = None
+        if marks:
+            marks[0].record()
+        layer(x, ids, tw).backward(dy)
+        if marks:
+            marks[1].record()
+        opt.step()
+        if marks:
+            marks[2].record()
+
+    times = {v: {"step": [], "fwd_bwd": [], "opt": []} for v in VARIANTS}
+    quantized = {v: 0 for v in VARIANTS}
+    for r in range(rounds):
+        for v in VARIANTS:
+            layer, opt = runs[v]
+            step(layer, opt)  # (untimed: compiles once; the copies of the last update)
+            marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+            before = fp8_weights.CACHE.quantizations
+            for m in marks:
+                step(layer, opt, m)
+            torch.cuda.synchronize()
+            quantized[v] += fp8_weights.CACHE.quantizations - before
+            for a, b, c in marks:
+                times[v]["step"].append(a.elapsed_time(c))
+                times[v]["fwd_bwd"].append(a.elapsed_time(b))
+                times[v]["opt"].append(b.elapsed_time(c))
+        print(f"  {name}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    med = {v: {key: statistics.median(ts) for key, ts in times[v].items()} for v in VARIANTS}
+    for v in VARIANTS:
+        med[v]["layer_ms"] = med[v]["fwd_bwd"]
+    med["fp8+megamoe"]["layer_ms"] += med["fp8+megamoe"]["opt"] - med["bf16+megamoe"]["opt"]
+    base = med["bf16+torch"]
+    out = {
+        "model": name,
+        "tokens": t,
+        "experts": e,
+        "weights": sum(p.numel() for p in params),
+        "weight_quantizations": quantized,
+        "variants": med,
+        "ratios": {
+            v: {key: base[key] / med[v][key] for key in ("step", "layer_ms")} for v in VARIANTS
+        },
+    }
+    del layers, optimizers, runs, params
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["dsv3", "qwen3-30b"])
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    records = []
+    for name in args.models:
+        try:
+            rec = _run_model(name, args.tokens, args.iters, args.rounds)
+        except torch.cuda.OutOfMemoryError as exc:
+            rec = {"model": name, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
+            torch.cuda.empty_cache()
+        records.append(rec)
+        if "error" in rec:
+            print(f"{name}: {rec['error']}", flush=True)
+            continue
+        for v in VARIANTS:
+            m, r = rec["variants"][v], rec["ratios"][v]
+            print(
+                f"{name:>16} {v:>13}: step {m['step']:7.2f} ms (x{r['step']:.3f})  fwd+bwd "
+                f"{m['fwd_bwd']:7.2f}  opt {m['opt']:6.2f}  layer {m['layer_ms']:7.2f} ms "
+                f"(x{r['layer_ms']:.3f})  quantized {rec['weight_quantizations'][v]}",
+                flush=True,
+            )
+    if args.out:
+        meta = {
+            "probe": "optimizer_fp8",
+            "gpu": torch.cuda.get_device_name(),
+            "commit": os.environ.get("MEGAMOE_COMMIT", "unknown"),
+            "torch": torch.__version__,
+            "iters": args.iters,
+            "rounds": args.rounds,
+        }
+        with open(args.out, "w") as f:
+            json.dump({**meta, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
