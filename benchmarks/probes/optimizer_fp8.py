@@ -19,6 +19,11 @@ events between them), and for fp8+megamoe the weight quantizations its forwards 
 the copies were not read). ``layer_ms`` is the issue's measure, the layer's forward + backward
 with the weights' quantization of a step: forward + backward, plus for fp8+megamoe what its
 update costs over megamoe's update without copies. Ratios are bf16+torch's time over each.
+
+``--kernels`` first times the updates alone on each model's gate weight ([E, I, H] bf16, moments
+bf16): torch's fused AdamW, megamoe's plain update, its update writing the copies at several
+(rows a part, warps) of ``kernels.adamw`` (the default first; every one must give the default's
+bits), and ``fp8.quantize_weight`` with the transposed copy (the pass the copies replace).
 """
 
 from __future__ import annotations
@@ -35,9 +40,71 @@ import torch
 import megamoe
 from megamoe import optim
 from megamoe.backends import fp8_weights
+from megamoe.kernels import adamw, fp8
 from megamoe.shapes import get_model_shape, get_preset
+from megamoe.tools.bench_kernels import event_times_ms
 
 VARIANTS = ("bf16+torch", "bf16+megamoe", "fp8+torch", "fp8+megamoe")
+# (rows a part, warps) of the update writing the copies; the default first
+PARTS = [(adamw._BLOCK_ROWS, adamw._BLOCK_WARPS), (16, 8), (32, 16), (16, 4), (64, 16)]
+
+
+def _kernels(name: str, tokens: int | None, rounds: int) -> dict:
+    """The updates alone on the model's gate weight (module docstring)."""
+    cfg, _ = _config(name, tokens)
+    dev = torch.device("cuda")
+    shape = (cfg.num_experts, cfg.intermediate_size, cfg.hidden_size)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    p = torch.randn(shape, device=dev, generator=gen).bfloat16()
+    g, m = (torch.randn(shape, device=dev, generator=gen).bfloat16() for _ in range(2))
+    v = torch.rand(shape, device=dev, generator=gen).bfloat16()
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g
+    ref = torch.optim.AdamW([param], lr=1e-6, fused=True)
+    ref.step()
+    hyper = adamw.AdamWStep(1e-6, 0.9, 0.999, 1e-8, 0.01, 2)
+
+    def copies(rows: int, warps: int):
+        def run():
+            old = adamw._BLOCK_ROWS, adamw._BLOCK_WARPS
+            adamw._BLOCK_ROWS, adamw._BLOCK_WARPS = rows, warps
+            try:
+                return adamw.adamw_quantize_(p, g, m, v, hyper)
+            finally:
+                adamw._BLOCK_ROWS, adamw._BLOCK_WARPS = old
+
+        return run
+
+    cases = {"torch fused": ref.step, "megamoe plain": lambda: adamw.adamw_(p, g, m, v, hyper)}
+    cases.update({f"copies rows={r} warps={w}": copies(r, w) for r, w in PARTS})
+    cases["quantize_weight"] = lambda: fp8.quantize_weight(p, transposed=True)
+    # the bits of each parts choice from the same state: (p, m, v) and the copies
+    state = [t.clone() for t in (p, m, v)]
+    bits = {}
+    for key in cases:
+        if key.startswith("copies"):
+            for t, s0 in zip((p, m, v), state):
+                t.copy_(s0)
+            w = cases[key]()
+            bits[key] = [t.clone() for t in (p, m, v)] + [
+                t.view(torch.uint8) if t.dtype == fp8.FP8 else t for t in w
+            ]
+    first = bits[next(iter(bits))]
+    same = {key: all(torch.equal(a, b) for a, b in zip(first, b_)) for key, b_ in bits.items()}
+    times: dict = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, fn in cases.items():
+            times[key].append(statistics.median(event_times_ms(fn, 5)))
+    numel = p.numel()
+    out = {"model": name, "shape": list(shape), "cases": {}}
+    for key in cases:
+        ms = statistics.median(times[key])
+        nbytes = {"quantize_weight": 4}.get(key, 16 if key.startswith("copies") else 14) * numel
+        out["cases"][key] = {"ms": ms, "GB/s": nbytes / ms / 1e6, "same_bits": same.get(key)}
+        print(f"{name:>16} {key:>26}: {ms:7.3f} ms  {nbytes / ms / 1e6:6.0f} GB/s "
+              f"{'' if key not in same else 'same bits' if same[key] else 'BITS DIFFER'}",
+              flush=True)  # fmt: skip
+    return out
 
 
 def _config(name: str, tokens: int | None):
@@ -134,9 +201,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kernels", action="store_true", help="the updates alone first")
     parser.add_argument("--out")
     args = parser.parse_args()
     records = []
+    kernels = [_kernels(name, args.tokens, args.rounds) for name in args.models if args.kernels]
     for name in args.models:
         try:
             rec = _run_model(name, args.tokens, args.iters, args.rounds)
@@ -165,7 +234,7 @@ def main() -> None:
             "rounds": args.rounds,
         }
         with open(args.out, "w") as f:
-            json.dump({**meta, "records": records}, f, indent=1)
+            json.dump({**meta, "kernels": kernels, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

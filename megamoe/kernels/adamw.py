@@ -28,15 +28,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import BLOCK, FP8, Fp8Weight, source_f32, store_weight_block
+from .fp8 import (
+    BLOCK,
+    FP8,
+    Fp8Weight,
+    block_amax,
+    pow2_scale,
+    source_f32,
+    store_weight_rows,
+    store_weight_scale,
+)
 from .runtime import cdiv, empty, interpreting, launch
 
 __all__ = ["AdamWStep", "adamw_update", "adamw_", "adamw_quantize_"]
 
 # Elements of one program of the elementwise update.
 _BLOCK = 2048
-# Warps of a 128x128 block's program: the weight quantizer's (fp8._WEIGHT_WARPS)
-_BLOCK_WARPS = 16
+# A 128x128 block's program: rows a part, warps (the four tensors of a whole block in fp32
+# spill at any warp count)
+_BLOCK_ROWS = 32
+_BLOCK_WARPS = 8
 
 
 class AdamWStep(NamedTuple):
@@ -98,27 +109,40 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel, lr_wd, beta1, beta2, step_s
 @triton.jit
 def _adamw_fp8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, N, K, stride_e, stride_n, stride_k,
                       lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
-                      q_ptr, s_ptr, qt_ptr, st_ptr, UPCAST: tl.constexpr):  # fmt: skip
+                      q_ptr, s_ptr, qt_ptr, st_ptr,
+                      ROWS: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """One 128x128 block (expert e, row block nb, column block kb) of [E, N, K] views p, g, m,
-    v of one layout (strides): updated in place, and the new p's block quantized both ways."""
+    v of one layout (strides), ``ROWS`` rows at a time: updated in place, then the new p's
+    block, read back (from L2), quantized both ways by its amax over every part."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
-    rows = nb * 128 + tl.arange(0, 128)
     cols = kb * 128 + tl.arange(0, 128)
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    offsets = e.to(tl.int64) * stride_e + rows[:, None] * stride_n + cols[None, :] * stride_k
-    p, m, v = adamw_update(
-        _load_f32(p_ptr, offsets, mask, UPCAST), _load_f32(g_ptr, offsets, mask, UPCAST),
-        _load_f32(m_ptr, offsets, mask, UPCAST), _load_f32(v_ptr, offsets, mask, UPCAST),
-        lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
-    )  # fmt: skip
-    stored = p.to(p_ptr.dtype.element_ty)
-    tl.store(p_ptr + offsets, stored, mask=mask)
-    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
-    x = tl.where(mask, source_f32(stored, UPCAST), 0.0)
-    store_weight_block(x, e, nb, kb, N, K, q_ptr, s_ptr, qt_ptr, st_ptr, True, True, UPCAST)
+    base = e.to(tl.int64) * stride_e + cols[None, :] * stride_k
+    amax = 0.0
+    for part in tl.static_range(128 // ROWS):
+        rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
+        mask = (rows < N)[:, None] & (cols < K)[None, :]
+        offsets = base + rows[:, None] * stride_n
+        p, m, v = adamw_update(
+            _load_f32(p_ptr, offsets, mask, UPCAST), _load_f32(g_ptr, offsets, mask, UPCAST),
+            _load_f32(m_ptr, offsets, mask, UPCAST), _load_f32(v_ptr, offsets, mask, UPCAST),
+            lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
+        )  # fmt: skip
+        stored = p.to(p_ptr.dtype.element_ty)
+        tl.store(p_ptr + offsets, stored, mask=mask)
+        tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
+        x = tl.where(mask, source_f32(stored, UPCAST), 0.0)
+        amax = tl.maximum(amax, tl.max(block_amax(x, 1), axis=0))
+    tl.debug_barrier()  # (every thread's part of the new p stored before any reads it back)
+    scale, inverse = pow2_scale(amax)
+    for part in tl.static_range(128 // ROWS):
+        rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
+        mask = (rows < N)[:, None] & (cols < K)[None, :]
+        x = tl.where(mask, _load_f32(p_ptr, base + rows[:, None] * stride_n, mask, UPCAST), 0.0)
+        store_weight_rows(x, rows, cols, inverse, e, N, K, q_ptr, qt_ptr, True, True, UPCAST)
+    store_weight_scale(scale, e, nb, kb, N, K, s_ptr, st_ptr, True, True)
 
 
 def _check_operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
@@ -164,5 +188,6 @@ def adamw_quantize_(
     scale_t = empty((e, kb, nb), torch.float32, p.device)
     if e and n and k:
         launch(_adamw_fp8_kernel, (e, nb, kb), p, g, m, v, n, k, *p.stride(), *hyper.scalars(),
-               q, scale, q_t, scale_t, UPCAST=interpreting(), num_warps=_BLOCK_WARPS)  # fmt: skip
+               q, scale, q_t, scale_t, ROWS=_BLOCK_ROWS, UPCAST=interpreting(),
+               num_warps=_BLOCK_WARPS)  # fmt: skip
     return Fp8Weight(q, scale, q_t, scale_t)

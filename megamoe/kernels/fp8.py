@@ -59,7 +59,8 @@ __all__ = [
     "col_blocks_of",
     "store_row_blocks",
     "store_col_blocks",
-    "store_weight_block",
+    "store_weight_rows",
+    "store_weight_scale",
     "quantize_rows",
     "quantize_cols",
     "quantize_rows_cols",
@@ -389,40 +390,33 @@ def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def store_weight_block(
-    x,
-    e,
-    nb,
-    kb,
-    N,
-    K,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    PLAIN: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Quantize ``x``, the fp32 128x128 block (``nb``, ``kb``) of expert ``e`` of an [E, N, K]
-    weight (values past N or K zero), with one scale: q and its scale into ``q_ptr`` [E, N, K]
-    and ``s_ptr`` [E, ceil(N/128), ceil(K/128)] (``PLAIN``), the transposed bytes and scale into
-    ``qt_ptr`` [E, K, N] and ``st_ptr`` [E, ceil(K/128), ceil(N/128)] (``TRANSPOSED``), all
-    contiguous. The weight quantizer's and the optimizer's (``kernels.adamw``) one code."""
-    rows = nb * 128 + tl.arange(0, 128)
-    cols = kb * 128 + tl.arange(0, 128)
-    nbs = tl.cdiv(N, 128)
-    kbs = tl.cdiv(K, 128)
-    scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
+def store_weight_rows(x, rows, cols, inverse, e, N, K, q_ptr, qt_ptr, PLAIN: tl.constexpr,
+                      TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Quantize ``x``, fp32 rows ``rows`` x columns ``cols`` of expert ``e`` of an [E, N, K]
+    weight (all or part of one 128x128 block; values past N or K zero), by the block's
+    ``inverse`` scale: into ``q_ptr`` [E, N, K] (``PLAIN``) and transposed into ``qt_ptr``
+    [E, K, N] (``TRANSPOSED``), contiguous. The weight quantizer's and the optimizer's
+    (``kernels.adamw``) one code; :func:`store_weight_scale` writes the block's scale."""
     q = to_e4m3(x * inverse, UPCAST)
     base = e.to(tl.int64) * N * K
     if PLAIN:
         mask = (rows < N)[:, None] & (cols < K)[None, :]
         tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
     if TRANSPOSED:
         t_mask = (cols < K)[:, None] & (rows < N)[None, :]
         tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
+
+
+@triton.jit
+def store_weight_scale(scale, e, nb, kb, N, K, s_ptr, st_ptr,
+                       PLAIN: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+    """Block (``nb``, ``kb``)'s scale into ``s_ptr`` [E, ceil(N/128), ceil(K/128)] and its
+    transposed place in ``st_ptr`` [E, ceil(K/128), ceil(N/128)]."""
+    nbs = tl.cdiv(N, 128)
+    kbs = tl.cdiv(K, 128)
+    if PLAIN:
+        tl.store(s_ptr + (e * nbs + nb) * kbs + kb, scale)
+    if TRANSPOSED:
         tl.store(st_ptr + (e * kbs + kb) * nbs + nb, scale)
 
 
@@ -454,7 +448,9 @@ def _quantize_weight_kernel(
         mask=mask,
     )
     x = tl.where(mask, source_f32(x, UPCAST), 0.0)
-    store_weight_block(x, e, nb, kb, N, K, q_ptr, s_ptr, qt_ptr, st_ptr, PLAIN, TRANSPOSED, UPCAST)
+    scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
+    store_weight_rows(x, rows, cols, inverse, e, N, K, q_ptr, qt_ptr, PLAIN, TRANSPOSED, UPCAST)
+    store_weight_scale(scale, e, nb, kb, N, K, s_ptr, st_ptr, PLAIN, TRANSPOSED)
 
 
 def _check_source(name: str, x: torch.Tensor, dims: int) -> None:
