@@ -116,7 +116,9 @@ class MoE(nn.Module):
         (``precision="fp8"`` with ``fp8_weight_cache``; none otherwise, nor while FSDP2 shards
         the layer): what ``megamoe.optim.AdamW(fp8_views=...)`` quantizes in its update."""
         c = self.config
-        if c.precision != "fp8" or not c.fp8_weight_cache or fp8_weights.gathered_per_call(self):
+        if c.precision != "fp8" or not c.fp8_weight_cache or self.backend == "reference":
+            return []  # (backend "reference" quantizes in torch ops, without copies)
+        if fp8_weights.gathered_per_call(self):
             return []
         return fp8_weights.views(self.weights())
 

@@ -29,7 +29,7 @@ from .backends import fp8_weights
 from .kernels import adamw as kernels
 from .kernels.runtime import interpreting
 
-__all__ = ["AdamW", "fp8_weight_views"]
+__all__ = ["AdamW", "fp8_weight_views", "parameters_of"]
 
 
 def fp8_weight_views(model: nn.Module) -> list[torch.Tensor]:
@@ -46,6 +46,12 @@ def fp8_weight_views(model: nn.Module) -> list[torch.Tensor]:
         elif hf is not None:
             views += hf.fp8_weight_views(module)
     return views
+
+
+def parameters_of(views: list[torch.Tensor], params) -> list[torch.Tensor]:
+    """The parameters among ``params`` that ``views`` are views of (each once, in ``params``'
+    order): those to give :class:`AdamW` with the views, the rest to another optimizer."""
+    return [p for p in params if any(_rows_of(view, p) is not None for view in views)]
 
 
 def _rows_of(view: torch.Tensor, p: torch.Tensor) -> tuple[int, int] | None:

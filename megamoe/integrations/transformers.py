@@ -282,7 +282,7 @@ def fp8_weight_views(module: torch.nn.Module) -> list[torch.Tensor]:
     what ``megamoe.optim.AdamW(fp8_views=...)`` quantizes (``megamoe.optim.fp8_weight_views``)."""
     key = getattr(getattr(module, "config", None), "_experts_implementation", None)
     run = _RUN_OF_KEY.get(key) if isinstance(key, str) else None
-    if run is None or run[1] != "fp8" or gathered_per_call(module):
+    if run is None or run[1] != "fp8" or run[0] == "reference" or gathered_per_call(module):
         return []
     if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
         return []

@@ -163,6 +163,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "deterministic_algorithms",
     "estimated_mem_gb",
     "microbatches",
+    "optimizer",
     "breakdown_ms",
     "host_syncs",
     "alloc_retries",
@@ -768,6 +769,7 @@ class TrainOptions:
     layers: int | None = None  # None: fitted to the memory (tiny: the model's default)
     tokens: int | None = None  # per micro-batch, GPU (batch_size x seq_len); None: 4096 (tiny 64)
     microbatches: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    optimizer: str = "torch"  # OPTIMIZERS: who updates the fp8 layers' expert weights
     breakdown: bool = False  # time the parts of each step (megamoe.tools.step_parts)
     deterministic_algorithms: bool = False  # torch.use_deterministic_algorithms for the runs
     seq_len: int | None = None  # None: min(tokens, 4096) (tiny 32)
@@ -830,6 +832,8 @@ class TrainOptions:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
         if self.vocab_size < 2:
@@ -920,10 +924,44 @@ def restore(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device):
+# "torch": torch's AdamW for every parameter; "megamoe": megamoe.optim.AdamW for the expert
+# weights of fp8 layers (its update writes their fp8 copies), torch's for the rest.
+OPTIMIZERS = ("torch", "megamoe")
+
+
+class _Optimizers:
+    """Several optimizers stepped as one (the train loop's ``step`` and ``zero_grad``)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device, kind: str = "torch"):
+    """AdamW over the trainable parameters (:data:`OPTIMIZERS`); with ``kind`` "megamoe" and
+    fp8 layers in ``model``, their expert weights go to ``megamoe.optim.AdamW``."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": False}
-    return torch.optim.AdamW(params, lr=lr, **kwargs)
+    views = []
+    if kind == "megamoe":
+        from .. import optim
+
+        views = optim.fp8_weight_views(model)
+    if not views:
+        return torch.optim.AdamW(params, lr=lr, **kwargs)
+    from .. import optim
+
+    experts = optim.parameters_of(views, params)
+    rest = [p for p in params if all(p is not q for q in experts)]
+    ours = optim.AdamW(experts, lr=lr, fp8_views=views)
+    return _Optimizers(torch.optim.AdamW(rest, lr=lr, **kwargs), ours) if rest else ours
 
 
 @dataclass
@@ -952,6 +990,7 @@ def train_run(
     lr: float,
     device: torch.device,
     breakdown: bool = False,
+    optimizer: str = "torch",
 ) -> RunResult:
     """Train ``model`` from its current state with a fresh AdamW on ``batches [steps, M, B, S]``
     (on ``device``; ``M`` micro-batches per step, their gradients summed, each loss scaled by
@@ -959,7 +998,7 @@ def train_run(
     of them runs with PyTorch's sync debug mode on (:func:`step_parts.sync_sites`)."""
     from . import step_parts
 
-    opt = make_optimizer(model, lr, device)
+    opt = make_optimizer(model, lr, device, optimizer)
     cuda = device.type == "cuda"
     marks = None
     if breakdown:
@@ -1183,6 +1222,7 @@ def _base_record(
         layers=layers,
         tokens=opts.tokens,
         microbatches=opts.microbatches,
+        optimizer=opts.optimizer,
         seq_len=opts.seq_len,
         batch_size=opts.batch_size,
         steps=opts.steps,
@@ -1250,7 +1290,13 @@ def run_model(
                 restore(model, state)
                 model.set_experts_implementation(rec["experts_implementation"])
                 res = train_run(
-                    model, batches, opts.warmup, opts.lr, opts.device, breakdown=opts.breakdown
+                    model,
+                    batches,
+                    opts.warmup,
+                    opts.lr,
+                    opts.device,
+                    breakdown=opts.breakdown,
+                    optimizer=opts.optimizer,
                 )
             except Exception as exc:  # record it, go on with the others
                 note = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -1437,6 +1483,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="micro-batches of --tokens per optimizer step, gradients accumulated (default 1)",
     )
     p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="torch",
+        help="torch: torch's fused AdamW for every parameter (default); megamoe: "
+        "megamoe.optim.AdamW for the fp8 layers' expert weights, whose update writes their fp8 "
+        "copies (the forward quantizes nothing), torch's for the rest",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="time each step's parts: routed experts, MoE blocks, attention, optimizer, rest "
@@ -1480,6 +1534,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         layers=args.layers,
         tokens=args.tokens,
         microbatches=args.microbatches,
+        optimizer=args.optimizer,
         breakdown=args.breakdown,
         deterministic_algorithms=args.deterministic_algorithms,
         seq_len=args.seq_len,

@@ -547,3 +547,38 @@ def test_an_fp8_impl_records_its_precision_and_trains_close_to_bf16():
     for a, b in zip(fp8, bf16):
         assert abs(a - b) <= 5e-3 * abs(b)
     assert tb.experts_key("native") == tb.NATIVE_KEY
+
+
+def test_the_megamoe_optimizer_takes_the_fp8_layers_expert_weights():
+    """``--optimizer megamoe``: the expert weights of fp8 layers go to ``megamoe.optim.AdamW``
+    (with their views), every other parameter to torch's AdamW, and a step of both updates
+    each parameter once; without fp8 layers (or with ``torch``) torch's AdamW takes them all."""
+    from megamoe import optim
+    from megamoe.backends import fp8_weights
+
+    fp8_cfg = megamoe.MoEConfig(32, 32, 2, 1, shared_intermediate_size=16, precision="fp8")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), megamoe.MoE(fp8_cfg, backend="triton", seed=0)
+    )
+    opt = tb.make_optimizer(model, 1e-2, CPU, "megamoe")
+    theirs, ours = opt.optimizers
+    assert isinstance(theirs, torch.optim.AdamW) and isinstance(ours, optim.AdamW)
+    moe_params = list(model[1].parameters())
+    assert [p for g in ours.param_groups for p in g["params"]] == moe_params
+    assert [p for g in theirs.param_groups for p in g["params"]] == list(model[0].parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    fp8_weights.clear()
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert not torch.equal(p.detach(), b)
+        assert opt.optimizers[0].state.get(p) is None or ours.state.get(p) is None
+    assert len(fp8_weights.CACHE) == 6  # the update's copies of the layer's six weights
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    bf16 = torch.nn.Sequential(megamoe.MoE(megamoe.MoEConfig(32, 32, 2, 1), backend="triton"))
+    assert isinstance(tb.make_optimizer(bf16, 1e-2, CPU, "megamoe"), torch.optim.AdamW)
+    assert isinstance(tb.make_optimizer(model, 1e-2, CPU, "torch"), torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['torch', 'megamoe'\]"):
+        _opts(optimizer="sgd")
