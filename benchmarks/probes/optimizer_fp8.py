@@ -46,7 +46,7 @@ from megamoe.tools.bench_kernels import event_times_ms
 
 VARIANTS = ("bf16+torch", "bf16+megamoe", "fp8+torch", "fp8+megamoe")
 # (rows a part, warps) of the update writing the copies; the default first
-PARTS = [(adamw._BLOCK_ROWS, adamw._BLOCK_WARPS), (16, 8), (32, 16), (16, 4), (64, 16)]
+PARTS = [(adamw._BLOCK_ROWS, adamw._BLOCK_WARPS), (16, 16), (32, 8), (16, 8)]
 
 
 def _kernels(name: str, tokens: int | None, rounds: int) -> dict:

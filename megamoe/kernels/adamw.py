@@ -44,10 +44,9 @@ __all__ = ["AdamWStep", "adamw_update", "adamw_", "adamw_quantize_"]
 
 # Elements of one program of the elementwise update.
 _BLOCK = 2048
-# A 128x128 block's program: rows a part, warps (the four tensors of a whole block in fp32
-# spill at any warp count)
+# A 128x128 block's program: rows updated at a time, warps
 _BLOCK_ROWS = 32
-_BLOCK_WARPS = 8
+_BLOCK_WARPS = 16
 
 
 class AdamWStep(NamedTuple):
@@ -107,41 +106,54 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel, lr_wd, beta1, beta2, step_s
 
 
 @triton.jit
+def _update_rows(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, stride_n, stride_k,
+                 lr_wd, beta1, beta2, step_size, bc2_sqrt, eps, UPCAST: tl.constexpr):  # fmt: skip
+    """Rows ``rows`` x columns ``cols`` of one expert's [N, K] view (the pointers at its
+    start) updated in place: the new p as stored (zero past N or K) and its absolute
+    maximum."""
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    offsets = rows[:, None] * stride_n + cols[None, :] * stride_k
+    p, m, v = adamw_update(
+        _load_f32(p_ptr, offsets, mask, UPCAST), _load_f32(g_ptr, offsets, mask, UPCAST),
+        _load_f32(m_ptr, offsets, mask, UPCAST), _load_f32(v_ptr, offsets, mask, UPCAST),
+        lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
+    )  # fmt: skip
+    stored = tl.where(mask, p.to(p_ptr.dtype.element_ty), 0.0)
+    tl.store(p_ptr + offsets, stored, mask=mask)
+    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
+    return stored, tl.max(block_amax(source_f32(stored, UPCAST), 1), axis=0)
+
+
+@triton.jit
 def _adamw_fp8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, N, K, stride_e, stride_n, stride_k,
                       lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
                       q_ptr, s_ptr, qt_ptr, st_ptr,
                       ROWS: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """One 128x128 block (expert e, row block nb, column block kb) of [E, N, K] views p, g, m,
-    v of one layout (strides), ``ROWS`` rows at a time: updated in place, then the new p's
-    block, read back (from L2), quantized both ways by its amax over every part."""
+    v of one layout (strides), updated in place ``ROWS`` rows at a time (the four tensors of
+    a whole block spill), and the new block, kept in registers as stored, quantized both ways
+    by the amax of all its parts."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
+    at = e.to(tl.int64) * stride_e
+    p_ptr, g_ptr, m_ptr, v_ptr = p_ptr + at, g_ptr + at, m_ptr + at, v_ptr + at
     cols = kb * 128 + tl.arange(0, 128)
-    base = e.to(tl.int64) * stride_e + cols[None, :] * stride_k
+    hyper = lr_wd, beta1, beta2, step_size, bc2_sqrt, eps
+    parts = ()
     amax = 0.0
     for part in tl.static_range(128 // ROWS):
         rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
-        mask = (rows < N)[:, None] & (cols < K)[None, :]
-        offsets = base + rows[:, None] * stride_n
-        p, m, v = adamw_update(
-            _load_f32(p_ptr, offsets, mask, UPCAST), _load_f32(g_ptr, offsets, mask, UPCAST),
-            _load_f32(m_ptr, offsets, mask, UPCAST), _load_f32(v_ptr, offsets, mask, UPCAST),
-            lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
-        )  # fmt: skip
-        stored = p.to(p_ptr.dtype.element_ty)
-        tl.store(p_ptr + offsets, stored, mask=mask)
-        tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
-        x = tl.where(mask, source_f32(stored, UPCAST), 0.0)
-        amax = tl.maximum(amax, tl.max(block_amax(x, 1), axis=0))
-    tl.debug_barrier()  # (every thread's part of the new p stored before any reads it back)
+        x, part_max = _update_rows(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, stride_n,
+                                   stride_k, *hyper, UPCAST)  # fmt: skip
+        parts = parts + (x,)
+        amax = tl.maximum(amax, part_max)
     scale, inverse = pow2_scale(amax)
     for part in tl.static_range(128 // ROWS):
         rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
-        mask = (rows < N)[:, None] & (cols < K)[None, :]
-        x = tl.where(mask, _load_f32(p_ptr, base + rows[:, None] * stride_n, mask, UPCAST), 0.0)
-        store_weight_rows(x, rows, cols, inverse, e, N, K, q_ptr, qt_ptr, True, True, UPCAST)
+        store_weight_rows(source_f32(parts[part], UPCAST), rows, cols, inverse, e, N, K, q_ptr,
+                          qt_ptr, True, True, UPCAST)  # fmt: skip
     store_weight_scale(scale, e, nb, kb, N, K, s_ptr, st_ptr, True, True)
 
 
