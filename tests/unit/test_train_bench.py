@@ -440,7 +440,7 @@ def test_microbatches_accumulate_the_gradient_of_the_whole_batch(monkeypatch):
     place of AdamW: its step is the gradient itself (AdamW's first step is about sign(grad),
     which rounding flips where a gradient is near zero)."""
     monkeypatch.setattr(
-        tb, "make_optimizer", lambda model, lr, device: torch.optim.SGD(model.parameters(), lr)
+        tb, "make_optimizer", lambda model, lr, *_: torch.optim.SGD(model.parameters(), lr)
     )
     spec = tb.MODELS["qwen3-30b-a3b-tiny"]
     opts = _opts(tiny=True)
