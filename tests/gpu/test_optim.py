@@ -20,17 +20,10 @@ from megamoe.backends import fp8_weights  # noqa: E402
 from megamoe.kernels import fp8  # noqa: E402
 from megamoe.kernels.runtime import poisoned_buffers  # noqa: E402
 from support.adamw import BETAS, EPS, LR, WD, adamw64, within_one_rounding  # noqa: E402
+from support.bits import same_fp8_weight  # noqa: E402
 from support.problems import Case, make_problem  # noqa: E402
 
 DEV = torch.device("cuda")
-
-
-def _same_bits(a: fp8.Fp8Weight, b: fp8.Fp8Weight) -> bool:
-    return all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype == fp8.FP8 else
-        torch.equal(x, y)
-        for x, y in zip(a, b, strict=True)
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -70,7 +63,8 @@ def test_update_and_copies_at_dsv3_shapes(dtype: torch.dtype) -> None:
             assert worst <= 1.0, f"step {step} {list(p.shape)}: {worst:.2f} of the bound"
         count = fp8_weights.CACHE.quantizations
         for view in views:
-            assert _same_bits(fp8_weights.get(view), fp8.quantize_weight(view, transposed=True))
+            fresh = fp8.quantize_weight(view, transposed=True)
+            assert same_fp8_weight(fp8_weights.get(view), fresh)
         assert fp8_weights.CACHE.quantizations == count  # (every view a hit)
 
 

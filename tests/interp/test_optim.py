@@ -16,18 +16,11 @@ from megamoe.backends import fp8_weights
 from megamoe.kernels import adamw, fp8
 from megamoe.kernels.runtime import poisoned_buffers
 from support.adamw import BETAS, EPS, LR, WD, adamw64, within_one_rounding
+from support.bits import same_fp8_weight
 from support.problems import Case, make_problem
 
 # H 144 / I 112: partial 128 blocks along both dims of every weight; a shared expert of 48.
 CASE = Case(24, 144, 112, 2, 1, shared=48, block_rows=128)
-
-
-def _same_weight(a: fp8.Fp8Weight, b: fp8.Fp8Weight) -> bool:
-    return all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype == fp8.FP8 else
-        torch.equal(x, y)
-        for x, y in zip(a, b, strict=True)
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -61,7 +54,7 @@ def test_update_against_float64_adamw_and_the_copies(dtype: torch.dtype) -> None
         count = fp8_weights.CACHE.quantizations
         for view in views:
             cached = fp8_weights.get(view)
-            assert _same_weight(cached, fp8.quantize_weight(view.detach(), transposed=True))
+            assert same_fp8_weight(cached, fp8.quantize_weight(view.detach(), transposed=True))
         assert fp8_weights.CACHE.quantizations == count  # (hits: the update's copies)
 
 

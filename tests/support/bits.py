@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["used_rows", "assert_same_routed", "assert_same_shared", "assert_same_grads"]
+__all__ = [
+    "used_rows",
+    "assert_same_routed",
+    "assert_same_shared",
+    "assert_same_grads",
+    "same_fp8_weight",
+]
 
 
 def used_rows(sched) -> int:
@@ -28,3 +34,16 @@ def assert_same_shared(ctx_a, ctx_b, what: str) -> None:
 def assert_same_grads(g, g_ref, what: str) -> None:
     for name, a, b in zip(g._fields, g, g_ref):
         assert (a is None and b is None) or torch.equal(a, b), f"{what}: grad {name} differs"
+
+
+def same_fp8_weight(a, b) -> bool:
+    """Whether two ``fp8.Fp8Weight`` hold the same bytes and scales (None where both are)."""
+    return all(
+        (x is None and y is None)
+        or (
+            x is not None
+            and y is not None
+            and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        )
+        for x, y in zip(a, b, strict=True)
+    )
