@@ -42,7 +42,9 @@ runs are compared in one run of the tool:
   over ``step_ms``. ``--microbatches M`` accumulates the gradients of ``M`` micro-batches of
   ``--tokens`` before each optimizer step (each loss scaled by ``1 / M``): a step then holds
   ``M * tokens`` tokens, and the optimizer's fixed cost is spread over them as in training
-  runs with large batches.
+  runs with large batches. ``--optimizer megamoe`` (:data:`OPTIMIZERS`) updates the expert
+  weights of fp8 layers with ``megamoe.optim.AdamW``, whose update writes their fp8 copies,
+  and the rest with torch's fused AdamW.
 - **Where the time goes** (``--breakdown``, :mod:`megamoe.tools.step_parts`): marks on the
   routed experts, the MoE blocks, attention and the optimizer step in every timed step of every
   run (the same marks for every implementation); ``breakdown_ms`` holds each part's median ms
