@@ -1,9 +1,10 @@
 """megamoe: a fused, deterministic, expert-parallel Mixture-of-Experts layer for PyTorch on Hopper.
 
-Public API: :class:`MoEConfig`, :class:`MoE`, :class:`TopKRouter`, :mod:`megamoe.functional`.
+Public API: :class:`MoEConfig`, :class:`MoE`, :class:`TopKRouter`, :mod:`megamoe.functional`,
+:mod:`megamoe.optim`.
 """
 
-from . import functional
+from . import functional, optim
 from .config import MoEConfig
 from .errors import CapacityError, RoutingError, StallError
 from .layer import MoE, TopKRouter
@@ -19,6 +20,7 @@ __all__ = [
     "ExpertWeights",
     "MoEGrads",
     "functional",
+    "optim",
     "CapacityError",
     "RoutingError",
     "StallError",

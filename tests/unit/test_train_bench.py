@@ -562,6 +562,7 @@ def test_the_megamoe_optimizer_takes_the_fp8_layers_expert_weights():
     )
     opt = tb.make_optimizer(model, 1e-2, CPU, "megamoe")
     theirs, ours = opt.optimizers
+    assert megamoe.optim is optim  # (as the docs write it: after `import megamoe`)
     assert isinstance(theirs, torch.optim.AdamW) and isinstance(ours, optim.AdamW)
     moe_params = list(model[1].parameters())
     assert [p for g in ours.param_groups for p in g["params"]] == moe_params
