@@ -12,6 +12,7 @@ one untimed step and ``iters`` timed steps (zero_grad, forward, backward, optimi
   bf16+torch      bf16 layer, ``torch.optim.AdamW(fused=True)``
   bf16+megamoe    bf16 layer, ``megamoe.optim.AdamW`` without copies (its update's own speed)
   fp8+torch       fp8 layer, torch's fused AdamW: the forward after each step quantizes
+  fp8+plain       fp8 layer, ``megamoe.optim.AdamW`` without copies: the forward quantizes
   fp8+megamoe     fp8 layer, ``megamoe.optim.AdamW`` writing the copies: the forward reads them
 
 Per variant the medians of the step, of forward + backward and of the optimizer step (CUDA
@@ -44,7 +45,7 @@ from megamoe.kernels import adamw, fp8
 from megamoe.shapes import get_model_shape, get_preset
 from megamoe.tools.bench_kernels import event_times_ms
 
-VARIANTS = ("bf16+torch", "bf16+megamoe", "fp8+torch", "fp8+megamoe")
+VARIANTS = ("bf16+torch", "bf16+megamoe", "fp8+torch", "fp8+plain", "fp8+megamoe")
 # (rows a part, warps) of the update writing the copies; the default first
 PARTS = [(adamw._BLOCK_ROWS, adamw._BLOCK_WARPS), (16, 16), (32, 8), (16, 8)]
 
@@ -136,6 +137,7 @@ def _run_model(name: str, tokens: int | None, iters: int, rounds: int) -> dict:
         "bf16+torch": (layers["bf16"], optimizers["torch"]),
         "bf16+megamoe": (layers["bf16"], optimizers["plain"]),
         "fp8+torch": (layers["fp8"], optimizers["torch"]),
+        "fp8+plain": (layers["fp8"], optimizers["plain"]),
         "fp8+megamoe": (layers["fp8"], optimizers["copies"]),
     }
     gen = torch.Generator(device=dev).manual_seed(0)

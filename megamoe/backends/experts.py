@@ -73,10 +73,10 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8.quantize_cols(_pad16(x))
 
 
-def _rows_cols(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """(``quantize_rows(x)``, :func:`_cols` of ``x``) from one pass over ``x``: a data
-    gradient's A operand that a weight gradient reads too."""
-    return fp8.quantize_rows_cols(x, pad_to=16)
+def _rows_cols(x: torch.Tensor, sched: RowSchedule) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """(``quantize_rows(x)``, :func:`_cols` of ``x``) from one pass over the used rows of ``x``
+    (in ``sched``'s layout): a data gradient's A operand that a weight gradient reads too."""
+    return fp8.quantize_rows_cols(x, pad_to=16, used=fp8_gemm.used_rows(sched, x.shape[0]))
 
 
 def _h_cols(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,10 +86,15 @@ def _h_cols(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor
     return fp8.unpack_rows(packed, rows + -rows % 16)
 
 
-def _x_cols(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _x_cols(
+    packed: torch.Tensor, hidden: int, sched: RowSchedule | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate/up weight gradients' x operand: x^T 128x1-quantized, re-blocked from the
-    packed 1x128 rows the forward read (``fp8.requantize_cols``; once for gate and up)."""
-    return fp8.requantize_cols(*fp8.unpack_rows(_pad16(packed), hidden))
+    packed 1x128 rows the forward read (``fp8.requantize_cols``; once for gate and up), of
+    ``sched``'s used rows (a routed layout) or of all of them (tokens)."""
+    rows = _pad16(packed)
+    used = fp8_gemm.used_rows(sched, rows.shape[0]) if sched is not None else None
+    return fp8.requantize_cols(*fp8.unpack_rows(rows, hidden), used=used)
 
 
 def _fp8_wgrad(
@@ -209,7 +214,7 @@ def _fp8_dgrad(
     (:func:`_rows_cols`), or by the route grad (``dz`` then its :class:`QuantizedRows`), d_g's
     and d_u's by the SwiGLU backward (``fp8_gemm.dgrad_swiglu_quantized``)."""
     quantized = isinstance(dz, QuantizedRows)
-    (dzq, dzq_s), dz_cols = dz if quantized else _rows_cols(dz)
+    (dzq, dzq_s), dz_cols = dz if quantized else _rows_cols(dz, sched)
     dtype = g.dtype if quantized else dz.dtype  # the data gradients' (d_z's: the route grad's)
     ((gq, gs), dg_cols), ((uq, us), du_cols) = fp8_gemm.dgrad_swiglu_quantized(
         dzq, dzq_s, w_down, g, u, sched, programs, dtype
@@ -225,7 +230,8 @@ def routed_wgrad(dgrad: Dgrad, ctx: TritonContext) -> tuple[torch.Tensor, ...]:
     sched, routed, w = ctx.schedule.routed, ctx.routed, ctx.weights
     dtype = dgrad.dx.dtype
     if _is_fp8(ctx.schedule.config):
-        xs, h = _x_cols(routed.xs, w.w_gate.shape[-1]), _h_cols(routed.h, routed.xs.shape[0])
+        xs = _x_cols(routed.xs, w.w_gate.shape[-1], sched)
+        h = _h_cols(routed.h, routed.xs.shape[0])
         wgrad = functools.partial(_fp8_wgrad, out_dtype=dtype)
     else:
         xs, h, wgrad = routed.xs, routed.h, gemm.wgrad

@@ -65,6 +65,8 @@ __all__ = [
     "quantize_cols",
     "quantize_rows_cols",
     "rows_cols_buffers",
+    "UsedRows",
+    "block_in_use",
     "quantize_weight",
     "PACK_WORDS",
     "packed_width",
@@ -113,6 +115,20 @@ class Fp8Weight(NamedTuple):
     scale: torch.Tensor | None  # float32 [E, ceil(N/128), ceil(K/128)]
     q_t: torch.Tensor | None = None  # float8_e4m3fn [E, K, N]
     scale_t: torch.Tensor | None = None  # float32 [E, ceil(K/128), ceil(N/128)]
+
+
+class UsedRows(NamedTuple):
+    """The rows of a row layout that hold data, read on the device: of each ``period`` rows of a
+    source (one layout, or several stacked), the first ``num_blocks * block_rows``
+    (``RowSchedule.num_blocks`` and ``block_rows``: a layout's buffers are sized for the worst
+    case, W times the balanced rows at W > 1 without a capacity). A pass given it skips the
+    128-row blocks past them whole (nothing reads them), so it moves the bytes of the rows
+    used; their outputs stay unwritten. ``block_rows`` must be a multiple of 128 (fp8 layers'
+    are)."""
+
+    num_blocks: torch.Tensor  # int32 [1]
+    block_rows: int
+    period: int
 
 
 @triton.jit
@@ -197,6 +213,17 @@ def block_amax(x, axis: tl.constexpr):
     """Absolute maximum along ``axis`` of an fp32 tile, NaN ignored (0 for an all-NaN block)."""
     a = tl.abs(x)
     return tl.max(tl.where(a == a, a, 0.0), axis=axis)
+
+
+@triton.jit
+def block_in_use(row0, used, BOUNDED: tl.constexpr):
+    """Whether the 128-row block at row ``row0`` holds used rows: under a :class:`UsedRows`
+    ``used`` (num_blocks_ptr, block_rows, period) when ``BOUNDED``, else always."""
+    if BOUNDED:
+        num_blocks_ptr, block_rows, period = used
+        return row0 % period < tl.load(num_blocks_ptr) * block_rows
+    else:
+        return row0 >= 0
 
 
 @triton.jit
@@ -327,35 +354,39 @@ def _quantize_cols_kernel(
     stride_rk,
     stride_sk,
     stride_sb,
+    used,
     COLS: tl.constexpr,
     DEQUANT: tl.constexpr,
+    BOUNDED: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One [128, COLS] tile: 128x1 scales along M; writes q_t [K, M] (x^T) row-major. With
     ``DEQUANT`` x is fp8 with 1x128 row scales ``rs`` [M, ceil(K/128)], and the values
     quantized are x * rs in fp32 (exact: the scales are powers of two); COLS divides 128, so
-    a tile's columns share one row scale."""
+    a tile's columns share one row scale. With ``BOUNDED`` only tiles of rows in ``used``
+    (:func:`block_in_use`)."""
     mb = tl.program_id(0)
-    rows = mb * 128 + tl.arange(0, 128)
-    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    row_ok, col_ok = rows < M, cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
-    if DEQUANT:
-        kb = (tl.program_id(1) * COLS) // 128
-        rs = tl.load(rs_ptr + rows64 * stride_rm + kb * stride_rk, mask=row_ok, other=0.0)
-        x = from_e4m3(x, UPCAST) * rs[:, None]
-    else:
-        x = source_f32(x, UPCAST)
-    x = tl.where(mask, x, 0.0)
-    store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, M, stride_sk, mb * stride_sb,
-                     UPCAST)  # fmt: skip
+    if block_in_use(mb * 128, used, BOUNDED):
+        rows = mb * 128 + tl.arange(0, 128)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        row_ok, col_ok = rows < M, cols < K
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
+        if DEQUANT:
+            kb = (tl.program_id(1) * COLS) // 128
+            rs = tl.load(rs_ptr + rows64 * stride_rm + kb * stride_rk, mask=row_ok, other=0.0)
+            x = from_e4m3(x, UPCAST) * rs[:, None]
+        else:
+            x = source_f32(x, UPCAST)
+        x = tl.where(mask, x, 0.0)
+        store_col_blocks(x, rows, cols, row_ok, col_ok, qt_ptr, s_ptr, M, stride_sk,
+                         mb * stride_sb, UPCAST)  # fmt: skip
 
 
 @triton.jit
-def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
-                               UPCAST: tl.constexpr):  # fmt: skip
+def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, used, CHUNK: tl.constexpr,
+                               BOUNDED: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """One 128x128 tile of ``x [M, K]`` a program (row block ``program_id(0)``, column block
     ``program_id(1)``), both quantizations: 1x128 into q [M, K] and its scales, in [CHUNK, 128]
     row chunks, then 128x1 into q_t [K, M_out] (x^T, rows ``stride_qt`` apart; its columns
@@ -365,28 +396,30 @@ def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, CHUNK: tl.constexpr,
 
     ``src`` (x_ptr, M, stride_xm, stride_xk); ``rows_out`` (q_ptr, s_ptr, stride_sm,
     stride_sk), q's rows K apart; ``cols_out`` (qt_ptr, st_ptr, M_out, stride_qt, stride_stk,
-    stride_stb)."""
+    stride_stb). With ``BOUNDED`` only tiles of rows in ``used`` (:func:`block_in_use`)."""
     mb = tl.program_id(0)
     kb = tl.program_id(1)
-    x_ptr, M, stride_xm, stride_xk = src
-    q_ptr, s_ptr, stride_sm, stride_sk = rows_out
-    qt_ptr, st_ptr, M_out, stride_qt, stride_stk, stride_stb = cols_out
-    cols = kb * 128 + tl.arange(0, 128)
-    col_ok = cols < K
-    for c in tl.static_range(128 // CHUNK):
-        rows = mb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+    if block_in_use(mb * 128, used, BOUNDED):
+        x_ptr, M, stride_xm, stride_xk = src
+        q_ptr, s_ptr, stride_sm, stride_sk = rows_out
+        qt_ptr, st_ptr, M_out, stride_qt, stride_stk, stride_stb = cols_out
+        cols = kb * 128 + tl.arange(0, 128)
+        col_ok = cols < K
+        for c in tl.static_range(128 // CHUNK):
+            rows = mb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+            row_ok = rows < M
+            x = _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCAST)
+            store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm,
+                             kb * stride_sk, UPCAST)  # fmt: skip
+        rows = mb * 128 + tl.arange(0, 128)
         row_ok = rows < M
-        x = _load_f32_tile(x_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_xk, UPCAST)
-        store_row_blocks(x, rows, cols, row_ok, col_ok, q_ptr, s_ptr, K, stride_sm,
-                         kb * stride_sk, UPCAST)  # fmt: skip
-    rows = mb * 128 + tl.arange(0, 128)
-    row_ok = rows < M
-    for c in tl.static_range(128 // CHUNK):
-        chunk = kb * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        chunk_ok = chunk < K
-        x = _load_f32_tile(x_ptr, rows, chunk, row_ok, chunk_ok, stride_xm, stride_xk, UPCAST)
-        store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, stride_qt,
-                         stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
+        for c in tl.static_range(128 // CHUNK):
+            chunk = kb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+            chunk_ok = chunk < K
+            x = _load_f32_tile(x_ptr, rows, chunk, row_ok, chunk_ok, stride_xm, stride_xk,
+                               UPCAST)  # fmt: skip
+            store_col_blocks(x, rows, chunk, rows < M_out, chunk_ok, qt_ptr, st_ptr, stride_qt,
+                             stride_stk, mb * stride_stb, UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -497,12 +530,42 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _used_args(used: UsedRows | None, m: int, anchor: torch.Tensor) -> tuple[tuple, bool]:
+    """(the kernels' ``used`` argument, BOUNDED) of a pass over ``m`` rows: ``used`` checked,
+    or a placeholder (``anchor``'s pointer) without a bound."""
+    if used is None:
+        return (anchor, 1, 1), False
+    if not isinstance(used, UsedRows):
+        raise TypeError(f"used must be a UsedRows or None, got {type(used).__name__}")
+    num_blocks, block_rows, period = used
+    if (
+        not isinstance(num_blocks, torch.Tensor)
+        or num_blocks.dtype != torch.int32
+        or num_blocks.numel() != 1
+        or num_blocks.device != anchor.device
+    ):
+        raise ValueError(
+            f"used.num_blocks must be a one-element int32 tensor on {anchor.device}, got "
+            f"{getattr(num_blocks, 'dtype', type(num_blocks).__name__)} "
+            f"{list(getattr(num_blocks, 'shape', []))} on {getattr(num_blocks, 'device', None)}"
+        )
+    if not isinstance(block_rows, int) or block_rows < 1 or block_rows % BLOCK:
+        raise ValueError(f"used.block_rows must be a multiple of {BLOCK}, got {block_rows!r}")
+    if not isinstance(period, int) or period < 1 or period % BLOCK or m % period:
+        raise ValueError(
+            f"used.period must be a multiple of {BLOCK} that divides the source's {m} rows, "
+            f"got {period!r}"
+        )
+    return (num_blocks, block_rows, period), True
+
+
 def _quantize_cols_launch(
-    x: torch.Tensor, row_scale: torch.Tensor | None
+    x: torch.Tensor, row_scale: torch.Tensor | None, used: UsedRows | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_t, scale) of the 128x1 quantization of ``x``, or with ``row_scale`` of the values
-    ``x * row_scale`` of fp8 rows ``x``."""
+    ``x * row_scale`` of fp8 rows ``x``; with ``used`` of its used rows only."""
     m, k = x.shape
+    used_args, bounded = _used_args(used, m, x)
     mb = cdiv(m, BLOCK)
     q_t = empty((k, m), FP8, x.device)
     scale = empty((mb, k), torch.float32, x.device).t()
@@ -525,8 +588,10 @@ def _quantize_cols_launch(
             rs.stride(1),
             scale.stride(0),
             scale.stride(1),
+            used_args,
             COLS=cols,
             DEQUANT=row_scale is not None,
+            BOUNDED=bounded,
             UPCAST=interpreting(),
             num_warps=4,
         )
@@ -543,7 +608,10 @@ def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows_cols(
-    x: torch.Tensor, pad_to: int = 1, cols_out: torch.Tensor | None = None
+    x: torch.Tensor,
+    pad_to: int = 1,
+    cols_out: torch.Tensor | None = None,
+    used: UsedRows | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``(quantize_rows(x), quantize_cols(x'))`` in one pass over ``x [M, K]``, ``x'`` being
     ``x`` with zero rows appended up to a multiple of ``pad_to`` rows (so q_t is [K, M'] with
@@ -554,9 +622,12 @@ def quantize_rows_cols(
 
     ``cols_out``: the 128x1 quantization goes into these packed rows of x'^T ([K,
     packed_width(M')] int16, :func:`pack_rows`' layout; one tensor to keep for a backward) and
-    its (q_t, scale) are their :func:`unpack_rows` views."""
+    its (q_t, scale) are their :func:`unpack_rows` views.
+
+    ``used``: only the used rows of a row layout (:class:`UsedRows`) are read and quantized."""
     _check_source("x", x, 2)
     m, k = x.shape
+    used_args, bounded = _used_args(used, m, x)
     (q, scale), (q_t, scale_t), m_out = rows_cols_buffers(m, k, x.device, pad_to, cols_out)
     mb, kb = cdiv(m_out, BLOCK), cdiv(k, BLOCK)
     if m_out and k:
@@ -567,7 +638,9 @@ def quantize_rows_cols(
             (q, scale, scale.stride(0), scale.stride(1)),
             (q_t, scale_t, m_out, q_t.stride(0), scale_t.stride(0), scale_t.stride(1)),
             k,
+            used_args,
             CHUNK=_ROWS_COLS_CHUNK,
+            BOUNDED=bounded,
             UPCAST=interpreting(),
             num_warps=_ROWS_COLS_WARPS,
         )
@@ -608,7 +681,9 @@ def _check_quantized(q: torch.Tensor, scale: torch.Tensor) -> None:
         )
 
 
-def requantize_cols(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def requantize_cols(
+    q: torch.Tensor, scale: torch.Tensor, used: UsedRows | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_cols`` of the values ``q * scale`` of 1x128-quantized rows (``q [M, K]`` fp8,
     ``scale [M, ceil(K/128)]``, any strides: e.g. :func:`unpack_rows`' views), in one pass.
 
@@ -618,9 +693,11 @@ def requantize_cols(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     scale (also a power of two, at least amax / 448) it still is, so it is requantized exactly
     unless it falls into E4M3's subnormal range (below 2^-6 times the new scale: below amax /
     14336 of its column block), where it is rounded to a multiple of 2^-9 times the scale.
+
+    ``used``: only the used rows of a row layout (:class:`UsedRows`) are read and requantized.
     """
     _check_quantized(q, scale)
-    return _quantize_cols_launch(q, scale)
+    return _quantize_cols_launch(q, scale, used)
 
 
 def dequantize_rows(

@@ -80,6 +80,7 @@ __all__ = [
     "dgrad_swiglu_quantized",
     "dgrad_pair",
     "wgrad",
+    "used_rows",
 ]
 
 # Hopper choices (H200), from the interleaved tile sweep (megamoe.tools.sweep_tiles): tiles of
@@ -1063,7 +1064,7 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h, a
             h_quant,
             arrivals,
         )
-        return (g, u, (hq, h_t)) if h_quant is not None else _with_h(g, u, h, h_t)
+        return (g, u, (hq, h_t)) if h_quant is not None else _with_h(g, u, h, h_t, sched)
     h = empty((rows, n), out_dtype, a.device)
     t = triton_tiles("gate_up", t)
     work = sched.max_blocks * block_tiles * cdiv(n, t.bn)
@@ -1098,16 +1099,25 @@ def _gate_up(a, a_scale, w_gate, w_up, sched, programs, out_dtype, quantize_h, a
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    return _with_h(g, u, h, h_t)
+    return _with_h(g, u, h, h_t, sched)
 
 
-def _with_h(g, u, h, h_t):
+def _with_h(g, u, h, h_t, sched):
     """(g, u, h), or with ``h_t`` (packed rows of h^T) (g, u, (h's 1x128 quantization, h_t))
-    from ``fp8.quantize_rows_cols``' pass over h."""
+    from ``fp8.quantize_rows_cols``' pass over h's used rows."""
     if h_t is None:
         return g, u, h
-    hq, _ = fp8.quantize_rows_cols(h, pad_to=16, cols_out=h_t)
+    hq, _ = fp8.quantize_rows_cols(h, pad_to=16, cols_out=h_t, used=used_rows(sched, h.shape[0]))
     return g, u, (hq, h_t)
+
+
+def used_rows(sched: RowSchedule, rows: int) -> fp8.UsedRows | None:
+    """The used rows of ``sched``'s layout in a buffer of ``rows`` rows (``fp8.UsedRows``), for
+    the quantization passes over it; None where the rows are not whole 128-row blocks (a
+    token layout, the shared expert's: every row used)."""
+    if rows % fp8.BLOCK or sched.block_rows % fp8.BLOCK:
+        return None
+    return fp8.UsedRows(sched.num_blocks, sched.block_rows, rows)
 
 
 def _sub_rows(kind: str, t: GemmTiles, bm: int) -> int:
@@ -1185,7 +1195,7 @@ def _mm_launch(
     if ws:
         fp8_ws.launch_grouped_mm(pairs, sched, outs, t.stages, programs, t.group_m, gu, t.bn,
                                  stored=stored)  # fmt: skip
-        return _rows_cols_of(out) if quantize else outs
+        return _rows_cols_of(out, sched) if quantize else outs
     if stored is not None:
         raise ValueError(
             "stored: only the warp-specialized kernel (Hopper, bf16 output) counts its stored tiles"
@@ -1241,7 +1251,7 @@ def _mm_launch(
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    return _rows_cols_of(out) if quantize else outs
+    return _rows_cols_of(out, sched) if quantize else outs
 
 
 def _packed_cols(rows: int, n: int, device: torch.device) -> torch.Tensor:
@@ -1256,14 +1266,15 @@ def _rows_cols_out(rows: int, n: int, device: torch.device) -> fp8_ws.Quantized:
     return fp8.rows_cols_buffers(rows, n, device, 16, _packed_cols(rows, n, device))[:2]
 
 
-def _rows_cols_of(both: torch.Tensor) -> list[fp8_ws.Quantized]:
+def _rows_cols_of(both: torch.Tensor, sched: RowSchedule) -> list[fp8_ws.Quantized]:
     """``fp8.quantize_rows_cols(x, pad_to=16)`` of each [m, n] half of ``both`` [2, m, n]
-    (contiguous), in one pass where no 128-row block straddles the two (m % 128 == 0: the
-    same blocks, the same bits)."""
+    (contiguous; rows in ``sched``'s layout, only the used ones read), in one pass where no
+    128-row block straddles the two (m % 128 == 0: the same blocks, the same bits)."""
     _, m, n = both.shape
+    used = used_rows(sched, m)
     if m % BLOCK:
-        return [fp8.quantize_rows_cols(x, pad_to=16) for x in both]
-    (q, s), (q_t, s_t) = fp8.quantize_rows_cols(both.view(2 * m, n), pad_to=16)
+        return [fp8.quantize_rows_cols(x, pad_to=16, used=used) for x in both]
+    (q, s), (q_t, s_t) = fp8.quantize_rows_cols(both.view(2 * m, n), pad_to=16, used=used)
     b = m // BLOCK
     return [((q[:m], s[:m]), (q_t[:, :m], s_t[:, :b])), ((q[m:], s[m:]), (q_t[:, m:], s_t[:, b:]))]
 

@@ -204,6 +204,10 @@ def _fp8_step(cfg, tokens: int) -> None:
     fp8_gemm.dgrad_pair(*fp8.quantize_rows(dg), w_gate, *fp8.quantize_rows(du), w_up, s)
     fp8_gemm.wgrad(*fp8.quantize_cols(dg), *fp8.quantize_cols(_meta(s.rows, h)), s)
     fp8.quantize_rows_cols(_meta(s.rows, h), pad_to=16)
+    # the passes over a routed layout's used rows (d_z, d_g and d_u; x's 128x1 re-blocking)
+    used = fp8_gemm.used_rows(s, s.rows)
+    fp8.quantize_rows_cols(_meta(s.rows, h), pad_to=16, used=used)
+    fp8.requantize_cols(*fp8.quantize_rows(_meta(s.rows, h)), used=used)
     # the optimizer's update (megamoe.optim.AdamW): writing the weights' copies, and plain
     hyper = adamw.AdamWStep(1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
     adamw.adamw_quantize_(*(_meta(e, i, h) for _ in range(4)), hyper)

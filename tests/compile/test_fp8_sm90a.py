@@ -61,6 +61,10 @@ def step(h, i, e, tokens, top_k, block_rows):
     fp8_gemm.wgrad(*fp8.quantize_cols(meta(s.rows, h)), *fp8.quantize_cols(hh), s,
                    out_dtype=torch.float32)
     fp8.quantize_rows_cols(meta(s.rows, h), pad_to=16)  # d_z for its dgrad and wgrad
+    # the passes over a routed layout's used rows only
+    used = fp8_gemm.used_rows(s, s.rows)
+    fp8.quantize_rows_cols(meta(s.rows, h), pad_to=16, used=used)
+    fp8.requantize_cols(*fp8.quantize_rows(meta(s.rows, h)), used=used)
     # the route grad on dy's packed rows: pulled (by row, W > 1) and by token (W = 1)
     z, w = meta(s.rows, h), meta(tokens * top_k, dtype=torch.float32)
     rows.route_grad_rows(meta(s.rows, fp8.packed_width(h), dtype=torch.int16), z, w, s)
@@ -122,7 +126,8 @@ for launch in launches:
     names = launch.fn.arg_names
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
                     if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
-                                       "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H", "QUANT")}
+                                       "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H", "QUANT",
+                                           "BOUNDED")}
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
@@ -190,6 +195,10 @@ def test_quantizers_use_the_saturating_conversion(reports: list[dict]) -> None:
     for r in reports:
         if r["name"] in QUANTIZERS:
             assert r["cvt_satfinite"], f"{_what(r)}: no cvt.rn.satfinite.e4m3x2.f32"
+    # the passes over a routed layout compile bounded by its used rows and unbounded
+    for name in ("_quantize_cols_kernel", "_quantize_rows_cols_kernel"):
+        bounded = {r["variant"]["BOUNDED"] for r in reports if r["name"] == name}
+        assert bounded == {False, True}, (name, bounded)
 
 
 def test_gate_up_quantizes_h_in_its_epilogue(reports: list[dict]) -> None:

@@ -330,6 +330,49 @@ def test_requantize_cols_is_quantize_cols_of_the_dequantized_rows() -> None:
     assert (direct != reblocked).double().mean() < 1e-4
 
 
+def test_passes_over_a_row_layout_read_and_write_only_its_used_rows() -> None:
+    """Given ``UsedRows``, ``quantize_rows_cols`` (two stacked layouts in one pass, as the
+    SwiGLU backward's d_g and d_u) and ``requantize_cols`` write, on the used rows, the bits
+    of the unbounded passes over those rows alone, and leave every 128-row block past them
+    unwritten (poison) and unread (inf there would zero the used blocks' scales or warn in
+    the interpreter); a bad bound is named."""
+    m, n, used_blocks = 512, 272, 2
+    used = used_blocks * 128
+    num_blocks = torch.tensor([used_blocks], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(21)
+    both = torch.randn(2, m, n, generator=gen).to(torch.bfloat16)
+    both[:, used:] = float("inf")  # (a capacity buffer's unwritten rows)
+    bound = fp8.UsedRows(num_blocks, 128, m)
+    with poisoned_buffers():
+        (q, s), (q_t, s_t) = fp8.quantize_rows_cols(both.view(2 * m, n), used=bound)
+        packed = fp8.pack_rows(*fp8.quantize_rows(both[0, :used]))
+        packed = torch.cat([packed, packed.new_full((m - used, packed.shape[1]), 0x7F7F)])
+        rq_t, rs_t = fp8.requantize_cols(*fp8.unpack_rows(packed, n), used=bound)
+    want_rq, want_rs = fp8.requantize_cols(*fp8.quantize_rows(both[0, :used]))
+    assert same_bytes(rq_t[:, :used], want_rq) and torch.equal(rs_t[:, :used_blocks], want_rs)
+    assert rq_t[:, used:].view(torch.uint8).eq(0x7F).all() and rs_t[:, used_blocks:].isnan().all()
+    for half in range(2):
+        rows = slice(half * m, half * m + used)
+        (wq, ws), (wq_t, ws_t) = fp8.quantize_rows_cols(both[half, :used])
+        assert same_bytes(q[rows], wq) and torch.equal(s[rows], ws)
+        blocks = slice(half * m // 128, half * m // 128 + used_blocks)
+        assert same_bytes(q_t[:, rows], wq_t) and torch.equal(s_t[:, blocks], ws_t)
+        past = slice(half * m + used, (half + 1) * m)
+        assert q[past].view(torch.uint8).eq(0x7F).all() and s[past].isnan().all()
+        assert q_t[:, past].view(torch.uint8).eq(0x7F).all()
+        past_blocks = slice(blocks.stop, (half + 1) * m // 128)
+        assert s_t[:, past_blocks].isnan().all()
+    x = both[0]
+    for bad, match in [
+        (fp8.UsedRows(num_blocks.long(), 128, m), "used.num_blocks must be a one-element int32"),
+        (fp8.UsedRows(num_blocks, 64, m), "used.block_rows must be a multiple of 128"),
+        (fp8.UsedRows(num_blocks, 128, 384), "used.period must be a multiple of 128 that"),
+        ((num_blocks, 128, m), "used must be a UsedRows"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            fp8.quantize_rows_cols(x, used=bad)
+
+
 def test_route_grad_reads_packed_dy_rows() -> None:
     """The route grad on packed fp8 rows of dy (by token and, pulled, by row): dz = w * dy and
     dw = <dy, z> of the dequantized dy, against float64 (dz within its bf16 rounding, dw
@@ -390,7 +433,7 @@ def test_route_grad_quantizes_dz(monkeypatch, h: int, chunk: int) -> None:
     packed = fp8.quantize_packed(dy)
     dz, dw_plain = rows.route_grad(packed, z, w, sched)
     with poisoned_buffers():
-        want = fp8.quantize_rows_cols(dz)
+        want = fp8.quantize_rows_cols(dz, used=fp8.UsedRows(sched.num_blocks, 128, sched.rows))
         got, dw = rows.route_grad(packed, z, w, sched, quantize=True)
         got_rows, dw_rows = rows.route_grad_rows(
             rows.gather(packed, sched), z, w, sched, quantize=True
