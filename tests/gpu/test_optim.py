@@ -30,7 +30,7 @@ DEV = torch.device("cuda")
 def test_update_and_copies_at_dsv3_shapes(dtype: torch.dtype) -> None:
     """Four of dsv3's experts (stacked gate/up [4, 4096, 7168], down [4, 7168, 2048]) and a
     shared expert's [2048, 7168], three steps: each within one rounding of float64 AdamW from
-    the same state, within two roundings of torch's fused AdamW, and the copies
+    the same state, within two roundings (and torch's fp32 error) of torch's fused AdamW, and the copies
     ``quantize_weight``'s bits of the new weights (poisoned buffers)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     shapes = [(4, 4096, 7168), (4, 7168, 2048), (2048, 7168)]
@@ -56,9 +56,11 @@ def test_update_and_copies_at_dsv3_shapes(dtype: torch.dtype) -> None:
             for got, (w64, size) in zip((p.detach(), st["exp_avg"], st["exp_avg_sq"]), want[p]):
                 assert within_one_rounding(got, w64, size), f"step {step} {list(p.shape)}"
             # torch's roundings, of its moments from its own steps too: within two of the
-            # stored dtype's at the terms' size
+            # stored dtype's at the terms' size, plus its fp32 arithmetic's (fast-math square
+            # root and division: up to a few fp32 roundings, what an fp32 parameter shows)
             p64, size = want[p][0]
-            bound = 2 * torch.finfo(dtype).eps * (p64.abs() + size)
+            eps = 2 * torch.finfo(dtype).eps + 8 * torch.finfo(torch.float32).eps
+            bound = eps * (p64.abs() + size)
             worst = ((q.detach().double() - p.detach().double()).abs() / bound).max().item()
             assert worst <= 1.0, f"step {step} {list(p.shape)}: {worst:.2f} of the bound"
         count = fp8_weights.CACHE.quantizations
