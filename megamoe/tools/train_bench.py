@@ -42,9 +42,9 @@ runs are compared in one run of the tool:
   over ``step_ms``. ``--microbatches M`` accumulates the gradients of ``M`` micro-batches of
   ``--tokens`` before each optimizer step (each loss scaled by ``1 / M``): a step then holds
   ``M * tokens`` tokens, and the optimizer's fixed cost is spread over them as in training
-  runs with large batches. ``--optimizer megamoe`` (:data:`OPTIMIZERS`) updates the expert
-  weights of fp8 layers with ``megamoe.optim.AdamW``, whose update writes their fp8 copies,
-  and the rest with torch's fused AdamW.
+  runs with large batches. ``--optimizer megamoe`` (:data:`OPTIMIZERS`) updates the large
+  parameters with ``megamoe.optim.AdamW`` and the rest with torch's fused AdamW;
+  ``megamoe-copies`` also has megamoe's update write the fp8 layers' weight copies.
 - **Where the time goes** (``--breakdown``, :mod:`megamoe.tools.step_parts`): marks on the
   routed experts, the MoE blocks, attention and the optimizer step in every timed step of every
   run (the same marks for every implementation); ``breakdown_ms`` holds each part's median ms
@@ -928,7 +928,11 @@ def restore(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 # "torch": torch's AdamW for every parameter; "megamoe": megamoe.optim.AdamW for the expert
 # weights of fp8 layers (its update writes their fp8 copies), torch's for the rest.
-OPTIMIZERS = ("torch", "megamoe")
+OPTIMIZERS = ("torch", "megamoe", "megamoe-copies")
+# Parameters of at least this many elements go to megamoe's AdamW under ``--optimizer megamoe``
+# (one launch each, 1.33x torch's fused update on dsv3's expert weights, BENCHMARKS.md); the
+# smaller ones stay in torch's one multi-tensor launch.
+MEGAMOE_UPDATE_NUMEL = 1 << 20
 
 
 class _Optimizers:
@@ -947,23 +951,29 @@ class _Optimizers:
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device, kind: str = "torch"):
-    """AdamW over the trainable parameters (:data:`OPTIMIZERS`); with ``kind`` "megamoe" and
-    fp8 layers in ``model``, their expert weights go to ``megamoe.optim.AdamW``."""
+    """AdamW over the trainable parameters (:data:`OPTIMIZERS`): torch's fused AdamW, or with
+    ``kind`` "megamoe" ``megamoe.optim.AdamW`` for the contiguous parameters of at least
+    :data:`MEGAMOE_UPDATE_NUMEL` elements and torch's for the rest; "megamoe-copies" also
+    gives megamoe's the expert weights of ``model``'s fp8 layers, with their views (its update
+    writes their fp8 copies)."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": False}
-    views = []
-    if kind == "megamoe":
-        from .. import optim
-
-        views = optim.fp8_weight_views(model)
-    if not views:
+    if kind == "torch":
         return torch.optim.AdamW(params, lr=lr, **kwargs)
     from .. import optim
 
-    experts = optim.parameters_of(views, params)
-    rest = [p for p in params if all(p is not q for q in experts)]
-    ours = optim.AdamW(experts, lr=lr, fp8_views=views)
-    return _Optimizers(torch.optim.AdamW(rest, lr=lr, **kwargs), ours) if rest else ours
+    views = optim.fp8_weight_views(model) if kind == "megamoe-copies" else []
+    copied = optim.parameters_of(views, params)
+    ours = [
+        p
+        for p in params
+        if any(p is q for q in copied) or (p.numel() >= MEGAMOE_UPDATE_NUMEL and p.is_contiguous())
+    ]
+    if not ours:
+        return torch.optim.AdamW(params, lr=lr, **kwargs)
+    rest = [p for p in params if all(p is not q for q in ours)]
+    mine = optim.AdamW(ours, lr=lr, fp8_views=views)
+    return _Optimizers(torch.optim.AdamW(rest, lr=lr, **kwargs), mine) if rest else mine
 
 
 @dataclass
@@ -1489,8 +1499,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=OPTIMIZERS,
         default="torch",
         help="torch: torch's fused AdamW for every parameter (default); megamoe: "
-        "megamoe.optim.AdamW for the fp8 layers' expert weights, whose update writes their fp8 "
-        "copies (the forward quantizes nothing), torch's for the rest",
+        "megamoe.optim.AdamW for the parameters of at least 2^20 elements, torch's for the rest; "
+        "megamoe-copies: also the fp8 layers' expert weights, whose update writes their fp8 "
+        "copies (the forward quantizes nothing; slower on an H100 than the forward's pass)",
     )
     p.add_argument(
         "--breakdown",

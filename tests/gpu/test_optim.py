@@ -30,8 +30,8 @@ DEV = torch.device("cuda")
 def test_update_and_copies_at_dsv3_shapes(dtype: torch.dtype) -> None:
     """Four of dsv3's experts (stacked gate/up [4, 4096, 7168], down [4, 7168, 2048]) and a
     shared expert's [2048, 7168], three steps: each within one rounding of float64 AdamW from
-    the same state, within two roundings (and torch's fp32 error) of torch's fused AdamW, and the copies
-    ``quantize_weight``'s bits of the new weights (poisoned buffers)."""
+    the same state, within two roundings (and torch's fp32 error) of torch's fused AdamW, and
+    the copies ``quantize_weight``'s bits of the new weights (poisoned buffers)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     shapes = [(4, 4096, 7168), (4, 7168, 2048), (2048, 7168)]
     ours = [torch.nn.Parameter(torch.randn(s, device=DEV, generator=gen).to(dtype)) for s in shapes]

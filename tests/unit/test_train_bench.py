@@ -549,10 +549,12 @@ def test_an_fp8_impl_records_its_precision_and_trains_close_to_bf16():
     assert tb.experts_key("native") == tb.NATIVE_KEY
 
 
-def test_the_megamoe_optimizer_takes_the_fp8_layers_expert_weights():
-    """``--optimizer megamoe``: the expert weights of fp8 layers go to ``megamoe.optim.AdamW``
-    (with their views), every other parameter to torch's AdamW, and a step of both updates
-    each parameter once; without fp8 layers (or with ``torch``) torch's AdamW takes them all."""
+def test_the_megamoe_optimizers_take_the_large_parameters_and_the_fp8_copies(monkeypatch):
+    """``--optimizer megamoe``: the parameters of at least ``MEGAMOE_UPDATE_NUMEL`` elements go
+    to ``megamoe.optim.AdamW`` (no copies), the rest to torch's AdamW; ``megamoe-copies`` also
+    gives it the expert weights of fp8 layers with their views, and a step of both updates
+    each parameter once and leaves the copies of the layer's six weights in the cache; with
+    no large parameter (or with ``torch``) torch's AdamW takes them all."""
     from megamoe import optim
     from megamoe.backends import fp8_weights
 
@@ -560,11 +562,17 @@ def test_the_megamoe_optimizer_takes_the_fp8_layers_expert_weights():
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 4), megamoe.MoE(fp8_cfg, backend="triton", seed=0)
     )
-    opt = tb.make_optimizer(model, 1e-2, CPU, "megamoe")
-    theirs, ours = opt.optimizers
-    assert megamoe.optim is optim  # (as the docs write it: after `import megamoe`)
-    assert isinstance(theirs, torch.optim.AdamW) and isinstance(ours, optim.AdamW)
     moe_params = list(model[1].parameters())
+    assert megamoe.optim is optim  # (as the docs write it: after `import megamoe`)
+    assert isinstance(tb.make_optimizer(model, 1e-2, CPU, "megamoe"), torch.optim.AdamW)
+    monkeypatch.setattr(tb, "MEGAMOE_UPDATE_NUMEL", 32 * 32)  # the layer's [.., 32, 32] weights
+    large = [p for p in model.parameters() if p.numel() >= 32 * 32]
+    theirs, ours = tb.make_optimizer(model, 1e-2, CPU, "megamoe").optimizers
+    assert isinstance(theirs, torch.optim.AdamW) and isinstance(ours, optim.AdamW)
+    assert [p for g in ours.param_groups for p in g["params"]] == large
+    monkeypatch.setattr(tb, "MEGAMOE_UPDATE_NUMEL", 1 << 20)
+    opt = tb.make_optimizer(model, 1e-2, CPU, "megamoe-copies")
+    theirs, ours = opt.optimizers
     assert [p for g in ours.param_groups for p in g["params"]] == moe_params
     assert [p for g in theirs.param_groups for p in g["params"]] == list(model[0].parameters())
     before = [p.detach().clone() for p in model.parameters()]
@@ -579,7 +587,7 @@ def test_the_megamoe_optimizer_takes_the_fp8_layers_expert_weights():
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     bf16 = torch.nn.Sequential(megamoe.MoE(megamoe.MoEConfig(32, 32, 2, 1), backend="triton"))
-    assert isinstance(tb.make_optimizer(bf16, 1e-2, CPU, "megamoe"), torch.optim.AdamW)
+    assert isinstance(tb.make_optimizer(bf16, 1e-2, CPU, "megamoe-copies"), torch.optim.AdamW)
     assert isinstance(tb.make_optimizer(model, 1e-2, CPU, "torch"), torch.optim.AdamW)
-    with pytest.raises(ValueError, match=r"optimizer must be one of \['torch', 'megamoe'\]"):
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['torch', 'megamoe', 'meg"):
         _opts(optimizer="sgd")
