@@ -153,7 +153,8 @@ def _adamw_fp8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, N, K, stride_e, stride_n, stri
     for part in tl.static_range(128 // ROWS):
         rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
         store_weight_rows(source_f32(parts[part], UPCAST), rows, cols, inverse, e, N, K, q_ptr,
-                          qt_ptr, True, True, UPCAST)  # fmt: skip
+                          qt_ptr, True, True, p_ptr.dtype.element_ty == tl.float32,
+                          UPCAST)  # fmt: skip
     store_weight_scale(scale, e, nb, kb, N, K, s_ptr, st_ptr, True, True)
 
 

@@ -424,20 +424,29 @@ def _quantize_rows_cols_kernel(src, rows_out, cols_out, K, used, CHUNK: tl.const
 
 @triton.jit
 def store_weight_rows(x, rows, cols, inverse, e, N, K, q_ptr, qt_ptr, PLAIN: tl.constexpr,
-                      TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                      TRANSPOSED: tl.constexpr, FP32_SOURCE: tl.constexpr,
+                      UPCAST: tl.constexpr):  # fmt: skip
     """Quantize ``x``, fp32 rows ``rows`` x columns ``cols`` of expert ``e`` of an [E, N, K]
     weight (all or part of one 128x128 block; values past N or K zero), by the block's
     ``inverse`` scale: into ``q_ptr`` [E, N, K] (``PLAIN``) and transposed into ``qt_ptr``
     [E, K, N] (``TRANSPOSED``), contiguous. The weight quantizer's and the optimizer's
-    (``kernels.adamw``) one code; :func:`store_weight_scale` writes the block's scale."""
+    (``kernels.adamw``) one code; :func:`store_weight_scale` writes the block's scale.
+
+    ``FP32_SOURCE``: ``x`` was loaded from fp32 values. Triton 3.6 on Hopper transposes an
+    fp8 tile in that layout wrongly (``tl.trans``: about half the bytes misplaced; the GPU
+    tests of ``quantize_weight`` and ``megamoe.optim.AdamW`` caught it), so such a tile is
+    stored at transposed addresses instead (byte stores: slower, the same bits)."""
     q = to_e4m3(x * inverse, UPCAST)
     base = e.to(tl.int64) * N * K
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
     if PLAIN:
-        mask = (rows < N)[:, None] & (cols < K)[None, :]
         tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], q, mask=mask)
     if TRANSPOSED:
-        t_mask = (cols < K)[:, None] & (rows < N)[None, :]
-        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
+        if FP32_SOURCE:
+            tl.store(qt_ptr + base + cols[None, :] * N + rows[:, None], q, mask=mask)
+        else:
+            t_mask = (cols < K)[:, None] & (rows < N)[None, :]
+            tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
 
 
 @triton.jit
@@ -482,7 +491,8 @@ def _quantize_weight_kernel(
     )
     x = tl.where(mask, source_f32(x, UPCAST), 0.0)
     scale, inverse = pow2_scale(tl.max(block_amax(x, 1), axis=0))
-    store_weight_rows(x, rows, cols, inverse, e, N, K, q_ptr, qt_ptr, PLAIN, TRANSPOSED, UPCAST)
+    store_weight_rows(x, rows, cols, inverse, e, N, K, q_ptr, qt_ptr, PLAIN, TRANSPOSED,
+                      w_ptr.dtype.element_ty == tl.float32, UPCAST)  # fmt: skip
     store_weight_scale(scale, e, nb, kb, N, K, s_ptr, st_ptr, PLAIN, TRANSPOSED)
 
 

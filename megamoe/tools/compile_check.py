@@ -211,6 +211,9 @@ def _fp8_step(cfg, tokens: int) -> None:
     # the optimizer's update (megamoe.optim.AdamW): writing the weights' copies, and plain
     hyper = adamw.AdamWStep(1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
     adamw.adamw_quantize_(*(_meta(e, i, h) for _ in range(4)), hyper)
+    # fp32 weights (their transposed copies stored by address)
+    fp8.quantize_weight(_meta(e, h, i, dtype=torch.float32), transposed=True)
+    adamw.adamw_quantize_(*(_meta(e, i, h, dtype=torch.float32) for _ in range(4)), hyper)
     adamw.adamw_(*(_meta(e * h * i) for _ in range(4)), hyper)
 
 

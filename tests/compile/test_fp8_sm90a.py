@@ -78,6 +78,9 @@ def step(h, i, e, tokens, top_k, block_rows):
     hyper = adamw.AdamWStep(1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
     stacked = [meta(e, 2 * i, h) for _ in range(4)]
     adamw.adamw_quantize_(*(t[:, :i] for t in stacked), hyper)
+    # fp32 weights (their transposed copies stored by address)
+    fp8.quantize_weight(meta(e, h, i, dtype=torch.float32), transposed=True)
+    adamw.adamw_quantize_(*(meta(e, i, h, dtype=torch.float32) for _ in range(4)), hyper)
     adamw.adamw_(*(meta(e * h * i, dtype=torch.float32) for _ in range(4)), hyper)
 
 def unsplit(tiles):  # the sweep's first one-warpgroup candidates with whole tiles (split_m 1)

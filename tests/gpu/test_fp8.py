@@ -568,9 +568,9 @@ def _same_quantized(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_quantizers_match_torch_with_nan_and_inf(m: int, k: int) -> None:
     """The compiled quantizers against the torch reference (tests/support/fp8_reference.py):
     ``quantize_rows``, ``quantize_cols``, ``quantize_rows_cols``, ``quantize_packed``,
-    ``requantize_cols`` and ``quantize_weight``, on poisoned buffers, with magnitudes over 2^±40,
-    NaNs (ignored by their blocks' scales), an inf (its block NaN when dequantized), an all-NaN
-    block (scale 1) and a zero block."""
+    ``requantize_cols`` and ``quantize_weight`` (of bf16 and fp32 weights), on poisoned buffers,
+    with magnitudes over 2^±40, NaNs (ignored by their blocks' scales), an inf (its block NaN
+    when dequantized), an all-NaN block (scale 1) and a zero block."""
     from megamoe.kernels import fp8
     from support.fp8_reference import ref_quantize_rows, ref_quantize_weight
 
@@ -598,12 +598,13 @@ def test_quantizers_match_torch_with_nan_and_inf(m: int, k: int) -> None:
     want_rq, want_rs = ref_quantize_rows(fp8.dequantize_rows(q, s).t().cpu())
     assert _same_quantized(rq.cpu(), want_rq) and torch.equal(rs.cpu(), want_rs)
 
-    w = x[: m - m % 100].view(-1, 100, k)[:, :, :1000]  # [E, 100, 1000], strided
-    with poisoned_buffers():
-        qw = fp8.quantize_weight(w, transposed=True)
-        only_t = fp8.quantize_weight(w, transposed=True, plain=False)  # (a backward's, uncached)
-    want_w, want_ws = ref_quantize_weight(w.cpu())
-    assert _same_quantized(qw.q.cpu(), want_w) and torch.equal(qw.scale.cpu(), want_ws)
-    for t in (qw, only_t):
-        assert _same_quantized(t.q_t.cpu(), want_w.transpose(1, 2).contiguous())
-        assert torch.equal(t.scale_t.cpu(), want_ws.transpose(1, 2))
+    bf16_w = x[: m - m % 100].view(-1, 100, k)[:, :, :1000]  # [E, 100, 1000], strided
+    for w in (bf16_w, bf16_w.float()):  # (an fp32 tile's transposed copy is stored by address)
+        with poisoned_buffers():
+            qw = fp8.quantize_weight(w, transposed=True)
+            only_t = fp8.quantize_weight(w, transposed=True, plain=False)  # (a backward's)
+        want_w, want_ws = ref_quantize_weight(w.cpu())
+        assert _same_quantized(qw.q.cpu(), want_w) and torch.equal(qw.scale.cpu(), want_ws)
+        for t in (qw, only_t):
+            assert _same_quantized(t.q_t.cpu(), want_w.transpose(1, 2).contiguous()), w.dtype
+            assert torch.equal(t.scale_t.cpu(), want_ws.transpose(1, 2))
