@@ -87,13 +87,13 @@ def _h_cols(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _x_cols(
-    packed: torch.Tensor, hidden: int, sched: RowSchedule | None = None
+    packed: torch.Tensor, hidden: int, sched: RowSchedule
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate/up weight gradients' x operand: x^T 128x1-quantized, re-blocked from the
     packed 1x128 rows the forward read (``fp8.requantize_cols``; once for gate and up), of
-    ``sched``'s used rows (a routed layout) or of all of them (tokens)."""
+    the used rows of ``sched``'s layout."""
     rows = _pad16(packed)
-    used = fp8_gemm.used_rows(sched, rows.shape[0]) if sched is not None else None
+    used = fp8_gemm.used_rows(sched, rows.shape[0])
     return fp8.requantize_cols(*fp8.unpack_rows(rows, hidden), used=used)
 
 
@@ -274,7 +274,7 @@ def shared_wgrad(
     if _is_fp8(ctx.schedule.config):
         # x's 1x128 quantization as the forward read it (a function of x: computed again),
         # re-blocked as the routed experts' is
-        x = _x_cols(fp8.quantize_packed(ctx.x), ctx.x.shape[1])
+        x = _x_cols(fp8.quantize_packed(ctx.x), ctx.x.shape[1], one)
         pairs = ((dsg, x), (dsu, x), (dy, _h_cols(ctx.shared.h, ctx.x.shape[0])))
         return tuple(_fp8_wgrad(a, b, one, programs, out_dtype=dx.dtype)[0] for a, b in pairs)
     pairs = ((dsg, ctx.x), (dsu, ctx.x), (dy, ctx.shared.h))

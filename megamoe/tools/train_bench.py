@@ -926,8 +926,9 @@ def restore(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-# "torch": torch's AdamW for every parameter; "megamoe": megamoe.optim.AdamW for the expert
-# weights of fp8 layers (its update writes their fp8 copies), torch's for the rest.
+# "torch": torch's AdamW for every parameter; "megamoe": megamoe.optim.AdamW for the large
+# parameters, torch's for the rest; "megamoe-copies": megamoe's also for the expert weights of
+# fp8 layers, its update writing their fp8 copies (make_optimizer).
 OPTIMIZERS = ("torch", "megamoe", "megamoe-copies")
 # Parameters of at least this many elements go to megamoe's AdamW under ``--optimizer megamoe``
 # (one launch each, 1.33x torch's fused update on dsv3's expert weights, BENCHMARKS.md); the
