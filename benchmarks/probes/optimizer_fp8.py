@@ -14,17 +14,21 @@ one untimed step and ``iters`` timed steps (zero_grad, forward, backward, optimi
   fp8+torch       fp8 layer, torch's fused AdamW: the forward after each step quantizes
   fp8+plain       fp8 layer, ``megamoe.optim.AdamW`` without copies: the forward quantizes
   fp8+megamoe     fp8 layer, ``megamoe.optim.AdamW`` writing the copies: the forward reads them
+  fp8+reread      as fp8+megamoe, its update reading each new block back (``--reread-parts``:
+                  rows a part, warps)
 
 Per variant the medians of the step, of forward + backward and of the optimizer step (CUDA
-events between them), and for fp8+megamoe the weight quantizations its forwards made (0, or
-the copies were not read). ``layer_ms`` is the issue's measure, the layer's forward + backward
-with the weights' quantization of a step: forward + backward, plus for fp8+megamoe what its
-update costs over megamoe's update without copies. Ratios are bf16+torch's time over each.
+events between them), and for fp8+megamoe the weight quantizations its forwards made (0, or the
+copies were not read). ``layer_ms`` is the issue's measure, the layer's forward + backward with
+the weights' quantization of a step: forward + backward, plus for fp8+megamoe and fp8+reread
+what its update costs over megamoe's update without copies. Ratios are bf16+torch's time over
+each.
 
 ``--kernels`` first times the updates alone on each model's gate weight ([E, I, H] bf16, moments
 bf16): torch's fused AdamW, megamoe's plain update, its update writing the copies at several
-(rows a part, warps) of ``kernels.adamw`` (the default first; every one must give the default's
-bits), and ``fp8.quantize_weight`` with the transposed copy (the pass the copies replace).
+(rows a part, warps, the new block kept in registers or read back) of ``kernels.adamw`` (the
+default first; every one must give the default's bits), and ``fp8.quantize_weight`` with the
+transposed copy (the pass the copies replace).
 """
 
 from __future__ import annotations
@@ -45,9 +49,15 @@ from megamoe.kernels import adamw, fp8
 from megamoe.shapes import get_model_shape, get_preset
 from megamoe.tools.bench_kernels import event_times_ms
 
-VARIANTS = ("bf16+torch", "bf16+megamoe", "fp8+torch", "fp8+plain", "fp8+megamoe")
-# (rows a part, warps) of the update writing the copies; the default first
-PARTS = [(adamw._BLOCK_ROWS, adamw._BLOCK_WARPS), (16, 16), (32, 8), (16, 8)]
+VARIANTS = ("bf16+torch", "bf16+megamoe", "fp8+torch", "fp8+plain", "fp8+megamoe", "fp8+reread")
+# (rows a part, warps, the new block read back) of the update writing the copies; the default
+# first
+PARTS = [
+    (adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD),
+    (32, 16, False),
+    *((rows, warps, True) for rows, warps in ((8, 4), (8, 8), (16, 4), (16, 8), (16, 16), (32, 8))),
+]
+PARTS = list(dict.fromkeys(PARTS))
 
 
 def _kernels(name: str, tokens: int | None, rounds: int) -> dict:
@@ -65,19 +75,21 @@ def _kernels(name: str, tokens: int | None, rounds: int) -> dict:
     ref.step()
     hyper = adamw.AdamWStep(1e-6, 0.9, 0.999, 1e-8, 0.01, 2)
 
-    def copies(rows: int, warps: int):
+    def copies(rows: int, warps: int, reread: bool):
         def run():
-            old = adamw._BLOCK_ROWS, adamw._BLOCK_WARPS
-            adamw._BLOCK_ROWS, adamw._BLOCK_WARPS = rows, warps
+            old = adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD
+            adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD = rows, warps, reread
             try:
                 return adamw.adamw_quantize_(p, g, m, v, hyper)
             finally:
-                adamw._BLOCK_ROWS, adamw._BLOCK_WARPS = old
+                adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD = old
 
         return run
 
     cases = {"torch fused": ref.step, "megamoe plain": lambda: adamw.adamw_(p, g, m, v, hyper)}
-    cases.update({f"copies rows={r} warps={w}": copies(r, w) for r, w in PARTS})
+    cases.update({
+        f"copies rows={r} warps={w}{' reread' if b else ''}": copies(r, w, b) for r, w, b in PARTS
+    })  # fmt: skip
     cases["quantize_weight"] = lambda: fp8.quantize_weight(p, transposed=True)
     # the bits of each parts choice from the same state: (p, m, v) and the copies
     state = [t.clone() for t in (p, m, v)]
@@ -102,7 +114,7 @@ def _kernels(name: str, tokens: int | None, rounds: int) -> dict:
         ms = statistics.median(times[key])
         nbytes = {"quantize_weight": 4}.get(key, 16 if key.startswith("copies") else 14) * numel
         out["cases"][key] = {"ms": ms, "GB/s": nbytes / ms / 1e6, "same_bits": same.get(key)}
-        print(f"{name:>16} {key:>26}: {ms:7.3f} ms  {nbytes / ms / 1e6:6.0f} GB/s "
+        print(f"{name:>16} {key:>33}: {ms:7.3f} ms  {nbytes / ms / 1e6:6.0f} GB/s "
               f"{'' if key not in same else 'same bits' if same[key] else 'BITS DIFFER'}",
               flush=True)  # fmt: skip
     return out
@@ -117,7 +129,9 @@ def _config(name: str, tokens: int | None):
         return shape.config(), tokens or 16384
 
 
-def _run_model(name: str, tokens: int | None, iters: int, rounds: int) -> dict:
+def _run_model(
+    name: str, tokens: int | None, iters: int, rounds: int, reread: tuple[int, int]
+) -> dict:
     cfg, t = _config(name, tokens)
     dev = torch.device("cuda")
     layers = {
@@ -139,7 +153,9 @@ def _run_model(name: str, tokens: int | None, iters: int, rounds: int) -> dict:
         "fp8+torch": (layers["fp8"], optimizers["torch"]),
         "fp8+plain": (layers["fp8"], optimizers["plain"]),
         "fp8+megamoe": (layers["fp8"], optimizers["copies"]),
+        "fp8+reread": (layers["fp8"], optimizers["copies"]),
     }
+    parts = {"fp8+reread": (*reread, True)}  # (rows, warps, read back) of the copies' update
     gen = torch.Generator(device=dev).manual_seed(0)
     h, e, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
     x = torch.randn(t, h, device=dev, generator=gen).bfloat16().requires_grad_(True)
@@ -161,9 +177,11 @@ def _run_model(name: str, tokens: int | None, iters: int, rounds: int) -> dict:
 
     times = {v: {"step": [], "fwd_bwd": [], "opt": []} for v in VARIANTS}
     quantized = {v: 0 for v in VARIANTS}
+    default = adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD
     for r in range(rounds):
         for v in VARIANTS:
             layer, opt = runs[v]
+            adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD = parts.get(v, default)
             step(layer, opt)  # (untimed: compiles once; the copies of the last update)
             marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
             before = fp8_weights.CACHE.quantizations
@@ -175,11 +193,13 @@ def _run_model(name: str, tokens: int | None, iters: int, rounds: int) -> dict:
                 times[v]["step"].append(a.elapsed_time(c))
                 times[v]["fwd_bwd"].append(a.elapsed_time(b))
                 times[v]["opt"].append(b.elapsed_time(c))
+        adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD = default
         print(f"  {name}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
     med = {v: {key: statistics.median(ts) for key, ts in times[v].items()} for v in VARIANTS}
     for v in VARIANTS:
         med[v]["layer_ms"] = med[v]["fwd_bwd"]
-    med["fp8+megamoe"]["layer_ms"] += med["fp8+megamoe"]["opt"] - med["bf16+megamoe"]["opt"]
+    for v in ("fp8+megamoe", "fp8+reread"):
+        med[v]["layer_ms"] += med[v]["opt"] - med["bf16+megamoe"]["opt"]
     base = med["bf16+torch"]
     out = {
         "model": name,
@@ -204,13 +224,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kernels", action="store_true", help="the updates alone first")
+    parser.add_argument("--reread-parts", default="32,8", help="fp8+reread's rows a part, warps")
     parser.add_argument("--out")
     args = parser.parse_args()
     records = []
     kernels = [_kernels(name, args.tokens, args.rounds) for name in args.models if args.kernels]
-    for name in args.models:
+    reread = tuple(int(n) for n in args.reread_parts.split(","))
+    for name in args.models if args.iters else ():  # (--iters 0: the kernels alone)
         try:
-            rec = _run_model(name, args.tokens, args.iters, args.rounds)
+            rec = _run_model(name, args.tokens, args.iters, args.rounds, reread)
         except torch.cuda.OutOfMemoryError as exc:
             rec = {"model": name, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
             torch.cuda.empty_cache()
@@ -234,6 +256,7 @@ def main() -> None:
             "torch": torch.__version__,
             "iters": args.iters,
             "rounds": args.rounds,
+            "reread_parts": list(reread),
         }
         with open(args.out, "w") as f:
             json.dump({**meta, "kernels": kernels, "records": records}, f, indent=1)

@@ -44,9 +44,10 @@ __all__ = ["AdamWStep", "adamw_update", "adamw_", "adamw_quantize_"]
 
 # Elements of one program of the elementwise update.
 _BLOCK = 2048
-# A 128x128 block's program: rows updated at a time, warps
+# A 128x128 block's program: rows updated at a time, warps, whether the new block is read back
 _BLOCK_ROWS = 32
 _BLOCK_WARPS = 16
+_BLOCK_REREAD = False
 
 
 class AdamWStep(NamedTuple):
@@ -129,11 +130,13 @@ def _update_rows(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, stride_n, stride_
 def _adamw_fp8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, N, K, stride_e, stride_n, stride_k,
                       lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
                       q_ptr, s_ptr, qt_ptr, st_ptr,
-                      ROWS: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                      ROWS: tl.constexpr, REREAD: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """One 128x128 block (expert e, row block nb, column block kb) of [E, N, K] views p, g, m,
     v of one layout (strides), updated in place ``ROWS`` rows at a time (the four tensors of
-    a whole block spill), and the new block, kept in registers as stored, quantized both ways
-    by the amax of all its parts."""
+    a whole block spill), and the new block quantized both ways by the amax of all its parts.
+    The new block's parts are kept in registers as stored, or (``REREAD``) read back after a
+    barrier: this program's own stores, still in L2, so that several blocks' programs fit an
+    SM."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -141,20 +144,36 @@ def _adamw_fp8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, N, K, stride_e, stride_n, stri
     p_ptr, g_ptr, m_ptr, v_ptr = p_ptr + at, g_ptr + at, m_ptr + at, v_ptr + at
     cols = kb * 128 + tl.arange(0, 128)
     hyper = lr_wd, beta1, beta2, step_size, bc2_sqrt, eps
-    parts = ()
+    fp32 = p_ptr.dtype.element_ty == tl.float32
     amax = 0.0
-    for part in tl.static_range(128 // ROWS):
-        rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
-        x, part_max = _update_rows(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, stride_n,
-                                   stride_k, *hyper, UPCAST)  # fmt: skip
-        parts = parts + (x,)
-        amax = tl.maximum(amax, part_max)
-    scale, inverse = pow2_scale(amax)
-    for part in tl.static_range(128 // ROWS):
-        rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
-        store_weight_rows(source_f32(parts[part], UPCAST), rows, cols, inverse, e, N, K, q_ptr,
-                          qt_ptr, True, True, p_ptr.dtype.element_ty == tl.float32,
-                          UPCAST)  # fmt: skip
+    if REREAD:
+        for part in range(128 // ROWS):  # (a loop: unrolled, its loads would all be in flight)
+            rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
+            _, part_max = _update_rows(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, stride_n,
+                                       stride_k, *hyper, UPCAST)  # fmt: skip
+            amax = tl.maximum(amax, part_max)
+        scale, inverse = pow2_scale(amax)
+        tl.debug_barrier()  # every thread's stores of p visible to the block's loads
+        for part in range(128 // ROWS):
+            rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
+            mask = (rows < N)[:, None] & (cols < K)[None, :]
+            offsets = rows[:, None] * stride_n + cols[None, :] * stride_k
+            x = tl.load(p_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            store_weight_rows(source_f32(x, UPCAST), rows, cols, inverse, e, N, K, q_ptr,
+                              qt_ptr, True, True, fp32, UPCAST)  # fmt: skip
+    else:
+        parts = ()
+        for part in tl.static_range(128 // ROWS):
+            rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
+            x, part_max = _update_rows(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, stride_n,
+                                       stride_k, *hyper, UPCAST)  # fmt: skip
+            parts = parts + (x,)
+            amax = tl.maximum(amax, part_max)
+        scale, inverse = pow2_scale(amax)
+        for part in tl.static_range(128 // ROWS):
+            rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
+            store_weight_rows(source_f32(parts[part], UPCAST), rows, cols, inverse, e, N, K,
+                              q_ptr, qt_ptr, True, True, fp32, UPCAST)  # fmt: skip
     store_weight_scale(scale, e, nb, kb, N, K, s_ptr, st_ptr, True, True)
 
 
@@ -201,6 +220,7 @@ def adamw_quantize_(
     scale_t = empty((e, kb, nb), torch.float32, p.device)
     if e and n and k:
         launch(_adamw_fp8_kernel, (e, nb, kb), p, g, m, v, n, k, *p.stride(), *hyper.scalars(),
-               q, scale, q_t, scale_t, ROWS=_BLOCK_ROWS, UPCAST=interpreting(),
+               q, scale, q_t, scale_t, ROWS=_BLOCK_ROWS, REREAD=_BLOCK_REREAD,
+               UPCAST=interpreting(),
                num_warps=_BLOCK_WARPS)  # fmt: skip
     return Fp8Weight(q, scale, q_t, scale_t)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
 import megamoe  # noqa: E402
 from megamoe import optim  # noqa: E402
 from megamoe.backends import fp8_weights  # noqa: E402
-from megamoe.kernels import fp8  # noqa: E402
+from megamoe.kernels import adamw, fp8  # noqa: E402
 from megamoe.kernels.runtime import poisoned_buffers  # noqa: E402
 from support.adamw import BETAS, EPS, LR, WD, adamw64, within_one_rounding  # noqa: E402
 from support.bits import same_fp8_weight  # noqa: E402
@@ -26,12 +26,17 @@ from support.problems import Case, make_problem  # noqa: E402
 DEV = torch.device("cuda")
 
 
+@pytest.mark.parametrize("reread", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_update_and_copies_at_dsv3_shapes(dtype: torch.dtype) -> None:
+def test_update_and_copies_at_dsv3_shapes(
+    dtype: torch.dtype, reread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four of dsv3's experts (stacked gate/up [4, 4096, 7168], down [4, 7168, 2048]) and a
     shared expert's [2048, 7168], three steps: each within one rounding of float64 AdamW from
     the same state, within two roundings (and torch's fp32 error) of torch's fused AdamW, and
-    the copies ``quantize_weight``'s bits of the new weights (poisoned buffers)."""
+    the copies ``quantize_weight``'s bits of the new weights (poisoned buffers); the new
+    blocks kept in registers or read back."""
+    monkeypatch.setattr(adamw, "_BLOCK_REREAD", reread)
     gen = torch.Generator(device=DEV).manual_seed(0)
     shapes = [(4, 4096, 7168), (4, 7168, 2048), (2048, 7168)]
     ours = [torch.nn.Parameter(torch.randn(s, device=DEV, generator=gen).to(dtype)) for s in shapes]

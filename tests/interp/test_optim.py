@@ -23,12 +23,17 @@ from support.problems import Case, make_problem
 CASE = Case(24, 144, 112, 2, 1, shared=48, block_rows=128)
 
 
+@pytest.mark.parametrize("reread", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_update_against_float64_adamw_and_the_copies(dtype: torch.dtype) -> None:
+def test_update_against_float64_adamw_and_the_copies(
+    dtype: torch.dtype, reread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three steps of a stacked [E, 2I, H] weight (its halves quantized), a 2-D weight
     (quantized as p[None]) and a vector (no copies): each step within one rounding (and the
     fp32 arithmetic's) of float64 AdamW from the same state, the copies ``quantize_weight``'s
-    bits of the new weights, every copy and update written (poisoned buffers)."""
+    bits of the new weights, every copy and update written (poisoned buffers); the new
+    blocks kept in registers or read back."""
+    monkeypatch.setattr(adamw, "_BLOCK_REREAD", reread)
     gen = torch.Generator().manual_seed(0)
     stacked = torch.nn.Parameter(torch.randn(2, 2 * 112, 144, generator=gen).to(dtype))
     flat = torch.nn.Parameter(torch.randn(48, 144, generator=gen).to(dtype))
@@ -58,8 +63,12 @@ def test_update_against_float64_adamw_and_the_copies(dtype: torch.dtype) -> None
         assert fp8_weights.CACHE.quantizations == count  # (hits: the update's copies)
 
 
-def test_the_copies_and_the_plain_update_have_the_same_bits() -> None:
+@pytest.mark.parametrize("reread", [False, True])
+def test_the_copies_and_the_plain_update_have_the_same_bits(
+    reread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A weight's update does not depend on whether its copies are written."""
+    monkeypatch.setattr(adamw, "_BLOCK_REREAD", reread)
     gen = torch.Generator().manual_seed(1)
     p, g, m = (torch.randn(3, 130, 260, generator=gen).bfloat16() for _ in range(3))
     v = torch.rand(3, 130, 260, generator=gen).bfloat16()
