@@ -78,6 +78,11 @@ def step(h, i, e, tokens, top_k, block_rows):
     hyper = adamw.AdamWStep(1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
     stacked = [meta(e, 2 * i, h) for _ in range(4)]
     adamw.adamw_quantize_(*(t[:, :i] for t in stacked), hyper)
+    # its other form: 16-row parts in a loop, 8 warps, the new block read back
+    old = adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD
+    adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD = 16, 8, True
+    adamw.adamw_quantize_(*(t[:, :i] for t in stacked), hyper)
+    adamw._BLOCK_ROWS, adamw._BLOCK_WARPS, adamw._BLOCK_REREAD = old
     # fp32 weights (their transposed copies stored by address)
     fp8.quantize_weight(meta(e, h, i, dtype=torch.float32), transposed=True)
     adamw.adamw_quantize_(*(meta(e, i, h, dtype=torch.float32) for _ in range(4)), hyper)
@@ -130,7 +135,7 @@ for launch in launches:
     r["variant"] = {names[k[0]]: v for k, v in launch.constexprs.items()
                     if names[k[0]] in ("BM", "BN", "TWO_PAIRS", "SWIGLU_BWD", "TRANSPOSED",
                                        "PACKED", "BY_ROW", "SPLIT_M", "QUANT_H", "QUANT",
-                                           "BOUNDED")}
+                                           "BOUNDED", "REREAD")}
     progs = [v for k, v in launch.constexprs.items() if names[k[0]] == "NUM_PROGS"]
     r["per_sm"] = -(-progs[0] // H200_SMS) if progs else 1  # programs sharing one SM
     reports.append(r)
@@ -198,6 +203,8 @@ def test_quantizers_use_the_saturating_conversion(reports: list[dict]) -> None:
     for r in reports:
         if r["name"] in QUANTIZERS:
             assert r["cvt_satfinite"], f"{_what(r)}: no cvt.rn.satfinite.e4m3x2.f32"
+    rereads = {r["variant"]["REREAD"] for r in reports if r["name"] == "_adamw_fp8_kernel"}
+    assert rereads == {False, True}, rereads  # (the update's two forms)
     # the passes over a routed layout compile bounded by its used rows and unbounded
     for name in ("_quantize_cols_kernel", "_quantize_rows_cols_kernel"):
         bounded = {r["variant"]["BOUNDED"] for r in reports if r["name"] == name}
