@@ -107,13 +107,19 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel, lr_wd, beta1, beta2, step_s
 
 
 @triton.jit
+def _view_tile(rows, cols, N, K, stride_n, stride_k):
+    """(offsets, mask) of rows ``rows`` x columns ``cols`` of one expert's [N, K] view."""
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    return rows[:, None] * stride_n + cols[None, :] * stride_k, mask
+
+
+@triton.jit
 def _update_rows(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, stride_n, stride_k,
                  lr_wd, beta1, beta2, step_size, bc2_sqrt, eps, UPCAST: tl.constexpr):  # fmt: skip
     """Rows ``rows`` x columns ``cols`` of one expert's [N, K] view (the pointers at its
     start) updated in place: the new p as stored (zero past N or K) and its absolute
     maximum."""
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    offsets = rows[:, None] * stride_n + cols[None, :] * stride_k
+    offsets, mask = _view_tile(rows, cols, N, K, stride_n, stride_k)
     p, m, v = adamw_update(
         _load_f32(p_ptr, offsets, mask, UPCAST), _load_f32(g_ptr, offsets, mask, UPCAST),
         _load_f32(m_ptr, offsets, mask, UPCAST), _load_f32(v_ptr, offsets, mask, UPCAST),
@@ -156,8 +162,7 @@ def _adamw_fp8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, N, K, stride_e, stride_n, stri
         tl.debug_barrier()  # every thread's stores of p visible to the block's loads
         for part in range(128 // ROWS):
             rows = nb * 128 + part * ROWS + tl.arange(0, ROWS)
-            mask = (rows < N)[:, None] & (cols < K)[None, :]
-            offsets = rows[:, None] * stride_n + cols[None, :] * stride_k
+            offsets, mask = _view_tile(rows, cols, N, K, stride_n, stride_k)
             x = tl.load(p_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             store_weight_rows(source_f32(x, UPCAST), rows, cols, inverse, e, N, K, q_ptr,
                               qt_ptr, True, True, fp32, UPCAST)  # fmt: skip
